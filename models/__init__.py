@@ -1,0 +1,1 @@
+"""Native decoder models, presets and HF checkpoint mapping."""

@@ -1,0 +1,1 @@
+"""FX graph passes of the compiletune compile pipeline, one per file."""
