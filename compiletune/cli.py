@@ -1,0 +1,101 @@
+"""Command line: `compiletune train | models` (also `python -m compiletune ...`).
+
+Flags override `--config run.yaml`, which overrides the defaults in `config.TrainConfig`.
+Bad input prints one line, `compiletune: error: ...`, and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from compiletune.errors import UserError
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of the whole usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"compiletune: error: {message} (see `{self.prog} --help`)\n")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    # default=SUPPRESS: only flags the user typed reach the config, so YAML values survive.
+    S = argparse.SUPPRESS
+    p.add_argument("--config", default=None, help="YAML run file; flags override it")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=S, help="preset name (see `compiletune models`)")
+    g.add_argument("--model-dir", default=S, help="local HF model folder to fine-tune")
+    g.add_argument("--data", default=S, help="pydocs (embedded default) | FILE.txt | FILE.jsonl")
+    g.add_argument("--tokenizer", default=S, help="local HF tokenizer folder")
+    g = p.add_argument_group("step shape")
+    g.add_argument("--seq-len", type=int, default=S, help="tokens per row (default 256)")
+    g.add_argument("--batch-size", type=int, default=S, help="rows per micro-batch (default 8)")
+    g.add_argument("--grad-accum", type=int, default=S, help="micro-batches per step (default 1)")
+    g.add_argument("--max-steps", type=int, default=S, help="optimizer steps (default 60)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, default=S, help="peak lr (1e-3 random init, 2e-5 fine-tune)")
+    g.add_argument("--weight-decay", type=float, default=S, help="AdamW weight decay (default 0)")
+    g.add_argument("--warmup-steps", type=int, default=S, help="linear warmup (default 5%%)")
+    g.add_argument("--schedule", choices=("cosine", "linear", "constant"), default=S)
+    g.add_argument("--min-lr-ratio", type=float, default=S, help="final lr / peak (default 0.1)")
+    g.add_argument("--max-grad-norm", type=float, default=S, help="clip (default 1.0; 0 = off)")
+    g.add_argument("--dtype", choices=("bf16", "fp32"), default=S, help="default: bf16 on GPU")
+    g.add_argument("--seed", type=int, default=S, help="initialisation and data order (default 0)")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", default=S, help="run folder (default runs/<model>-<time>)")
+    g.add_argument("--save-every", type=int, default=S, help="checkpoint every N steps (0 = end)")
+    g.add_argument(
+        "--resume", action="store_true", default=S, help="continue from the latest checkpoint"
+    )
+    g.add_argument("--overwrite", action="store_true", default=S, help="replace an existing run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="compiletune", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = sub.add_parser("train", help="fine-tune or train a model")
+    _add_train_flags(train)
+    sub.add_parser("models", help="list the model presets with parameter counts")
+    return parser
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from compiletune.config import load_yaml, resolve
+    from compiletune.trainer import train
+
+    flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
+    yaml_values = load_yaml(ns.config) if ns.config else {}
+    summary = train(resolve(yaml_values, flags))
+    return 130 if summary["interrupted"] else 0
+
+
+def _cmd_models(ns: argparse.Namespace) -> int:
+    from compiletune.models import PRESETS, num_params
+
+    print(
+        f"{'preset':<16} {'params':>10}  {'layers':>6} {'dim':>6} {'heads':>5} {'kv':>3} {'vocab':>7}"
+    )
+    for name, a in PRESETS.items():
+        n = num_params(a)
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        print(
+            f"{name:<16} {size:>10}  {a.n_layers:>6} {a.dim:>6} {a.n_heads:>5} "
+            f"{a.n_kv_heads:>3} {a.vocab_size:>7}"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        if ns.command == "train":
+            return _cmd_train(ns)
+        return _cmd_models(ns)
+    except UserError as e:
+        sys.stderr.write(f"compiletune: error: {e}\n")
+        return EXIT_BAD_INPUT

@@ -1,0 +1,145 @@
+"""The typed run configuration: defaults < `--config run.yaml` < command-line flags.
+
+`TrainConfig` is the single source of truth for a run. The CLI builds it, the trainer reads it,
+and the resolved copy is written to `OUTPUT_DIR/config.yaml` so a run can be repeated exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from compiletune.errors import UserError
+
+DTYPES = ("fp32", "bf16")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    model: str | None = None  # preset name; None -> "debug", or the architecture of --model-dir
+    model_dir: str | None = None  # local HF folder to fine-tune
+    data: str = "pydocs"  # pydocs | file.txt | file.jsonl
+    tokenizer: str | None = None  # local HF tokenizer folder; default: the model dir, else bytes
+    # shape of a step
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 60
+    # optimisation
+    lr: float | None = None  # None -> 1e-3 from random init, 2e-5 when fine-tuning --model-dir
+    weight_decay: float = 0.0
+    warmup_steps: int | None = None  # None -> 5% of max_steps
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    dtype: str | None = None  # None -> bf16 on a GPU that supports it, else fp32
+    seed: int = 0
+    # output
+    output_dir: str | None = None  # None -> runs/<model>-<time>
+    save_every: int = 0  # 0 -> only at the end
+    resume: bool = False
+    overwrite: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELD_NAMES = {f.name for f in fields(TrainConfig)}
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML run file into a dict of TrainConfig fields (dashes or underscores accepted)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--config {path}: no such file; pass the path of a YAML run file")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"--config {path}: not valid YAML ({e}); fix the file") from e
+    if not isinstance(raw, dict):
+        raise UserError(f"--config {path}: expected a mapping of option: value at the top level")
+    out = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELD_NAMES:
+            known = ", ".join(sorted(FIELD_NAMES))
+            raise UserError(f"--config {path}: unknown option '{key}'; known options: {known}")
+        out[name] = value
+    return out
+
+
+def _check_types(cfg: TrainConfig, origin: str) -> None:
+    """YAML values arrive untyped; make sure each has the field's type before anything runs."""
+    expected = {
+        "seq_len": int,
+        "batch_size": int,
+        "grad_accum": int,
+        "max_steps": int,
+        "save_every": int,
+        "seed": int,
+        "weight_decay": float,
+        "min_lr_ratio": float,
+        "max_grad_norm": float,
+        "resume": bool,
+        "overwrite": bool,
+    }
+    for name, typ in expected.items():
+        value = getattr(cfg, name)
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            setattr(cfg, name, float(value))
+            continue
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise UserError(
+                f"{origin}: {name} must be {typ.__name__}, got {value!r}; fix the value"
+            )
+
+
+def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
+    """Merge defaults, the YAML file and explicit flags, then check every value."""
+    cfg = TrainConfig(**{**yaml_values, **flag_values})
+    _check_types(cfg, "config")
+    positive = ("seq_len", "batch_size", "grad_accum", "max_steps")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.save_every < 0:
+        raise UserError(
+            f"--save-every must be 0 (only at the end) or positive, got {cfg.save_every}"
+        )
+    if cfg.lr is not None and not cfg.lr > 0:
+        raise UserError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.warmup_steps is not None and cfg.warmup_steps < 0:
+        raise UserError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.schedule not in SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise UserError(f"--min-lr-ratio must be within [0, 1], got {cfg.min_lr_ratio}")
+    if cfg.max_grad_norm < 0:
+        raise UserError(f"--max-grad-norm must be >= 0 (0 disables), got {cfg.max_grad_norm}")
+    if cfg.resume and cfg.overwrite:
+        raise UserError("--resume and --overwrite contradict each other; pass one of them")
+    if cfg.resume and cfg.output_dir is None:
+        raise UserError("--resume needs the --output-dir of the run to continue")
+    # Defaults that depend on other choices are fixed here, once, so config.yaml shows them.
+    if cfg.lr is None:
+        cfg.lr = 2e-5 if cfg.model_dir else 1e-3
+    if cfg.warmup_steps is None:
+        cfg.warmup_steps = max(1, round(0.05 * cfg.max_steps)) if cfg.max_steps > 1 else 0
+    if cfg.output_dir is None:
+        name = cfg.model or (Path(cfg.model_dir).name if cfg.model_dir else "debug")
+        cfg.output_dir = str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return cfg
+
+
+def save_yaml(cfg: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
