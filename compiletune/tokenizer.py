@@ -1,0 +1,111 @@
+"""Tokenizers: a byte-level one built in code, and loading a real one from a folder.
+
+The byte tokenizer lets the debug models and the embedded default run train on any text with
+nothing downloaded. It is a genuine `transformers` fast tokenizer, so the trainer, checkpoints
+and `AutoTokenizer.from_pretrained` treat it exactly like a Llama or Qwen tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from compiletune.errors import UserError
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+PAD = "<|pad|>"
+
+# Plain-text role headers so a debug model's chats stay readable when decoded. Each message is
+# "### {role}:\n{content}<|end_of_text|>"; an assistant reply therefore ends with eos, which
+# is what the model learns to emit to stop.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '### ' + message['role'] + ':\\n' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### assistant:\\n' }}{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character (what ByteLevel pre-tokenizes into).
+
+    Printable Latin-1 bytes map to themselves; the other 68 go to chr(256 + k) in byte order.
+    """
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level HF fast tokenizer: ids 0..255 are bytes, then bos=256, eos=257, pad=258.
+
+    Any UTF-8 text round-trips exactly: `decode(encode(s, add_special_tokens=False)) == s`.
+    Calling it with the default `add_special_tokens=True` prepends bos, as Llama 3 does.
+    The chat template renders::
+
+        <|begin_of_text|>### system:\\n{content}<|end_of_text|>### user:\\n{content}<|end_of_text|>
+        ### assistant:\\n{content}<|end_of_text|>
+
+    (no newline between messages; shown split here), and `add_generation_prompt=True` appends
+    "### assistant:\\n".
+    """
+    byte_chars = _bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    # A BPE with no merges over the 256 byte characters: every byte is its own token.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split and no prefix space: the whole text becomes one byte string, so nothing
+    # is added or lost (GPT-2's split would be harmless but buys nothing without merges).
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BOS, EOS, PAD])  # ids 256, 257, 258 in this order
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, 256)],
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=1 << 30,
+        clean_up_tokenization_spaces=False,
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local folder (a HF checkpoint or a `save_pretrained` output)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UserError(
+            f"tokenizer folder {folder} does not exist; pass --tokenizer with a folder that "
+            "holds tokenizer.json or tokenizer_config.json"
+        )
+    known = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((folder / name).is_file() for name in known):
+        raise UserError(
+            f"{folder} has no tokenizer files ({', '.join(known)}); pass --tokenizer with a "
+            "folder written by save_pretrained or a HF checkpoint folder"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"could not load the tokenizer in {folder} ({e}); check that the folder is a "
+            "complete HF tokenizer"
+        ) from e
