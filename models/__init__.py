@@ -1,1 +1,20 @@
 """Native decoder models, presets and HF checkpoint mapping."""
+
+from .decoder import ModelArgs, RopeScaling, Transformer, build_model
+from .hf import args_from_hf_config, from_hf, hf_config_from_args, load_hf_config, save_hf
+from .presets import PRESETS, from_name, num_params
+
+__all__ = [
+    "PRESETS",
+    "ModelArgs",
+    "RopeScaling",
+    "Transformer",
+    "args_from_hf_config",
+    "build_model",
+    "from_hf",
+    "from_name",
+    "hf_config_from_args",
+    "load_hf_config",
+    "num_params",
+    "save_hf",
+]

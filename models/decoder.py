@@ -1,0 +1,270 @@
+"""One decoder for every supported family (Llama 2/3/3.x, Qwen2.5, Mistral).
+
+The families differ only in data (`ModelArgs`): sizes, GQA ratio, rope base and scaling, q/k/v
+bias (Qwen2) and tied embeddings. Parameter layout follows the HF checkpoints, including the
+"rotate_half" rope convention, so HF weights load by renaming alone (see `hf.py`).
+
+Shapes: b = batch, s = sequence, d = dim, h = n_heads, k = n_kv_heads, hd = head dim, v = vocab.
+
+The model holds parameters only, no buffers: it is built on the meta device and materialised
+later, and rope cos/sin are recomputed from `args` in `forward`, so every block is the same
+module with the same inputs (one compiled graph serves all of them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3.1 rope frequency scaling (HF rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_dim: int
+    # None -> dim // n_heads (canonical: set only when it differs; read it through `hd`)
+    head_dim: int | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 4096  # HF max_position_embeddings
+    qkv_bias: bool = False  # Qwen2
+    tie_embeddings: bool = False
+    # Only recorded: the model attends to the full causal context, which equals sliding-window
+    # attention while seq_len <= sliding_window.
+    sliding_window: int | None = None
+    family: str = "llama"  # "llama" | "qwen2" | "mistral": the HF architecture save_hf writes
+
+    @property
+    def hd(self) -> int:
+        """Resolved head dimension."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> Tensor:
+    """Rope inverse frequencies [hd // 2] in fp32, with Llama-3.1 scaling when configured.
+
+    Computed in the same order of fp32 operations as HF so that cos/sin match bit for bit.
+    """
+    hd = args.hd
+    exponent = torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd
+    inv_freq = 1.0 / (args.rope_theta**exponent)
+    rs = args.rope_scaling
+    if rs is None:
+        return inv_freq
+    # Llama 3.1: keep high frequencies (wavelength < original_ctx / high_freq_factor), divide low
+    # frequencies (wavelength > original_ctx / low_freq_factor) by `factor`, and interpolate
+    # smoothly in between.
+    low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(args: ModelArgs, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [b, s, hd] for integer `positions` [b, s], math in fp32, cast to `dtype`."""
+    inv_freq = rope_inv_freq(args, positions.device)
+    freqs = positions[..., None].float() * inv_freq  # [b, s, hd // 2]
+    # rotate_half layout: the two halves of a head share frequencies.
+    emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [b, heads, s, hd], cos/sin [b, s, hd] -> [b, heads, s, hd]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Same op order as HF LlamaRMSNorm (fp32 statistics, cast back before the weight) so bf16
+        # runs round identically.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rope."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.hd
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [b, s, d], cos/sin [b, s, hd] -> [b, s, d]."""
+        b, s, _ = x.shape
+        h, k, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.wq(x).view(b, s, h, hd).transpose(1, 2)  # [b, h, s, hd]
+        kk = self.wk(x).view(b, s, k, hd).transpose(1, 2)  # [b, k, s, hd]
+        v = self.wv(x).view(b, s, k, hd).transpose(1, 2)  # [b, k, s, hd]
+        q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
+        if h != k:
+            # kv head j serves query heads j*n_rep .. (j+1)*n_rep-1 (HF repeat_kv). Expanded
+            # explicitly rather than via SDPA's enable_gqa, which not every backend supports.
+            n_rep = h // k
+            kk = kk[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, h, s, hd)
+            v = v[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, h, s, hd)
+        out = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=hd**-0.5)
+        out = out.transpose(1, 2).reshape(b, s, h * hd)  # [b, s, h * hd]
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x). w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [b, s, d] -> [b, s, d] (hidden [b, s, ffn_dim])."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then h + ffn(norm(h))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [b, s, d], cos/sin [b, s, hd] -> [b, s, d]."""
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make `output.weight` the embedding tensor when tied. Call again after `to_empty`,
+        which gives every module its own fresh tensor."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Normal(0, std) for linear and embedding weights, zeros for biases, ones for norms.
+
+        Modules are visited in a fixed order and a tied tensor is drawn once, so a seeded
+        `generator` gives the same weights every time. When the generator lives on another
+        device than the weights, values are drawn there in fp32 and copied over.
+        """
+        seen: set[int] = set()
+
+        def normal_(p: Tensor) -> None:
+            if id(p) in seen or p.is_meta:
+                return
+            seen.add(id(p))
+            if generator is None or generator.device == p.device:
+                p.normal_(0.0, std, generator=generator)
+            else:
+                draw = torch.empty(p.shape, dtype=torch.float32, device=generator.device)
+                p.copy_(draw.normal_(0.0, std, generator=generator))
+
+        for module in self.modules():
+            if isinstance(module, nn.Embedding):
+                normal_(module.weight)
+            elif isinstance(module, nn.Linear):
+                normal_(module.weight)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def hidden_states(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens [b, s] (int) -> final-normed hidden states [b, s, d].
+
+        positions [b, s] default to 0..s-1 for every row.
+        """
+        h = self.tok_embeddings(tokens)  # [b, s, d]
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # [1, s]
+        cos, sin = rope_cos_sin(self.args, positions, h.dtype)  # [b, s, hd]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens [b, s] -> logits [b, s, v] in the parameter dtype."""
+        return self.output(self.hidden_states(tokens, positions))
+
+
+def build_model(
+    args: ModelArgs,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    init: bool = True,
+    seed: int = 0,
+) -> Transformer:
+    """Build on the meta device, allocate on `device` in `dtype`, tie, and (if `init`) draw
+    weights from a generator seeded with `seed`. Without `init` the weights are uninitialised
+    memory, for callers that load a checkpoint next."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to(dtype)  # free on meta; avoids allocating fp32 then casting
+    model.to_empty(device=device)
+    model.tie_weights()
+    if init and torch.device(device).type != "meta":
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        model.init_weights(generator=generator)
+    return model
