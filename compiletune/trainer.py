@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,6 @@ def check_output_dir(cfg: TrainConfig) -> Path:
     probe = out
     while not probe.exists():
         probe = probe.parent
-    import os
-
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"--output-dir {out}: {probe} is not a writable folder; pass another path")
     existing = ckpt.list_checkpoints(out)
@@ -338,6 +337,3 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         flush=True,
     )
     return summary
-
-
-CONFIG_FIELDS = [f.name for f in fields(TrainConfig)]
