@@ -11,6 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compiletune.errors import UserError
 from compiletune.models import (
     PRESETS,
     args_from_hf_config,
@@ -22,10 +26,6 @@ from compiletune.models import (
     save_hf,
 )
 from compiletune.models.hf import to_hf_name, to_native_name
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-from compiletune.errors import UserError
 
 VOCAB = 128
 SMALL = dict(

@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+
+from compiletune.errors import UserError
 from compiletune.models import (
     PRESETS,
     ModelArgs,
@@ -15,8 +17,6 @@ from compiletune.models import (
     num_params,
 )
 from compiletune.models.decoder import rope_inv_freq
-
-from compiletune.errors import UserError
 
 # Published totals (model cards / HF safetensors metadata).
 PUBLISHED_PARAMS = {
