@@ -36,7 +36,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=int, default=S, help="tokens per row (default 256)")
     g.add_argument("--batch-size", type=int, default=S, help="rows per micro-batch (default 8)")
     g.add_argument("--grad-accum", type=int, default=S, help="micro-batches per step (default 1)")
-    g.add_argument("--max-steps", type=int, default=S, help="optimizer steps (default 60)")
+    g.add_argument("--max-steps", type=int, default=S, help="optimizer steps (default 100)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=S, help="peak lr (1e-3 random init, 2e-5 fine-tune)")
     g.add_argument("--weight-decay", type=float, default=S, help="AdamW weight decay (default 0)")
@@ -46,6 +46,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-grad-norm", type=float, default=S, help="clip (default 1.0; 0 = off)")
     g.add_argument("--dtype", choices=("bf16", "fp32"), default=S, help="default: bf16 on GPU")
     g.add_argument("--seed", type=int, default=S, help="initialisation and data order (default 0)")
+    g = p.add_argument_group("compiler")
+    g.add_argument("--compile", action="store_true", default=S, help="compile blocks and loss head")
+    g.add_argument("--compile-backend", choices=("inductor", "aot_eager"), default=S)
+    g.add_argument(
+        "--dump-graphs", metavar="DIR", default=S, help="write graphs per stage + summary"
+    )
+    g.add_argument("--loss", choices=("fused", "chunked", "plain"), default=S, help="default fused")
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", default=S, help="run folder (default runs/<model>-<time>)")
     g.add_argument("--save-every", type=int, default=S, help="checkpoint every N steps (0 = end)")

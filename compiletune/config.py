@@ -18,6 +18,8 @@ from compiletune.errors import UserError
 
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "linear", "constant")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+LOSSES = ("fused", "chunked", "plain")
 
 
 @dataclass
@@ -31,7 +33,7 @@ class TrainConfig:
     seq_len: int = 256
     batch_size: int = 8
     grad_accum: int = 1
-    max_steps: int = 60
+    max_steps: int = 100
     # optimisation
     lr: float | None = None  # None -> 1e-3 from random init, 2e-5 when fine-tuning --model-dir
     weight_decay: float = 0.0
@@ -41,6 +43,11 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     dtype: str | None = None  # None -> bf16 on a GPU that supports it, else fp32
     seed: int = 0
+    # compiler
+    compile: bool = False  # compile each block and the loss head through compiletune's backend
+    compile_backend: str = "inductor"  # inductor | aot_eager (same passes, no code generation)
+    dump_graphs: str | None = None  # folder for per-region, per-stage graphs and summary.json
+    loss: str = "fused"  # fused | chunked | plain
     # output
     output_dir: str | None = None  # None -> runs/<model>-<time>
     save_every: int = 0  # 0 -> only at the end
@@ -89,6 +96,7 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
         "max_grad_norm": float,
         "resume": bool,
         "overwrite": bool,
+        "compile": bool,
     }
     for name, typ in expected.items():
         value = getattr(cfg, name)
@@ -126,6 +134,14 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
         raise UserError(f"--min-lr-ratio must be within [0, 1], got {cfg.min_lr_ratio}")
     if cfg.max_grad_norm < 0:
         raise UserError(f"--max-grad-norm must be >= 0 (0 disables), got {cfg.max_grad_norm}")
+    if cfg.compile_backend not in COMPILE_BACKENDS:
+        raise UserError(
+            f"--compile-backend must be one of {', '.join(COMPILE_BACKENDS)}, got {cfg.compile_backend!r}"
+        )
+    if cfg.loss not in LOSSES:
+        raise UserError(f"--loss must be one of {', '.join(LOSSES)}, got {cfg.loss!r}")
+    if cfg.dump_graphs is not None and not cfg.compile:
+        raise UserError("--dump-graphs shows what the compiler did; it needs --compile")
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume and --overwrite contradict each other; pass one of them")
     if cfg.resume and cfg.output_dir is None:

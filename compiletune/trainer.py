@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from compiletune import checkpoint as ckpt
+from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import TrainConfig, save_yaml
 from compiletune.data import Batches, load_examples, pack
 from compiletune.errors import UserError
+from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import (
     ModelArgs,
@@ -39,7 +40,6 @@ from compiletune.models import (
 )
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
-IGNORE_INDEX = -100
 # Fields that make two architectures different models (head_dim is compared resolved).
 _ARCH_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "qkv_bias")
 
@@ -119,17 +119,6 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over target tokens, in fp32. inputs/targets: [b, s]."""
-    logits = model(batch["inputs"])  # [b, s, vocab]
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        batch["targets"].flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-
-
 @dataclass
 class _Stop:
     """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints, and returns."""
@@ -184,6 +173,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             (out / stale).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     save_yaml(cfg, out / "config.yaml")
+
+    # The head shares the model's output projection; with --compile both are compiled in place.
+    head = LossHead(model.output, head_kind(cfg.loss, cfg.compile))
+    regions = None
+    if cfg.compile:
+        opts = CompileOptions(
+            backend=cfg.compile_backend, loss=cfg.loss, dump=cfg.dump_graphs is not None
+        )
+        regions = compile_regions(model, head, opts)
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -254,7 +252,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             total = torch.zeros((), device=device, dtype=torch.float32)
             for mb in micro:
                 mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-                loss = loss_sum(model, mb)
+                hidden = model.hidden_states(mb["inputs"])  # [b, s, d]
+                loss = head(hidden, mb["targets"])  # fp32 [], summed over targets
                 (loss / n_targets).backward()
                 total += loss.detach()
             grad_norm = (
@@ -305,6 +304,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     f"{record['tokens_per_s']:.0f} tok/s mem {record['peak_mem_gib']:.2f} GiB",
                     flush=True,
                 )
+            if regions is not None and cfg.dump_graphs and step == start_step + 1:
+                regions.write_dump(Path(cfg.dump_graphs))  # every region has compiled by now
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
                 last_saved = ckpt.save_checkpoint(out, step, model, tokenizer, train_state(step))
         if step > start_step or resume_from is None:
@@ -316,6 +317,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             signal.signal(s, handler)
 
     elapsed = time.perf_counter() - t_start
+    compile_stats = regions.stats() if regions is not None else None
+    if regions is not None and cfg.dump_graphs:
+        regions.write_dump(Path(cfg.dump_graphs))
     summary = {
         "steps": step,
         "interrupted": step < cfg.max_steps,
@@ -327,13 +331,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "peak_mem_gib": peak_memory_gib(device),
         "checkpoint": str(last_saved) if last_saved else None,
         "output_dir": str(out),
+        "loss_kind": cfg.loss,
+        "compile": compile_stats,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(
         ("stopped early: " if summary["interrupted"] else "done: ")
         + f"{step} steps, loss {first_loss:.4f} -> {last_loss:.4f}, "
         f"{tokens_done} tokens in {elapsed:.1f}s ({summary['tokens_per_s']:.0f} tok/s), "
-        f"peak mem {summary['peak_mem_gib']:.2f} GiB, checkpoint {last_saved}",
+        f"peak mem {summary['peak_mem_gib']:.2f} GiB, "
+        + (
+            f"{compile_stats['compiles']} compiles ({compile_stats['recompiles']} recompiles, "
+            f"{compile_stats['compile_seconds']:.1f}s), "
+            if compile_stats
+            else ""
+        )
+        + f"checkpoint {last_saved}",
         flush=True,
     )
     return summary

@@ -1,0 +1,56 @@
+"""The loss head: output projection + next-token cross-entropy, summed over target tokens.
+
+`LossHead(output, kind)(h [b, s, d], targets [b, s]) -> fp32 []` (sum over targets; the trainer
+divides by the target count of the whole accumulated batch).
+
+kind:
+    plain    linear -> fp32 upcast -> cross_entropy: [b*s, V] logits and their fp32 copy exist.
+    chunked  the usual chunked-logits baseline: logits per chunk of tokens, upcast per chunk.
+    fused    compiletune::linear_cross_entropy: full logits never exist.
+
+Under `--compile` a fused head is written as `plain` and the `fuse_linear_cross_entropy` pass
+rewrites it in the graph (that is the point of the pass); without compile the op is called here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+LOSS_KINDS = ("fused", "chunked", "plain")
+
+
+def head_kind(loss: str, compiled: bool) -> str:
+    """Under compile the fused head is traced as `plain` and the pass fuses it in the graph."""
+    return "plain" if compiled and loss == "fused" else loss
+
+
+class LossHead(nn.Module):
+    def __init__(self, output: nn.Linear, kind: str = "plain") -> None:
+        super().__init__()
+        if kind not in LOSS_KINDS:
+            raise ValueError(f"unknown loss kind {kind!r}")
+        self.output = output  # shared with the model: the same weight, tied or not
+        self.kind = kind
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        w, b = self.output.weight, self.output.bias
+        if self.kind != "plain":
+            from compiletune.fused_loss import chunked_cross_entropy, linear_cross_entropy
+        if self.kind == "fused":
+            return linear_cross_entropy(
+                h, w, targets, bias=b, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        if self.kind == "chunked":
+            return chunked_cross_entropy(
+                h, w, targets, bias=b, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        logits = self.output(h)  # [b, s, V]
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            targets.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )

@@ -1,0 +1,131 @@
+"""Every private PyTorch API compiletune uses, in one place.
+
+A PyTorch upgrade that moves or renames one of these touches this file only. Checked on torch
+2.13 (CPU); the names below exist since torch 2.9 (`custom_partitioner_fn` arrived in 2.9).
+
+Route: our backend runs its own pre-grad passes on the dynamo graph, then hands the graph to
+Inductor's `compile_fx` with a `CustomPartitionerFn`. Inductor traces the joint forward+backward
+graph (AOTAutograd), runs its joint-graph passes and then calls our partitioner, which runs our
+joint passes and the min-cut partitioner. Going through `compile_fx` (rather than assembling
+`aot_autograd` ourselves) keeps Inductor's decompositions, wrappers and the AOTAutograd cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import config as functorch_config
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.fx.node import _get_qualified_name
+
+__all__ = [
+    "CustomPartitionerFn",
+    "compile_inductor",
+    "compile_no_codegen",
+    "functorch_patch",
+    "get_hash_for_files",
+    "min_cut_partition",
+    "qualified_name",
+    "size_hint",
+]
+
+Partition = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
+
+
+def qualified_name(target: Any) -> str:
+    """A stable, address-free name for an FX node target (for op counts in dumps)."""
+    if isinstance(target, str):
+        return "." + target  # call_method
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    try:
+        return _get_qualified_name(target)
+    except Exception:
+        return getattr(target, "__name__", repr(target))
+
+
+def size_hint(x: int | torch.SymInt, fallback: int = 4096) -> int:
+    """The concrete value of an int or a SymInt (its hint); works across torch versions."""
+    if isinstance(x, int):
+        return x
+    hint = getattr(getattr(x, "node", None), "hint", None)
+    return int(hint) if hint is not None else fallback
+
+
+def min_cut_partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+    """AOTAutograd's min-cut partitioner; honours node.meta['recompute'] tags."""
+    kwargs.setdefault("compiler", "inductor")
+    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def functorch_patch(
+    memory_budget: float | None = None, autograd_cache: bool = True
+) -> Iterator[None]:
+    """Partitioner settings read at compile time.
+
+    `activation_memory_budget`: 1.0 = save what min-cut saves (fastest), 0.0 = recompute all
+    that can be. The AOTAutograd cache is turned off when graphs are dumped, because a cache hit
+    skips the partitioner and there would be nothing to dump.
+    """
+    patch: dict[str, Any] = {}
+    if memory_budget is not None:
+        patch["activation_memory_budget"] = memory_budget
+    if not autograd_cache:
+        patch["enable_autograd_cache"] = False
+    with functorch_config.patch(patch):
+        yield
+
+
+def compile_inductor(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    partitioner: CustomPartitionerFn,
+    on_compiled: Callable[[str, Any, float], None],
+) -> Callable:
+    """Compile with Inductor, our partitioner in place of Inductor's.
+
+    `on_compiled(kind, compiled, seconds)` is called for each forward/backward graph Inductor
+    builds (kind "forward" | "backward"); `compiled.source_code` is the generated code.
+    """
+
+    def inner(graph: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = compile_fx_inner(graph, inputs, **kwargs)
+        on_compiled(
+            "backward" if kwargs.get("is_backward") else "forward", out, time.perf_counter() - t0
+        )
+        return out
+
+    # config_patches (not an outer config.patch): compile_fx re-applies them around the backward
+    # compile, which may run later, outside this call.
+    return compile_fx(
+        gm,
+        example_inputs,
+        inner_compile=inner,
+        config_patches={"custom_partitioner_fn": partitioner},
+    )
+
+
+def compile_no_codegen(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], partition_fn: Partition
+) -> Callable:
+    """The same joint graph and partition, run eagerly (aot_eager with our partitioner)."""
+
+    def run_eagerly(graph: torch.fx.GraphModule, inputs: Any) -> Callable:
+        return make_boxed_func(graph.forward)
+
+    return aot_autograd(
+        fw_compiler=run_eagerly,
+        bw_compiler=run_eagerly,
+        partition_fn=partition_fn,
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)

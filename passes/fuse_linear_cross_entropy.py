@@ -1,0 +1,155 @@
+"""Pre-grad pass: fuse the output projection with cross-entropy so full logits never exist.
+
+Matches, in a dynamo (torch-level) graph:
+
+    logits = linear(h, W[, b])                    # [..., V]
+    x = logits <views / reshapes / flatten / a token slice / .float() / .to(dtype) / .contiguous()>
+    loss = cross_entropy(x [N, V], y [N], ignore_index=i, reduction="mean"|"sum")
+
+and rewrites it to
+
+    loss, lse = compiletune::linear_cross_entropy(h' [N, d], W, b, y.reshape(-1), i, reduction, ...)
+
+where h' is h with the same token slice applied, flattened to [N, d]. The op computes the loss in
+chunks of tokens with an fp32 log-sum-exp and saves only `lse [N]` for backward, so neither the
+[N, V] logits nor their fp32 copy is ever allocated, in the forward or the backward.
+
+Why it is safe: the chain between the linear and the loss may only regroup or slice the token
+dimensions (the last dimension must stay V, untouched) and change the dtype. The op upcasts to
+fp32 itself, so dropping `.float()` changes nothing, and slicing tokens commutes with a linear map
+applied per token. The rewrite is skipped (and the reason counted) when the logits have another
+user, when cross_entropy has class weights, label smoothing, `reduction="none"`, or a class
+dimension other than the last.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import compiletune.fused_loss  # noqa: F401  (registers torch.ops.compiletune.linear_cross_entropy)
+
+_LINEAR = (torch._C._nn.linear, F.linear)
+_CROSS_ENTROPY = (F.cross_entropy, torch.ops.aten.cross_entropy_loss.default)
+# Methods that only change the dtype or the memory layout of the logits.
+_DTYPE_OR_LAYOUT = {"float", "to", "contiguous", "type_as"}
+# Methods that regroup token dimensions; checked to leave the last (vocab) dimension alone.
+_REGROUP = {"view", "reshape", "flatten"}
+_CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+
+
+def _value(node: Any) -> Any:
+    return (
+        node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(node, torch.fx.Node)
+        else None
+    )
+
+
+def _keeps_last_dim(node: torch.fx.Node, vocab: int) -> bool:
+    value = _value(node)
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[-1] == vocab
+
+
+def _token_slice(node: torch.fx.Node) -> bool:
+    """`x[a:b]`, `x[:, :-1]`, `x[..., :-1, :]`: slices that leave the last dimension whole."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    base = _value(node.args[0])
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if base is None or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+        return False
+    if Ellipsis in index or len(index) == base.dim():
+        return index[-1] == slice(None)
+    return len(index) < base.dim()
+
+
+def fuse_linear_cross_entropy(
+    gm: torch.fx.GraphModule, chunk_size: int = 0, z_loss: float = 0.0, softcap: float = 0.0
+) -> tuple[torch.fx.GraphModule, dict[str, Any]]:
+    """Rewrite every linear -> cross_entropy pair in `gm`. Returns (gm, stats).
+
+    stats: matched (pairs rewritten), skipped (reason -> count), logits_shapes (the [N, V] that
+    no longer exist).
+    """
+    graph = gm.graph
+    matched, skipped, shapes = 0, Counter(), []
+    for ce in list(graph.nodes):
+        if ce.op != "call_function" or ce.target not in _CROSS_ENTROPY:
+            continue
+        kwargs = {**dict(zip(_CE_ARGS, ce.args, strict=False)), **ce.kwargs}
+        reduction = kwargs.get("reduction", "mean")
+        if kwargs.get("weight") is not None or kwargs.get("label_smoothing", 0.0) not in (0, 0.0):
+            skipped["class weights or label smoothing"] += 1
+            continue
+        if reduction not in ("mean", "sum") or kwargs.get("size_average") is not None:
+            skipped[f"reduction {reduction!r}"] += 1
+            continue
+        x = kwargs["input"]
+        ce_in = _value(x)
+        if not isinstance(ce_in, torch.Tensor) or ce_in.dim() != 2:
+            skipped["cross_entropy input is not [N, V]"] += 1
+            continue
+        vocab = ce_in.shape[-1]
+
+        # Walk back to the linear, remembering token slices to re-apply to h.
+        slices: list[torch.fx.Node] = []
+        node, ok = x, True
+        while not (node.op == "call_function" and node.target in _LINEAR):
+            if len(node.users) != 1:
+                ok = False  # the logits (or a view of them) are used elsewhere: must exist
+                break
+            if node.op == "call_method" and node.target in _DTYPE_OR_LAYOUT:
+                pass
+            elif node.op == "call_method" and node.target in _REGROUP:
+                if not _keeps_last_dim(node, vocab):
+                    ok = False
+                    break
+            elif _token_slice(node):
+                slices.append(node)
+            else:
+                ok = False
+                break
+            node = node.args[0]
+            if not isinstance(node, torch.fx.Node):
+                ok = False
+                break
+        if not ok or len(node.users) != 1:
+            skipped["logits reach cross_entropy through other ops or have other users"] += 1
+            continue
+        linear = node
+        h, weight = linear.args[0], linear.args[1]
+        bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+        hidden = _value(weight).shape[-1]
+
+        with graph.inserting_before(ce):
+            for s in reversed(slices):  # re-apply token slices, innermost first
+                h = graph.call_function(operator.getitem, (h, s.args[1]))
+            h_flat = graph.call_method("reshape", (h, -1, hidden))
+            y_flat = graph.call_method("reshape", (kwargs["target"], -1))
+            fused = graph.call_function(
+                torch.ops.compiletune.linear_cross_entropy.default,
+                (
+                    h_flat,
+                    weight,
+                    bias,
+                    y_flat,
+                    int(kwargs.get("ignore_index", -100)),
+                    reduction,
+                    chunk_size,
+                    z_loss,
+                    softcap,
+                ),
+            )
+            loss = graph.call_function(operator.getitem, (fused, 0))
+        ce.replace_all_uses_with(loss)
+        graph.erase_node(ce)
+        matched += 1
+        shapes.append([int(d) for d in ce_in.shape])
+    graph.eliminate_dead_code()  # the linear and the chain to cross_entropy are now unused
+    gm.recompile()
+    return gm, {"matched": matched, "skipped": dict(skipped), "logits_shapes": shapes}
