@@ -30,6 +30,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=S, help="preset name (see `compiletune models`)")
     g.add_argument("--model-dir", default=S, help="local HF model folder to fine-tune")
+    g.add_argument("--n-layers", type=int, default=S, help="override the preset's depth")
     g.add_argument("--data", default=S, help="pydocs (embedded default) | FILE.txt | FILE.jsonl")
     g.add_argument("--tokenizer", default=S, help="local HF tokenizer folder")
     g = p.add_argument_group("step shape")

@@ -27,6 +27,7 @@ class TrainConfig:
     # what to train
     model: str | None = None  # preset name; None -> "debug", or the architecture of --model-dir
     model_dir: str | None = None  # local HF folder to fine-tune
+    n_layers: int | None = None  # override the preset's depth (random init; benches, debugging)
     data: str = "pydocs"  # pydocs | file.txt | file.jsonl
     tokenizer: str | None = None  # local HF tokenizer folder; default: the model dir, else bytes
     # shape of a step
@@ -140,6 +141,10 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
         )
     if cfg.loss not in LOSSES:
         raise UserError(f"--loss must be one of {', '.join(LOSSES)}, got {cfg.loss!r}")
+    if cfg.n_layers is not None and (cfg.model_dir is not None or cfg.n_layers < 1):
+        raise UserError(
+            "--n-layers (a positive depth) only applies to a random-init --model preset"
+        )
     if cfg.dump_graphs is not None and not cfg.compile:
         raise UserError("--dump-graphs shows what the compiler did; it needs --compile")
     if cfg.resume and cfg.overwrite:

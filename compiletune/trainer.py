@@ -58,7 +58,10 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 def resolve_model_args(cfg: TrainConfig) -> ModelArgs:
     """The architecture: from --model-dir's config.json, checked against --model if both given."""
     if cfg.model_dir is None:
-        return from_name(cfg.model or "debug")
+        args = from_name(cfg.model or "debug")
+        if cfg.n_layers is not None:
+            args.n_layers = cfg.n_layers
+        return args
     args = args_from_hf_config(load_hf_config(cfg.model_dir))
     if cfg.model is not None:
         preset = from_name(cfg.model)
