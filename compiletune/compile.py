@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from compiletune.activation import ActivationPolicy
 from compiletune.backend import CompiletuneBackend, Pass
 from compiletune.graph_dump import node_value, write_dump
 from compiletune.loss import LossHead
@@ -32,11 +33,18 @@ class CompileOptions:
     loss: str = "fused"  # fused -> the head gets the fuse_linear_cross_entropy pass
     dump: bool = False
     loss_chunk_size: int = 0  # tokens per chunk of the fused loss; 0 = from a memory budget
+    ac: ActivationPolicy = field(default_factory=ActivationPolicy)
 
 
-def block_passes(opts: CompileOptions) -> list[Pass]:
-    """The pipeline of a transformer block."""
-    return []
+def block_passes(opts: CompileOptions, with_policy: bool) -> list[Pass]:
+    """The pipeline of a transformer block (`with_policy`: a block the --ac policy applies to)."""
+    passes = []
+    if with_policy and opts.ac.kind in ("full", "selective"):
+        from compiletune.passes.activation_policy import tag_activation_policy
+
+        tag = functools.partial(tag_activation_policy, policy=opts.ac.kind)
+        passes.append(Pass(f"activation_policy.{opts.ac.kind}", "joint", tag))
+    return passes
 
 
 def head_passes(opts: CompileOptions) -> list[Pass]:
@@ -95,11 +103,23 @@ def compile_regions(
     """Compile every block of `model.layers` and `head` in place; returns their backends."""
     if opts.backend not in BACKENDS:
         raise ValueError(f"unknown compile backend {opts.backend!r}")
-    blocks = CompiletuneBackend("block", block_passes(opts), mode=opts.backend, dump=opts.dump)
-    for block in model.layers:
-        block.compile(backend=blocks, fullgraph=True, dynamic=False)
+    backends: dict[str, CompiletuneBackend] = {}
+    for index, block in enumerate(model.layers):
+        # Blocks under the policy and blocks outside it are two regions (two compiles); within a
+        # region one backend object serves every block, so each region compiles once.
+        with_policy = opts.ac.applies_to(index)
+        name = "block" if with_policy or opts.ac.kind == "none" else "block.no_ac"
+        if name not in backends:
+            backends[name] = CompiletuneBackend(
+                name,
+                block_passes(opts, with_policy),
+                mode=opts.backend,
+                dump=opts.dump,
+                memory_budget=opts.ac.budget if with_policy else None,
+            )
+        block.compile(backend=backends[name], fullgraph=True, dynamic=False)
     heads = CompiletuneBackend(
         "head", head_passes(opts), mode=opts.backend, dump=opts.dump, watch=head_logits_shape
     )
     head.compile(backend=heads, fullgraph=True, dynamic=False)
-    return CompiledRegions({"block": blocks, "head": heads})
+    return CompiledRegions({**backends, "head": heads})

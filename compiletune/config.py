@@ -49,6 +49,8 @@ class TrainConfig:
     compile_backend: str = "inductor"  # inductor | aot_eager (same passes, no code generation)
     dump_graphs: str | None = None  # folder for per-region, per-stage graphs and summary.json
     loss: str = "fused"  # fused | chunked | plain
+    ac: str = "none"  # activation policy: none | full | selective | budget=F
+    ac_every: int = 1  # apply --ac to every K-th block
     # output
     output_dir: str | None = None  # None -> runs/<model>-<time>
     save_every: int = 0  # 0 -> only at the end
@@ -98,6 +100,7 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
         "resume": bool,
         "overwrite": bool,
         "compile": bool,
+        "ac_every": int,
     }
     for name, typ in expected.items():
         value = getattr(cfg, name)
@@ -145,6 +148,11 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
         raise UserError(
             "--n-layers (a positive depth) only applies to a random-init --model preset"
         )
+    from compiletune.activation import parse_ac
+
+    policy = parse_ac(cfg.ac, cfg.ac_every)
+    if policy.kind == "budget" and not cfg.compile:
+        raise UserError(f"--ac {cfg.ac} is a setting of the compiler's partitioner; add --compile")
     if cfg.dump_graphs is not None and not cfg.compile:
         raise UserError("--dump-graphs shows what the compiler did; it needs --compile")
     if cfg.resume and cfg.overwrite:

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from compiletune import checkpoint as ckpt
+from compiletune.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import TrainConfig, save_yaml
 from compiletune.data import Batches, load_examples, pack
@@ -180,11 +181,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # The head shares the model's output projection; with --compile both are compiled in place.
     head = LossHead(model.output, head_kind(cfg.loss, cfg.compile))
     regions = None
+    policy = parse_ac(cfg.ac, cfg.ac_every)
     if cfg.compile:
         opts = CompileOptions(
-            backend=cfg.compile_backend, loss=cfg.loss, dump=cfg.dump_graphs is not None
+            backend=cfg.compile_backend,
+            loss=cfg.loss,
+            dump=cfg.dump_graphs is not None,
+            ac=policy,
         )
         regions = compile_regions(model, head, opts)
+    elif policy.kind != "none":
+        apply_eager_checkpointing(model, policy)
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
