@@ -5,9 +5,11 @@
       -> AOTAutograd joint forward+backward graph
       -> joint passes      (aten-level; e.g. tag nodes save / recompute)
       -> min-cut partitioner (honours the tags; optional activation memory budget)
+      -> partitioned passes (forward and backward graphs together; e.g. offload saved tensors)
       -> Inductor (`mode="inductor"`), or the partitioned graphs run eagerly (`mode="aot_eager"`)
 
-A pass is a pure function `gm -> (gm, stats)`. `Pass` names it and says at which stage it runs.
+A pass is a pure function `gm -> (gm, stats)` (a partitioned pass: `(fw, bw, num_fwd_outputs)
+-> (fw, bw, stats)`). `Pass` names it and says at which stage it runs.
 One backend object serves all identical blocks, so dynamo compiles the block once and reuses it
 (dynamo keys its cache on the backend object too).
 """
@@ -26,16 +28,14 @@ import torch
 from compiletune import torch_internals as ti
 from compiletune.graph_dump import RegionRecord, logits_like_tensors, saved_for_backward
 
-PassFn = Callable[[torch.fx.GraphModule], tuple[torch.fx.GraphModule, dict[str, Any]]]
-
 
 @dataclass(frozen=True)
 class Pass:
     """One entry of the pipeline: `fn(gm) -> (gm, stats)` run at `stage`."""
 
     name: str
-    stage: Literal["pre_grad", "joint"]
-    fn: PassFn
+    stage: Literal["pre_grad", "joint", "partitioned"]
+    fn: Callable
 
     def source_files(self) -> tuple[str, ...]:
         fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
@@ -56,14 +56,16 @@ _RECORDING: list[RegionRecord] = []
 class _Partitioner(ti.CustomPartitionerFn):
     """Runs the joint passes on the joint graph, then the min-cut partitioner."""
 
-    def __init__(self, joint_passes: tuple[Pass, ...]) -> None:
+    def __init__(self, joint_passes: tuple[Pass, ...], partitioned: tuple[Pass, ...] = ()) -> None:
         self.joint_passes = joint_passes
+        self.partitioned = partitioned
 
     def uuid(self) -> str:
         # Hash the code of every pass (and this file) so an edited pass never reuses a stale
         # cached compile.
-        files = {__file__, *(f for p in self.joint_passes for f in p.source_files())}
-        extra = "|".join(p.cache_key() for p in self.joint_passes)
+        passes = self.joint_passes + self.partitioned
+        files = {__file__, *(f for p in passes for f in p.source_files())}
+        extra = "|".join(p.cache_key() for p in passes)
         return ti.get_hash_for_files(tuple(sorted(files)), extra=extra)
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
@@ -83,6 +85,12 @@ class _Partitioner(ti.CustomPartitionerFn):
             if record.watch:
                 for stage, graph in (("forward", fw), ("backward", bw)):
                     record.big_tensors[stage] = logits_like_tensors(graph, *record.watch)
+        for p in self.partitioned:
+            fw, bw, stats = p.fn(fw, bw, kwargs["num_fwd_outputs"])
+            if record is not None:
+                record.add_pass(p.name, "partitioned", stats)
+                record.add_stage(f"forward.{p.name}", fw)
+                record.add_stage(f"backward.{p.name}", bw)
         return fw, bw
 
 
@@ -113,6 +121,7 @@ class CompiletuneBackend:
         self.region = region
         self.pre_grad = tuple(p for p in passes if p.stage == "pre_grad")
         self.joint = tuple(p for p in passes if p.stage == "joint")
+        self.partitioned = tuple(p for p in passes if p.stage == "partitioned")
         self.mode = mode
         self.memory_budget = memory_budget
         self.dump = dump
@@ -139,7 +148,7 @@ class CompiletuneBackend:
             gm, stats = p.fn(gm)
             record.add_pass(p.name, "pre_grad", stats)
             record.add_stage(f"pre_grad.{p.name}", gm)
-        partitioner = _Partitioner(self.joint)
+        partitioner = _Partitioner(self.joint, self.partitioned)
         inside_call = True
 
         def on_compiled(kind: str, compiled: Any, seconds: float) -> None:

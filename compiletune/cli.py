@@ -56,6 +56,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loss", choices=("fused", "chunked", "plain"), default=S, help="default fused")
     g.add_argument("--ac", default=S, help="activation policy: none|full|selective|budget=F")
     g.add_argument("--ac-every", type=int, default=S, help="apply --ac to every K-th block")
+    g.add_argument(
+        "--offload-activations", action="store_true", default=S, help="saved tensors to host"
+    )
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", default=S, help="run folder (default runs/<model>-<time>)")
     g.add_argument("--save-every", type=int, default=S, help="checkpoint every N steps (0 = end)")

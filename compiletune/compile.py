@@ -34,6 +34,7 @@ class CompileOptions:
     dump: bool = False
     loss_chunk_size: int = 0  # tokens per chunk of the fused loss; 0 = from a memory budget
     ac: ActivationPolicy = field(default_factory=ActivationPolicy)
+    offload: bool = False  # move what each block saves to host memory (the head is excluded)
 
 
 def block_passes(opts: CompileOptions, with_policy: bool) -> list[Pass]:
@@ -44,6 +45,10 @@ def block_passes(opts: CompileOptions, with_policy: bool) -> list[Pass]:
 
         tag = functools.partial(tag_activation_policy, policy=opts.ac.kind)
         passes.append(Pass(f"activation_policy.{opts.ac.kind}", "joint", tag))
+    if opts.offload:
+        from compiletune.passes.offload_activations import offload_activations
+
+        passes.append(Pass("offload_activations", "partitioned", offload_activations))
     return passes
 
 

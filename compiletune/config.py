@@ -51,6 +51,7 @@ class TrainConfig:
     loss: str = "fused"  # fused | chunked | plain
     ac: str = "none"  # activation policy: none | full | selective | budget=F
     ac_every: int = 1  # apply --ac to every K-th block
+    offload_activations: bool = False  # what each block saves goes to host memory (needs --compile)
     # output
     output_dir: str | None = None  # None -> runs/<model>-<time>
     save_every: int = 0  # 0 -> only at the end
@@ -101,6 +102,7 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
         "overwrite": bool,
         "compile": bool,
         "ac_every": int,
+        "offload_activations": bool,
     }
     for name, typ in expected.items():
         value = getattr(cfg, name)
@@ -153,6 +155,8 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
     policy = parse_ac(cfg.ac, cfg.ac_every)
     if policy.kind == "budget" and not cfg.compile:
         raise UserError(f"--ac {cfg.ac} is a setting of the compiler's partitioner; add --compile")
+    if cfg.offload_activations and not cfg.compile:
+        raise UserError("--offload-activations is a pass of the compile pipeline; add --compile")
     if cfg.dump_graphs is not None and not cfg.compile:
         raise UserError("--dump-graphs shows what the compiler did; it needs --compile")
     if cfg.resume and cfg.overwrite:

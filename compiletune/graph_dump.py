@@ -129,9 +129,13 @@ class RegionRecord:
         )
 
     def summary(self) -> dict[str, Any]:
+        activation_bytes = sum(r["bytes"] for r in self.saved if not r["is_input"])
+        offloaded = sum(p.get("offloaded_bytes", 0) for p in self.passes)
         out: dict[str, Any] = {
             "passes": self.passes,
-            "saved_activation_bytes": sum(r["bytes"] for r in self.saved if not r["is_input"]),
+            "saved_activation_bytes": activation_bytes,
+            "offloaded_bytes": offloaded,
+            "saved_activation_bytes_on_device": activation_bytes - offloaded,
             "saved_input_bytes": sum(r["bytes"] for r in self.saved if r["is_input"]),
             "saved": self.saved,
             "largest_tensor": {s.name: s.largest for s in self.stages},

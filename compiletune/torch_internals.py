@@ -30,6 +30,7 @@ __all__ = [
     "CustomPartitionerFn",
     "compile_inductor",
     "compile_no_codegen",
+    "fake_call",
     "functorch_patch",
     "get_hash_for_files",
     "min_cut_partition",
@@ -129,3 +130,11 @@ def compile_no_codegen(
         partition_fn=partition_fn,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
+
+
+def fake_call(op: Any, *args: Any) -> Any:
+    """Run `op` on the fake tensors among `args` (node.meta['val']) to get the result's metadata,
+    for nodes a pass inserts into an AOT graph."""
+    fake_mode = next(a.fake_mode for a in args if hasattr(a, "fake_mode"))
+    with fake_mode:
+        return op(*args)

@@ -188,6 +188,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             loss=cfg.loss,
             dump=cfg.dump_graphs is not None,
             ac=policy,
+            offload=cfg.offload_activations,
         )
         regions = compile_regions(model, head, opts)
     elif policy.kind != "none":

@@ -192,3 +192,53 @@ def test_pass_tags_matmuls_and_attention_save_in_selective():
 def test_bad_ac_flags(values, needle):
     with pytest.raises(UserError, match=needle):
         resolve({}, values)
+
+
+# --- --offload-activations -------------------------------------------------------------------
+
+
+def _count(gm_text: str, op: str) -> int:
+    return gm_text.count(f"torch.ops.compiletune.{op}.default(")
+
+
+@pytest.mark.parametrize(
+    "backend, ac",
+    [
+        ("aot_eager", "none"),
+        ("aot_eager", "selective"),
+        pytest.param("inductor", "none", marks=pytest.mark.slow),
+    ],
+)
+def test_offload_moves_every_saved_activation_and_keeps_numerics(backend, ac, tmp_path):
+    base = tiny_model(seed=6)
+    other = copy.deepcopy(base)
+    hb, ho = LossHead(base.output), LossHead(other.output)
+    compile_regions(base, hb, CompileOptions(backend=backend, loss="plain", ac=parse_ac(ac)))
+    opts = CompileOptions(backend=backend, loss="plain", ac=parse_ac(ac), offload=True, dump=True)
+    regions = compile_regions(other, ho, opts)
+    tokens, targets = batch(3)
+    lb, gb = step(base, hb, tokens, targets)
+    lo, go = step(other, ho, tokens, targets)
+    torch.testing.assert_close(lo, lb, rtol=1e-6, atol=0)
+    for name in gb:
+        torch.testing.assert_close(go[name], gb[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    summary = regions.write_dump(tmp_path)
+    block = summary["block"]
+    floats = [r for r in block["saved"] if not r["is_input"] and "float" in r["dtype"]]
+    (offload,) = [p for p in block["passes"] if p["pass"] == "offload_activations"]
+    assert offload["matched"] == len(floats) > 0
+    assert block["offloaded_bytes"] == sum(r["bytes"] for r in floats)
+    assert block["saved_activation_bytes_on_device"] < 16384  # only the uint8 RNG state stays
+    stages = sorted(p.name for p in (tmp_path / "block").iterdir())
+    fw = next(s for s in stages if s.endswith("forward.offload_activations.txt"))
+    bw = next(s for s in stages if s.endswith("backward.offload_activations.txt"))
+    assert _count((tmp_path / "block" / fw).read_text(), "offload_to_host") == len(floats)
+    assert _count((tmp_path / "block" / bw).read_text(), "reload_from_host") == len(floats)
+    # The loss head is excluded.
+    assert all(p["pass"] != "offload_activations" for p in summary["head"]["passes"])
+
+
+def test_offload_needs_compile():
+    with pytest.raises(UserError, match="add --compile"):
+        resolve({}, {"offload_activations": True})

@@ -1,0 +1,59 @@
+"""Custom ops that move a saved activation to host memory and back (`--offload-activations`).
+
+`passes/offload_activations.py` puts `offload_to_host` on each activation a block's forward saves
+and `reload_from_host` at the start of its backward. The ops are opaque to the compiler, so they
+survive Inductor as calls.
+
+On a GPU: the device-to-host copy goes to pinned memory on a side stream, so it overlaps the
+forward compute that follows; the source tensor is `record_stream`-ed on the side stream so its
+memory is not reused before the copy ends. The reload waits for the side stream, then copies
+back (non-blocking, from pinned memory) on the compute stream at the start of the block's
+backward. On CPU "host" is the same memory: the ops copy, which keeps the graph shape and the
+numerics of the GPU path testable on a machine without one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+@torch.library.custom_op("compiletune::offload_to_host", mutates_args=())
+def offload_to_host(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of `x` (pinned, asynchronous on a side stream when `x` is on a GPU)."""
+    if not x.is_cuda:
+        return x.clone()
+    stream = _side_stream(x.device)
+    stream.wait_stream(torch.cuda.current_stream(x.device))  # x must be fully computed first
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(x, non_blocking=True)
+    x.record_stream(stream)
+    return host
+
+
+@offload_to_host.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+@torch.library.custom_op("compiletune::reload_from_host", mutates_args=())
+def reload_from_host(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x` (from `offload_to_host`) back on `device`."""
+    if device.type != "cuda":
+        return x.clone()
+    torch.cuda.current_stream(device).wait_stream(_side_stream(device))  # the offload copy ended
+    return x.to(device, non_blocking=True)
+
+
+@reload_from_host.register_fake
+def _(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=device)

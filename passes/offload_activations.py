@@ -1,0 +1,77 @@
+"""Partitioned-graph pass: move what a block saves for backward to host memory and back.
+
+Matches, after the min-cut partitioner, every floating-point tensor the forward graph returns
+for the backward that the forward computed (not graph inputs such as parameters or the block's
+input, which stay alive anyway, and not integer RNG states, which are tiny), at least
+`min_bytes` large. Rewrites:
+
+    forward:  return (..., a, ...)             ->  a_host = compiletune::offload_to_host(a)
+                                                   return (..., a_host, ...)
+    backward: def forward(..., a, ...)         ->  a_dev = compiletune::reload_from_host(a, device)
+              uses of a                        ->  uses of a_dev
+
+Why it is safe: the backward receives the same values, only through a copy to host and back;
+saved tensors and backward placeholders correspond by position, which the partitioner fixes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import compiletune.offload  # noqa: F401  (registers the compiletune::*_host ops)
+from compiletune.torch_internals import fake_call
+
+
+def _value(node: torch.fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+def offload_activations(
+    fw: torch.fx.GraphModule,
+    bw: torch.fx.GraphModule,
+    num_fwd_outputs: int,
+    min_bytes: int = 0,
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, dict[str, Any]]:
+    output = next(n for n in fw.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    saved = outs[num_fwd_outputs:]
+    bw_inputs = [
+        n for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")
+    ]
+    if len(bw_inputs) != len(saved):  # not the layout this pass understands: leave it alone
+        return fw, bw, {"matched": 0, "skipped": "saved values and backward inputs differ"}
+    last_placeholder = bw_inputs[-1] if bw_inputs else None
+    moved, moved_bytes = 0, 0
+    for i, (node, bw_in) in enumerate(zip(saved, bw_inputs, strict=True)):
+        val = _value(node) if isinstance(node, torch.fx.Node) else None
+        if (
+            node is None
+            or not isinstance(node, torch.fx.Node)
+            or node.op == "placeholder"
+            or not isinstance(val, torch.Tensor)
+            or not val.is_floating_point()
+        ):
+            continue
+        nbytes = val.numel() * val.element_size()
+        if nbytes < min_bytes:
+            continue
+        with fw.graph.inserting_before(output):
+            host = fw.graph.call_function(torch.ops.compiletune.offload_to_host.default, (node,))
+            host.meta["val"] = fake_call(torch.ops.compiletune.offload_to_host.default, val)
+        outs[num_fwd_outputs + i] = host
+        with bw.graph.inserting_after(last_placeholder):
+            back = bw.graph.call_function(
+                torch.ops.compiletune.reload_from_host.default, (bw_in, val.device)
+            )
+            back.meta["val"] = fake_call(
+                torch.ops.compiletune.reload_from_host.default, _value(bw_in), val.device
+            )
+        bw_in.replace_all_uses_with(back, delete_user_cb=lambda user, b=back: user is not b)
+        moved += 1
+        moved_bytes += nbytes
+    output.args = (tuple(outs),)
+    fw.recompile()
+    bw.recompile()
+    return fw, bw, {"matched": moved, "offloaded_bytes": moved_bytes}
