@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,3 +53,19 @@ def result_header() -> dict[str, Any]:
 def write_result(path: Path, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run_train(args: list[str], cache_dir: str, workdir: Path) -> dict[str, Any]:
+    """One `compiletune train` process with its own Inductor cache folder; returns the run's
+    summary.json plus `step_times` and `tokens_per_step` from its metrics.jsonl."""
+    out = workdir / f"run{len(list(workdir.iterdir()))}"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    cmd = [sys.executable, "-m", "compiletune", "train", *args, "--output-dir", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench run failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary["step_times"] = [r["step_time_s"] for r in steps]
+    summary["tokens_per_step"] = steps[0]["tokens"]
+    return summary

@@ -13,31 +13,13 @@ Writes bench/results/compile-<device>.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, result_header, write_result  # noqa: E402
-
-
-def run_train(args: list[str], cache_dir: str, workdir: Path) -> dict:
-    """One `compiletune train` process; returns its summary plus per-step times."""
-    out = workdir / f"run{len(list(workdir.iterdir()))}"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    cmd = [sys.executable, "-m", "compiletune", "train", *args, "--output-dir", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench run failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    summary["step_times"] = [r["step_time_s"] for r in steps]
-    summary["tokens_per_step"] = steps[0]["tokens"]
-    return summary
+from common import device_name, result_header, run_train, write_result  # noqa: E402
 
 
 def main() -> None:

@@ -128,7 +128,10 @@ def test_passes_run_in_order_and_report_stats():
     x = torch.randn(2, 8, 64, requires_grad=True)
     cos, sin = torch.ones(1, 8, 16), torch.zeros(1, 8, 16)
     block(x, cos, sin).sum().backward()
-    assert [s for s, _ in seen] == ["pre_grad", "joint"]  # pre-grad before joint, whatever order given
+    assert [s for s, _ in seen] == [
+        "pre_grad",
+        "joint",
+    ]  # pre-grad before joint, whatever order given
     (record,) = backend.records
     by_name = {p["pass"]: p for p in record.passes}
     assert by_name["count_mm"]["fired"] and by_name["count_mm"]["matched"] >= 7  # 7 linears fwd
