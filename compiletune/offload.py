@@ -26,14 +26,19 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
+def _empty_like(x: torch.Tensor, device: torch.device | str, pin: bool = False) -> torch.Tensor:
+    # The same strides as x: the compiled backward was built for the layout the forward saved.
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device, pin_memory=pin)
+
+
 @torch.library.custom_op("compiletune::offload_to_host", mutates_args=())
 def offload_to_host(x: torch.Tensor) -> torch.Tensor:
     """A host copy of `x` (pinned, asynchronous on a side stream when `x` is on a GPU)."""
+    host = _empty_like(x, "cpu", pin=x.is_cuda)
     if not x.is_cuda:
-        return x.clone()
+        return host.copy_(x)
     stream = _side_stream(x.device)
     stream.wait_stream(torch.cuda.current_stream(x.device))  # x must be fully computed first
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     with torch.cuda.stream(stream):
         host.copy_(x, non_blocking=True)
     x.record_stream(stream)
@@ -42,18 +47,19 @@ def offload_to_host(x: torch.Tensor) -> torch.Tensor:
 
 @offload_to_host.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+    return _empty_like(x, "cpu")
 
 
 @torch.library.custom_op("compiletune::reload_from_host", mutates_args=())
 def reload_from_host(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`x` (from `offload_to_host`) back on `device`."""
+    out = _empty_like(x, device)
     if device.type != "cuda":
-        return x.clone()
+        return out.copy_(x)
     torch.cuda.current_stream(device).wait_stream(_side_stream(device))  # the offload copy ended
-    return x.to(device, non_blocking=True)
+    return out.copy_(x, non_blocking=True)
 
 
 @reload_from_host.register_fake
 def _(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device=device)
+    return _empty_like(x, device)

@@ -2,8 +2,8 @@
 
 Matches, after the min-cut partitioner, every floating-point tensor the forward graph returns
 for the backward that the forward computed (not graph inputs such as parameters or the block's
-input, which stay alive anyway, and not integer RNG states, which are tiny), at least
-`min_bytes` large. Rewrites:
+input, which stay alive anyway, and not integer RNG states, which are tiny), dense in memory
+(copied with its strides unchanged), at least `min_bytes` large. Rewrites:
 
     forward:  return (..., a, ...)             ->  a_host = compiletune::offload_to_host(a)
                                                    return (..., a_host, ...)
@@ -26,6 +26,14 @@ from compiletune.torch_internals import fake_call
 
 def _value(node: torch.fx.Node) -> Any:
     return node.meta.get("val")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and without gaps: a copy with the same strides is well defined."""
+    if t.numel() == 0:
+        return False
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return all(s >= 0 for s in t.stride()) and span == t.numel()
 
 
 def offload_activations(
@@ -52,6 +60,7 @@ def offload_activations(
             or node.op == "placeholder"
             or not isinstance(val, torch.Tensor)
             or not val.is_floating_point()
+            or not _dense(val)
         ):
             continue
         nbytes = val.numel() * val.element_size()

@@ -242,3 +242,16 @@ def test_offload_moves_every_saved_activation_and_keeps_numerics(backend, ac, tm
 def test_offload_needs_compile():
     with pytest.raises(UserError, match="add --compile"):
         resolve({}, {"offload_activations": True})
+
+
+def test_offload_ops_pass_opcheck_and_keep_strides():
+    import compiletune.offload  # noqa: F401
+
+    x = torch.randn(4, 6, 5).transpose(1, 2)  # non-contiguous but dense
+    torch.library.opcheck(torch.ops.compiletune.offload_to_host.default, (x,))
+    host = torch.ops.compiletune.offload_to_host(x)
+    torch.library.opcheck(
+        torch.ops.compiletune.reload_from_host.default, (host, torch.device("cpu"))
+    )
+    back = torch.ops.compiletune.reload_from_host(host, torch.device("cpu"))
+    assert back.stride() == x.stride() and torch.equal(back, x)
