@@ -1,0 +1,244 @@
+"""The loss head alone: fused vs chunked vs plain cross-entropy, forward + backward.
+
+    python bench/loss.py                       # GPU: tokens 4096 16384 32768, hidden 4096, bf16
+    python bench/loss.py                       # CPU: tokens 1024 4096, hidden 256, fp32
+    python bench/loss.py --plot                # also bench/results/loss-<device>.png (matplotlib)
+
+Each variant computes loss = cross_entropy(h [N, d] @ W.T [d, V]) and its gradients w.r.t. h
+and W (128256 = the Llama 3 vocabulary), with 5% of the targets ignored:
+
+    fused    compiletune::linear_cross_entropy (chunked fp32 log-sum-exp, saves only lse [N])
+    chunked  the usual chunked-logits baseline (8 chunks; autograd keeps each chunk's logits)
+    plain    F.cross_entropy(F.linear(h, W).float())
+
+Peak memory is what the step allocates on top of its inputs (h, W, targets), gradients included,
+measured from the allocator:
+    GPU  torch.cuda.max_memory_allocated() - memory_allocated() before the step;
+    CPU  the highest running total of torch.profiler's allocator events (profile_memory=True,
+         every allocation and free of the CPU allocator, in order) over one step.
+Time is the median of --iters steps after a warm-up (the memory step is not timed).
+Results: bench/results/loss-<device>.json and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_name, result_header, write_result  # noqa: E402
+
+from compiletune.fused_loss import (  # noqa: E402
+    chunk_tokens,
+    chunked_cross_entropy,
+    linear_cross_entropy,
+    plain_cross_entropy,
+)
+
+VARIANTS = {
+    "fused": linear_cross_entropy,
+    "chunked": chunked_cross_entropy,
+    "plain": plain_cross_entropy,
+}
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB = 2**20
+
+
+def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: str):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).to(device, dtype).requires_grad_()
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    t[torch.rand(tokens, generator=g) < 0.05] = -100
+    return h, w, t.to(device)
+
+
+def step(fn, h, w, t) -> None:
+    h.grad = w.grad = None
+    fn(h, w, t).backward()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_bytes(fn, h, w, t, device: str) -> int:
+    """Bytes the step allocates above what is live before it (inputs), at its highest."""
+    h.grad = w.grad = None
+    gc.collect()
+    if device == "cuda":
+        sync(device)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(fn, h, w, t)
+        sync(device)
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(fn, h, w, t)
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def seconds(fn, h, w, t, device: str, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        step(fn, h, w, t)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for tokens in args.tokens:
+        row: dict[str, Any] = {"tokens": tokens}
+        for name in args.variants:
+            fn = VARIANTS[name]
+            h, w, t = make_inputs(tokens, args.hidden, args.vocab, dtype, device)
+            try:
+                # Warm-up on a short batch (compiles the fused op's chunk functions; dynamic
+                # shapes, so the full size does not recompile), then memory, then time.
+                short = min(tokens, chunk_tokens(args.vocab) + 7)
+                step(fn, h[:short].detach().requires_grad_(), w, t[:short])
+                peak = peak_bytes(fn, h, w, t, device)
+                secs = seconds(fn, h, w, t, device, args.iters)
+                row[name] = {"peak_mib": round(peak / MIB, 1), "time_ms": round(secs * 1e3, 2)}
+            except torch.OutOfMemoryError:
+                row[name] = {"peak_mib": None, "time_ms": None, "error": "out of memory"}
+            del h, w, t
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            print(f"tokens={tokens} {name}: {row[name]}", file=sys.stderr, flush=True)
+        for name in args.variants:
+            if (
+                name != "plain"
+                and "plain" in row
+                and row["plain"]["peak_mib"]
+                and row[name]["peak_mib"]
+            ):
+                row[f"{name}/plain"] = {
+                    "memory": round(row[name]["peak_mib"] / row["plain"]["peak_mib"], 4),
+                    "time": round(row[name]["time_ms"] / row["plain"]["time_ms"], 3),
+                }
+        rows.append(row)
+    return {
+        **result_header(),
+        "bench": "loss",
+        "config": {
+            "hidden": args.hidden,
+            "vocab": args.vocab,
+            "dtype": args.dtype,
+            "iters": args.iters,
+            "ignored_targets": 0.05,
+            "fused_chunk_tokens": chunk_tokens(args.vocab),
+            "peak_memory": (
+                "torch.cuda.max_memory_allocated above the inputs"
+                if device == "cuda"
+                else "torch.profiler CPU allocator events: highest live total above the inputs"
+            ),
+        },
+        "targets": {
+            "fused/plain memory at 16k tokens": "<= 0.05",
+            "fused/plain time (GPU)": "<= 1.1",
+        },
+        "rows": rows,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    variants = [v for v in VARIANTS if v in result["rows"][0]]
+    head = ["tokens"] + [f"{v} MiB" for v in variants] + [f"{v} ms" for v in variants]
+    ratios = [k for k in result["rows"][0] if "/" in k]
+    head += [f"{r} mem" for r in ratios] + [f"{r} time" for r in ratios]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in result["rows"]:
+        cells = [str(row["tokens"])]
+        cells += [str(row[v]["peak_mib"]) for v in variants]
+        cells += [str(row[v]["time_ms"]) for v in variants]
+        cells += [str(row.get(r, {}).get("memory")) for r in ratios]
+        cells += [str(row.get(r, {}).get("time")) for r in ratios]
+        lines.append("| " + " | ".join(cells) + " |")
+    c = result["config"]
+    title = (
+        f"loss head on {result['device']} ({result['device_detail']}), torch {result['torch']}, "
+        f"commit {result['commit']}: hidden {c['hidden']}, vocab {c['vocab']}, {c['dtype']}"
+    )
+    return title + "\n\n" + "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); skipped", file=sys.stderr)
+        return
+    rows = result["rows"]
+    variants = [v for v in VARIANTS if v in rows[0]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "peak_mib", "peak MiB"), (axes[1], "time_ms", "ms / step")):
+        for v in variants:
+            points = [(r["tokens"], r[v][key]) for r in rows if r[v][key] is not None]
+            ax.plot(*zip(*points, strict=True), marker="o", label=v)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"loss head fwd+bwd, {result['device']}, vocab {result['config']['vocab']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def main() -> None:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--tokens", type=int, nargs="+", default=[4096, 16384, 32768] if gpu else [1024, 4096]
+    )
+    p.add_argument("--hidden", type=int, default=4096 if gpu else 256)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--dtype", default="bfloat16" if gpu else "float32")
+    p.add_argument("--iters", type=int, default=5 if gpu else 3)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument(
+        "--out", type=Path, default=None, help="default bench/results/loss-<device>.json"
+    )
+    p.add_argument("--plot", action="store_true")
+    args = p.parse_args()
+    result = run(args)
+    out = args.out or RESULTS / f"loss-{device_name()}.json"
+    write_result(out, result)
+    print(markdown(result))
+    print(f"\nwrote {out}", file=sys.stderr)
+    if args.plot:
+        plot(result, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

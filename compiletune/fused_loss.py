@@ -1,0 +1,522 @@
+"""Output projection fused with cross-entropy: the [tokens, vocab] logits never exist.
+
+    linear_cross_entropy(h [..., d], weight [V, d], targets [...]) -> fp32 []
+
+is `F.cross_entropy(F.linear(h, weight, bias).float(), targets)` computed a chunk of tokens at a
+time. The forward keeps only `lse [N]` (fp32 log-sum-exp per token) for backward; the backward
+recomputes each chunk's logits and turns them in place into d loss / d logits, so at most one
+chunk of logits is alive at any time, in the forward and in the backward.
+
+The whole head is the custom op `compiletune::linear_cross_entropy`, with its backward the custom
+op `compiletune::linear_cross_entropy_backward`: in an AOT joint graph the head is one node in the
+forward and one in the backward, which is what the `fuse_linear_cross_entropy` pass emits.
+
+Inside the op each chunk is a matmul (cuBLAS / CPU BLAS, fp32 accumulation) followed by row-wise
+work (log-sum-exp, target logit, loss; or softmax - onehot): Triton kernels on CUDA
+(`compiletune.triton_ce`), a `torch.compile`d torch function elsewhere.
+
+Also here, for comparison and for `--loss chunked|plain`:
+    chunked_cross_entropy   what other trainers do: logits per chunk, autograd saves them all.
+    plain_cross_entropy     linear -> fp32 upcast -> cross_entropy.
+
+Environment:
+    COMPILETUNE_LCE_CHUNK_TOKENS=n   tokens per chunk when the caller passes chunk_size=0.
+    COMPILETUNE_LCE_EAGER=1          run the row-wise torch functions eagerly (fast tests).
+"""
+
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from compiletune.errors import UserError
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk of fp32 logits
+MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 128, 65536
+
+# Tests set this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
+_FORCE_TRITON = False
+
+
+def chunk_tokens(vocab: int, chunk_size: int = 0, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk: chunk_size if > 0, else $COMPILETUNE_LCE_CHUNK_TOKENS, else as many
+    tokens as keep one chunk's fp32 logits [tokens, vocab] under budget_bytes, clamped to
+    [MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS] (a huge vocabulary still gets matmuls worth running)."""
+    if chunk_size > 0:
+        return chunk_size
+    env = os.environ.get("COMPILETUNE_LCE_CHUNK_TOKENS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) <= 0:
+            raise UserError(
+                f"COMPILETUNE_LCE_CHUNK_TOKENS={env!r} is not a positive integer; "
+                "set it to a token count such as 4096, or unset it for the automatic size"
+            )
+        return int(env)
+    return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, budget_bytes // (4 * vocab)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-wise work on one chunk of logits: torch versions (compiled on first use) and Triton ones.
+
+
+def _rows_forward(
+    logits: Tensor, targets: Tensor, z_loss: float, softcap: float
+) -> tuple[Tensor, Tensor]:
+    """logits [c, V] (any float dtype), targets [c] in [0, V) -> (lse [c], loss [c]) fp32."""
+    x = logits.float()
+    if softcap > 0:
+        x = softcap * torch.tanh(x / softcap)
+    lse = torch.logsumexp(x, dim=-1)
+    loss = lse - x.gather(1, targets[:, None]).squeeze(1)
+    if z_loss != 0:
+        loss = loss + z_loss * lse * lse
+    return lse, loss
+
+
+def _rows_backward_(
+    logits: Tensor,
+    lse: Tensor,
+    targets: Tensor,
+    coef_p: Tensor,
+    coef_t: Tensor,
+    col_offset: int,
+    softcap: float,
+) -> Tensor:
+    """Overwrite logits [c, v] (columns col_offset.. of the vocabulary) with d loss / d logits:
+    coef_p[i] * softmax[i, j] - coef_t[i] * (j + col_offset == targets[i]), through the softcap.
+    lse, coef_p, coef_t: fp32 [c]. Returns logits. In place so that, compiled, a chunk needs one
+    [c, v] buffer, not two."""
+    x = logits.float()
+    if softcap > 0:
+        t = torch.tanh(x / softcap)
+        x = softcap * t
+    p = torch.exp(x - lse[:, None])
+    cols = torch.arange(x.shape[1], device=x.device) + col_offset
+    d = coef_p[:, None] * p - torch.where(cols == targets[:, None], coef_t[:, None], 0.0)
+    if softcap > 0:
+        d = d * (1 - t * t)
+    return logits.copy_(d)
+
+
+_compiled: dict[Callable, Callable] = {}
+_compile_failed = False
+
+
+def _maybe_compiled(fn: Callable) -> Callable:
+    """fn compiled with Inductor (dynamic shapes: the short last chunk must not recompile), or fn
+    itself when COMPILETUNE_LCE_EAGER=1 or compiling failed once (no C++ compiler, say)."""
+    if _compile_failed or os.environ.get("COMPILETUNE_LCE_EAGER") == "1":
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = _compiled[fn]
+
+    def run(*args):
+        global _compile_failed
+        try:
+            return compiled(*args)
+        except Exception as e:  # eager gives the same numbers; a genuine error re-raises there
+            _compile_failed = True
+            warnings.warn(
+                f"compiletune: compiling the fused cross-entropy chunks failed ({e!r:.200}); "
+                "running them eagerly",
+                stacklevel=2,
+            )
+            return fn(*args)
+
+    return run
+
+
+def _row_ops(device: torch.device) -> tuple[Callable, Callable]:
+    """(forward, backward) row-wise functions for tensors on `device`."""
+    if device.type == "cuda" or _FORCE_TRITON:
+        try:
+            from compiletune import triton_ce
+        except ImportError:
+            pass
+        else:
+            return triton_ce.lse_and_loss, triton_ce.dlogits_
+    return _maybe_compiled(_rows_forward), _maybe_compiled(_rows_backward_)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op.
+
+
+def _check(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, reduction: str):
+    """Shape/dtype checks shared by the real and the fake implementation (no data is read)."""
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"linear_cross_entropy: h must be [N, d] and weight [V, d], got h {tuple(h.shape)} "
+            f"and weight {tuple(weight.shape)}"
+        )
+    if not h.is_floating_point() or weight.dtype != h.dtype:
+        raise ValueError(
+            f"linear_cross_entropy: h and weight must share one float dtype, got {h.dtype} and "
+            f"{weight.dtype}"
+        )
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != h.dtype):
+        raise ValueError(
+            f"linear_cross_entropy: bias must be [V] = [{weight.shape[0]}] of {h.dtype}, "
+            f"got {tuple(bias.shape)} of {bias.dtype}"
+        )
+    if targets.shape != (h.shape[0],) or targets.dtype != torch.int64:
+        raise ValueError(
+            f"linear_cross_entropy: targets must be int64 [N] = [{h.shape[0]}], "
+            f"got {targets.dtype} {tuple(targets.shape)}"
+        )
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"linear_cross_entropy: reduction must be 'mean' or 'sum', not {reduction!r}"
+        )
+
+
+def _valid_rows(targets: Tensor, ignore_index: int) -> Tensor:
+    """Indices [n] of the tokens that count. Reading n syncs with the GPU: the op has
+    data-dependent shapes, so that ignored tokens never reach the projection."""
+    return (targets != ignore_index).nonzero().squeeze(1)
+
+
+@torch.library.custom_op("compiletune::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(
+    h: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    ignore_index: int,
+    reduction: str,
+    chunk_size: int,
+    z_loss: float,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """h [N, d] (any float dtype), weight [V, d], bias [V] or None, targets [N] int64.
+
+    Returns (loss: fp32 scalar, lse: fp32 [N]); lse is 0 for ignored tokens.
+    reduction: "sum" | "mean" (mean over non-ignored tokens; 0.0 when all are ignored).
+    chunk_size: tokens per chunk; 0 = auto (`chunk_tokens`).
+    z_loss: coefficient of z_loss * lse**2 added per token (0 = off).
+    softcap: logits = softcap * tanh(logits / softcap) before the softmax (0 = off).
+    """
+    _check(h, weight, bias, targets, reduction)
+    n_tokens, vocab = h.shape[0], weight.shape[0]
+    rows = _valid_rows(targets, ignore_index)
+    n = rows.numel()
+    if n == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=h.device)
+        return zero, torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
+    all_valid = n == n_tokens
+    hv = h if all_valid else h.index_select(0, rows)  # [n, d]
+    tv = targets if all_valid else targets.index_select(0, rows)
+    bad = (tv < 0) | (tv >= vocab)
+    if bad.any():
+        raise UserError(
+            f"cross-entropy targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
+            f"found {tv[bad][0].item()}. Check that the tokenizer matches the model's vocabulary"
+        )
+    tv = tv.contiguous()
+
+    rows_forward, _ = _row_ops(h.device)
+    chunk = chunk_tokens(vocab, chunk_size)
+    lse_v = torch.empty(n, dtype=torch.float32, device=h.device)
+    loss_v = torch.empty(n, dtype=torch.float32, device=h.device)
+    for s in range(0, n, chunk):
+        logits = F.linear(hv[s : s + chunk], weight, bias)  # [c, V], the only big tensor
+        lse_c, loss_c = rows_forward(logits, tv[s : s + chunk], z_loss, softcap)
+        lse_v[s : s + chunk] = lse_c
+        loss_v[s : s + chunk] = loss_c
+        del logits
+    if all_valid:
+        lse = lse_v
+    else:
+        lse = torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
+        lse.index_copy_(0, rows, lse_v)
+    loss = loss_v.sum()
+    return (loss / n if reduction == "mean" else loss), lse
+
+
+@linear_cross_entropy_op.register_fake
+def _(h, weight, bias, targets, ignore_index, reduction, chunk_size, z_loss, softcap):
+    _check(h, weight, bias, targets, reduction)
+    return h.new_empty((), dtype=torch.float32), h.new_empty(h.shape[0], dtype=torch.float32)
+
+
+def _chunk_vocab(
+    n: int, vocab: int, d_model: int, dtype: torch.dtype, need_dh: bool, need_dweight: bool
+) -> bool:
+    """Whether the backward chunks over vocabulary columns (True) or over tokens (False).
+
+    One of dh / dweight is a sum over chunks, kept in an fp32 buffer when the input dtype is
+    narrower; the other comes from one matmul per chunk (fp32 accumulation inside the matmul).
+    Over tokens dweight is the sum ([V, d] fp32), over vocabulary columns dh is ([n, d] fp32):
+    take the smaller buffer. With 16k tokens and a 128k vocabulary that is 8x less memory.
+    """
+    wide = dtype == torch.float32
+    token_acc = vocab * d_model * 4 if need_dweight and not wide else 0
+    vocab_acc = n * d_model * 4 if need_dh and not wide else 0
+    return vocab_acc < token_acc
+
+
+@torch.library.custom_op("compiletune::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward_op(
+    grad_loss: Tensor | None,
+    grad_lse: Tensor | None,
+    h: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    lse: Tensor,
+    ignore_index: int,
+    reduction: str,
+    chunk_size: int,
+    z_loss: float,
+    softcap: float,
+    need_dh: bool,
+    need_dweight: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `linear_cross_entropy_op` from its saved inputs and lse [N].
+
+    grad_loss: fp32 [] or None; grad_lse: [N] or None (None = zero).
+    Returns (dh [N, d] or [0], dweight [V, d] or [0], dbias [V] or [0]) in the input dtypes;
+    [0] where not needed (need_* False, or no bias). dbias is computed with dweight.
+    """
+    n_tokens, d_model = h.shape
+    vocab = weight.shape[0]
+    dev, f32 = h.device, torch.float32
+    need_dbias = need_dweight and bias is not None
+    dh = torch.zeros(h.shape, dtype=h.dtype, device=dev) if need_dh else h.new_empty(0)
+    dw = (
+        torch.zeros(weight.shape, dtype=weight.dtype, device=dev)
+        if need_dweight
+        else h.new_empty(0)
+    )
+    db = torch.zeros(vocab, dtype=h.dtype, device=dev) if need_dbias else h.new_empty(0)
+    rows = _valid_rows(targets, ignore_index)
+    n = rows.numel()
+    if n == 0 or not (need_dh or need_dweight):
+        return dh, dw, db
+    all_valid = n == n_tokens
+    hv = h if all_valid else h.index_select(0, rows)  # [n, d]
+    tv = (targets if all_valid else targets.index_select(0, rows)).contiguous()
+    lse_v = (lse if all_valid else lse.index_select(0, rows)).contiguous()
+
+    # d loss_i / d logit_ij = g * ((1 + 2 z lse_i) softmax_ij - onehot_ij) + grad_lse_i softmax_ij
+    g = torch.zeros((), dtype=f32, device=dev) if grad_loss is None else grad_loss.float()
+    if reduction == "mean":
+        g = g / n
+    coef_p = g * (1 + 2 * z_loss * lse_v) if z_loss != 0 else g.expand(n)
+    if grad_lse is not None:
+        coef_p = coef_p + (grad_lse if all_valid else grad_lse.index_select(0, rows)).float()
+    coef_p = coef_p.contiguous()
+    coef_t = g.expand(n).contiguous()
+
+    _, rows_backward = _row_ops(dev)
+    chunk = chunk_tokens(vocab, chunk_size)
+    wide = weight.dtype == f32
+    dh_v = dh if all_valid or not need_dh else h.new_empty(n, d_model)  # dh of the valid rows
+    if not _chunk_vocab(n, vocab, d_model, weight.dtype, need_dh, need_dweight):
+        # Chunks of tokens: logits [c, V]; dh rows are final per chunk, dweight accumulates.
+        dw_acc = (
+            (dw if wide else torch.zeros(weight.shape, dtype=f32, device=dev))
+            if need_dweight
+            else None
+        )
+        db_acc = torch.zeros(vocab, dtype=f32, device=dev) if need_dbias else None
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            h_c = hv[s:e]
+            logits = F.linear(h_c, weight, bias)  # [c, V]
+            dl = rows_backward(logits, lse_v[s:e], tv[s:e], coef_p[s:e], coef_t[s:e], 0, softcap)
+            del logits
+            if need_dh:
+                torch.mm(dl, weight, out=dh_v[s:e])
+            if need_dweight:
+                if wide:
+                    dw_acc.addmm_(dl.t(), h_c)
+                else:
+                    dw_acc.add_(dl.t() @ h_c)
+            if need_dbias:
+                db_acc.add_(dl.sum(0, dtype=f32))
+            del dl
+        if need_dweight and not wide:
+            dw.copy_(dw_acc)
+        if need_dbias:
+            db.copy_(db_acc)
+    else:
+        # Chunks of vocabulary columns, as many logits per chunk as a token chunk would hold:
+        # logits [n, v]; dweight/dbias rows are final per chunk, dh accumulates in fp32.
+        cols = max(1, chunk * vocab // n)
+        if need_dh:
+            dh_acc = dh_v.zero_() if wide else torch.zeros(n, d_model, dtype=f32, device=dev)
+        for v0 in range(0, vocab, cols):
+            v1 = min(v0 + cols, vocab)
+            w_c = weight[v0:v1]
+            logits = F.linear(hv, w_c, None if bias is None else bias[v0:v1])  # [n, v]
+            dl = rows_backward(logits, lse_v, tv, coef_p, coef_t, v0, softcap)
+            del logits
+            if need_dh:
+                if wide:
+                    dh_acc.addmm_(dl, w_c)
+                else:
+                    dh_acc.add_(dl @ w_c)
+            if need_dweight:
+                torch.mm(dl.t(), hv, out=dw[v0:v1])
+            if need_dbias:
+                db[v0:v1] = dl.sum(0, dtype=f32)
+            del dl
+        if need_dh and not wide:
+            dh_v.copy_(dh_acc)
+    if need_dh and not all_valid:
+        dh.index_copy_(0, rows, dh_v)
+    return dh, dw, db
+
+
+@linear_cross_entropy_backward_op.register_fake
+def _(
+    grad_loss,
+    grad_lse,
+    h,
+    weight,
+    bias,
+    targets,
+    lse,
+    ignore_index,
+    reduction,
+    chunk_size,
+    z_loss,
+    softcap,
+    need_dh,
+    need_dweight,
+):
+    dh = h.new_empty(h.shape) if need_dh else h.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_dweight else h.new_empty(0)
+    need_dbias = need_dweight and bias is not None
+    db = h.new_empty(weight.shape[0]) if need_dbias else h.new_empty(0)
+    return dh, dw, db
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    h, weight, bias, targets, ignore_index, reduction, chunk_size, z_loss, softcap = inputs
+    # Inputs and lse [N]: the whole saved state of the head (no [N, V] tensor).
+    ctx.save_for_backward(h, weight, bias, targets, output[1])
+    ctx.args = (ignore_index, reduction, chunk_size, z_loss, softcap)
+    ctx.set_materialize_grads(False)  # an unused lse then costs nothing in backward
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    h, weight, bias, targets, lse = ctx.saved_tensors
+    need_dh, need_dweight, need_dbias = ctx.needs_input_grad[:3]
+    dh, dw, db = torch.ops.compiletune.linear_cross_entropy_backward(
+        grad_loss,
+        grad_lse,
+        h,
+        weight,
+        bias,
+        targets,
+        lse,
+        *ctx.args,
+        need_dh,
+        need_dweight or need_dbias,
+    )
+    return (
+        dh if need_dh else None,
+        dw if need_dweight else None,
+        db if need_dbias else None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions: the fused head and the two baselines it is measured against.
+
+
+def _flatten(h: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """h [..., d], targets [...] -> h [N, d], targets [N]."""
+    if h.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"h [..., d] and targets [...] must agree on the token dimensions, got h "
+            f"{tuple(h.shape)} and targets {tuple(targets.shape)}"
+        )
+    return h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+
+
+def linear_cross_entropy(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_size: int = 0,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> Tensor:
+    """Fused cross_entropy(linear(h, weight, bias), targets): h [..., d], weight [V, d],
+    targets [...] -> fp32 []. See `linear_cross_entropy_op` for the arguments."""
+    h2, t2 = _flatten(h, targets)
+    loss, _ = torch.ops.compiletune.linear_cross_entropy(
+        h2, weight, bias, t2, ignore_index, reduction, chunk_size, z_loss, softcap
+    )
+    return loss
+
+
+def _reduce(total: Tensor, targets: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """Sum of per-token losses -> the requested reduction (mean is 0, not NaN, when all are
+    ignored)."""
+    if reduction == "sum":
+        return total
+    if reduction != "mean":
+        raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+    return total / (targets != ignore_index).sum().clamp(min=1)
+
+
+def chunked_cross_entropy(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunks: int = 8,
+) -> Tensor:
+    """The chunked-logits baseline (torchtune's CEWithChunkedOutputLoss): h [..., d] split into
+    `chunks` pieces of tokens, each projected and upcast to fp32 on its own. Avoids holding the
+    input-dtype and the fp32 logits of all tokens at once, but autograd still saves every
+    chunk's fp32 log-probabilities: [N, V] fp32 in total. -> fp32 []."""
+    h2, t2 = _flatten(h, targets)
+    total = sum(
+        F.cross_entropy(
+            F.linear(h_c, weight, bias).float(), t_c, ignore_index=ignore_index, reduction="sum"
+        )
+        for h_c, t_c in zip(h2.chunk(chunks), t2.chunk(chunks), strict=True)
+    )
+    return _reduce(total, t2, ignore_index, reduction)
+
+
+def plain_cross_entropy(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """The reference: F.cross_entropy(F.linear(h, weight, bias).float(), targets).
+    h [..., d] -> fp32 []; [N, V] logits in the input dtype and in fp32 both exist."""
+    h2, t2 = _flatten(h, targets)
+    logits = F.linear(h2, weight, bias).float()  # [N, V]
+    total = F.cross_entropy(logits, t2, ignore_index=ignore_index, reduction="sum")
+    return _reduce(total, t2, ignore_index, reduction)
