@@ -18,6 +18,12 @@ measured from the allocator:
          every allocation and free of the CPU allocator, in order) over one step.
 Time is the median of --iters steps after a warm-up (the memory step is not timed).
 Results: bench/results/loss-<device>.json and a markdown table on stdout.
+
+    python bench/loss.py --train               # also: whole training runs, fused vs plain
+
+--train runs `compiletune train --model llama3_150m --seq-len 2048` (vocab 128256) once with
+`--loss fused` and once with `--loss plain`, each in its own process, and records the run's peak
+memory (GPU: max_memory_allocated; CPU: the process's peak resident memory) and tokens/s.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, result_header, write_result  # noqa: E402
+from common import device_name, result_header, run_train, write_result  # noqa: E402
 
 from compiletune.fused_loss import (  # noqa: E402
     chunk_tokens,
@@ -215,6 +221,29 @@ def plot(result: dict[str, Any], path: Path) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def training_runs(args: argparse.Namespace) -> dict[str, Any]:
+    """Whole `compiletune train` runs, fused vs plain loss, same model, data and shapes."""
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="ct-bench-loss-"))
+    runs: dict[str, Any] = {"model": args.train_model, "seq_len": args.train_seq_len}
+    for loss in ("fused", "plain"):
+        flags = ["--model", args.train_model, "--seq-len", str(args.train_seq_len)]
+        flags += ["--batch-size", "1", "--max-steps", str(args.train_steps), "--loss", loss]
+        s = run_train(flags, tempfile.mkdtemp(dir=work), work)
+        steady = statistics.median(s["step_times"][1:])
+        runs[loss] = {
+            "peak_mem_gib": s["peak_mem_gib"],
+            "tokens_per_s": s["tokens_per_step"] / steady,
+            "final_loss": s["final_loss"],
+        }
+        print(f"train {loss}: {runs[loss]}", file=sys.stderr, flush=True)
+    runs["fused_over_plain_peak_mem"] = (
+        runs["fused"]["peak_mem_gib"] / runs["plain"]["peak_mem_gib"]
+    )
+    return runs
+
+
 def main() -> None:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -230,8 +259,20 @@ def main() -> None:
         "--out", type=Path, default=None, help="default bench/results/loss-<device>.json"
     )
     p.add_argument("--plot", action="store_true")
+    p.add_argument("--train", action="store_true", help="also whole training runs")
+    p.add_argument("--train-model", default="llama3_150m")
+    p.add_argument("--train-seq-len", type=int, default=2048)
+    p.add_argument("--train-steps", type=int, default=3)
     args = p.parse_args()
     result = run(args)
+    if args.train:
+        result["training_run"] = training_runs(args)
+        tr = result["training_run"]
+        print(
+            f"\nwhole run ({tr['model']}, seq {tr['seq_len']}): peak memory fused "
+            f"{tr['fused']['peak_mem_gib']:.2f} GiB vs plain {tr['plain']['peak_mem_gib']:.2f} GiB "
+            f"({tr['fused_over_plain_peak_mem']:.2f}x)"
+        )
     out = args.out or RESULTS / f"loss-{device_name()}.json"
     write_result(out, result)
     print(markdown(result))
