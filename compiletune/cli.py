@@ -53,7 +53,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dump-graphs", metavar="DIR", default=S, help="write graphs per stage + summary"
     )
-    g.add_argument("--loss", choices=("fused", "chunked", "plain"), default=S, help="default fused")
+    g.add_argument(
+        "--loss", choices=("fused", "chunked", "plain"), default=S, help="default: see README"
+    )
     g.add_argument("--ac", default=S, help="activation policy: none|full|selective|budget=F")
     g.add_argument("--ac-every", type=int, default=S, help="apply --ac to every K-th block")
     g.add_argument(

@@ -48,7 +48,7 @@ class TrainConfig:
     compile: bool = False  # compile each block and the loss head through compiletune's backend
     compile_backend: str = "inductor"  # inductor | aot_eager (same passes, no code generation)
     dump_graphs: str | None = None  # folder for per-region, per-stage graphs and summary.json
-    loss: str = "fused"  # fused | chunked | plain
+    loss: str | None = None  # fused | chunked | plain; None -> fused with --compile or vocab >= 32k
     ac: str = "none"  # activation policy: none | full | selective | budget=F
     ac_every: int = 1  # apply --ac to every K-th block
     offload_activations: bool = False  # what each block saves goes to host memory (needs --compile)
@@ -144,7 +144,7 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
         raise UserError(
             f"--compile-backend must be one of {', '.join(COMPILE_BACKENDS)}, got {cfg.compile_backend!r}"
         )
-    if cfg.loss not in LOSSES:
+    if cfg.loss is not None and cfg.loss not in LOSSES:
         raise UserError(f"--loss must be one of {', '.join(LOSSES)}, got {cfg.loss!r}")
     if cfg.n_layers is not None and (cfg.model_dir is not None or cfg.n_layers < 1):
         raise UserError(

@@ -157,6 +157,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             f"--seq-len {cfg.seq_len} exceeds the model's sliding window of {args.sliding_window}, "
             f"which compiletune does not implement; pass --seq-len {args.sliding_window} or less"
         )
+    if cfg.loss is None:
+        # The fused head pays off once logits are large; a tiny vocabulary gains nothing from it.
+        cfg.loss = "fused" if cfg.compile or args.vocab_size >= 32000 else "plain"
     examples = load_examples(cfg.data, tokenizer)
     data = pack(examples, cfg.seq_len)
     resume_from = ckpt.latest_checkpoint(out) if cfg.resume else None
