@@ -45,6 +45,19 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", choices=("cosine", "linear", "constant"), default=S)
     g.add_argument("--min-lr-ratio", type=float, default=S, help="final lr / peak (default 0.1)")
     g.add_argument("--max-grad-norm", type=float, default=S, help="clip (default 1.0; 0 = off)")
+    g.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default=S, help="default adamw")
+    g.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        default=S,
+        help="step each parameter during backward and free its gradient at once",
+    )
+    g.add_argument(
+        "--bf16-compensation",
+        choices=("none", "kahan", "stochastic"),
+        default=S,
+        help="keep small bf16 updates from vanishing (with --dtype bf16)",
+    )
     g.add_argument("--dtype", choices=("bf16", "fp32"), default=S, help="default: bf16 on GPU")
     g.add_argument("--seed", type=int, default=S, help="initialisation and data order (default 0)")
     g = p.add_argument_group("compiler")

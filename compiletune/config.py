@@ -41,7 +41,10 @@ class TrainConfig:
     warmup_steps: int | None = None  # None -> 5% of max_steps
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1
-    max_grad_norm: float = 1.0  # 0 disables clipping
+    max_grad_norm: float | None = None  # None -> 1.0 (0 with --optimizer-in-backward); 0 = off
+    optimizer: str = "adamw"  # adamw | adamw8bit
+    optimizer_in_backward: bool = False  # step each parameter in its grad hook, free its grad
+    bf16_compensation: str = "none"  # none | kahan | stochastic (pure-bf16 parameter updates)
     dtype: str | None = None  # None -> bf16 on a GPU that supports it, else fp32
     seed: int = 0
     # compiler
@@ -97,7 +100,7 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
         "seed": int,
         "weight_decay": float,
         "min_lr_ratio": float,
-        "max_grad_norm": float,
+        "optimizer_in_backward": bool,
         "resume": bool,
         "overwrite": bool,
         "compile": bool,
@@ -138,8 +141,26 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise UserError(f"--min-lr-ratio must be within [0, 1], got {cfg.min_lr_ratio}")
-    if cfg.max_grad_norm < 0:
+    if cfg.max_grad_norm is None:
+        # In-backward never holds all gradients at once, so there is no global norm to clip.
+        cfg.max_grad_norm = 0.0 if cfg.optimizer_in_backward else 1.0
+    if not isinstance(cfg.max_grad_norm, (int, float)) or cfg.max_grad_norm < 0:
         raise UserError(f"--max-grad-norm must be >= 0 (0 disables), got {cfg.max_grad_norm}")
+    cfg.max_grad_norm = float(cfg.max_grad_norm)
+    from compiletune.optim import check_optimizer_flags
+
+    check_optimizer_flags(
+        cfg.optimizer,
+        cfg.optimizer_in_backward,
+        cfg.grad_accum,
+        cfg.max_grad_norm,
+        cfg.bf16_compensation,
+    )
+    if cfg.bf16_compensation != "none" and cfg.dtype != "bf16":
+        raise UserError(
+            f"--bf16-compensation {cfg.bf16_compensation} corrects bf16 parameter updates; "
+            "add --dtype bf16 or drop it"
+        )
     if cfg.compile_backend not in COMPILE_BACKENDS:
         raise UserError(
             f"--compile-backend must be one of {', '.join(COMPILE_BACKENDS)}, got {cfg.compile_backend!r}"

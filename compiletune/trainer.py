@@ -39,6 +39,7 @@ from compiletune.models import (
     load_hf_config,
     num_params,
 )
+from compiletune.optim import Optimizer
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
 # Fields that make two architectures different models (head_dim is compared resolved).
@@ -198,19 +199,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         apply_eager_checkpointing(model, policy)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params,
+    optimizer = Optimizer(
+        [(n, p) for n, p in model.named_parameters() if p.requires_grad],
+        kind=cfg.optimizer,
         lr=cfg.lr,
         betas=(0.9, 0.95),
         weight_decay=cfg.weight_decay,
-        fused=device.type == "cuda",
+        in_backward=cfg.optimizer_in_backward,
+        bf16_compensation=cfg.bf16_compensation,
+        device=device,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     batches = Batches(data, cfg.batch_size, cfg.seed)
     start_step = 0
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
         start_step = state["step"]
@@ -228,7 +230,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return {
             "step": step,
             "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
             "data": batches.state_dict(),
             "rng": ckpt.rng_state(),
             "config": cfg.to_dict(),
@@ -260,6 +261,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         while step < cfg.max_steps and not stop.requested:
             t0 = time.perf_counter()
             micro = [batches.next() for _ in range(cfg.grad_accum)]
+            # The lr is a function of the step alone (so a resume needs no schedule state); it is
+            # set before backward because --optimizer-in-backward steps during backward.
+            lr = cfg.lr * lr_factor(step, cfg)
+            optimizer.set_lr(lr)
             # The loss is normalised by the target tokens of the whole accumulated batch, so
             # accumulation gives the same gradient as one big batch.
             n_targets = sum(int((mb["targets"] != IGNORE_INDEX).sum()) for mb in micro)
@@ -275,10 +280,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 if cfg.max_grad_norm > 0
                 else None
             )
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            optimizer.step()  # a no-op with --optimizer-in-backward: already stepped
+            optimizer.zero_grad()
             step += 1
 
             loss_value = total.item() / n_targets
@@ -344,6 +347,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0,
         "peak_mem_gib": peak_memory_gib(device),
         "checkpoint": str(last_saved) if last_saved else None,
+        "optimizer": cfg.optimizer + (" in-backward" if cfg.optimizer_in_backward else ""),
+        "optimizer_state_bytes": optimizer.state_bytes(),
         "output_dir": str(out),
         "loss_kind": cfg.loss,
         "compile": compile_stats,

@@ -269,3 +269,48 @@ def test_sigint_saves_a_checkpoint_and_exits_130(tmp_path, corpus):
     )
     assert resumed.returncode == 0, resumed.stderr
     assert len(read_metrics(metrics)) == steps + 1
+
+
+# --- optimizers in the loop -------------------------------------------------------------------
+
+
+def test_in_backward_run_equals_ordinary_run(tmp_path, corpus):
+    common = {"max_steps": 4, "max_grad_norm": 0.0}
+    run(tmp_path, corpus, name="plain", **common)
+    run(tmp_path, corpus, name="inbw", optimizer_in_backward=True, **common)
+    a = read_metrics(tmp_path / "plain" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "inbw" / "metrics.jsonl")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    wa = load_file(tmp_path / "plain" / "step_4" / "model.safetensors")
+    wb = load_file(tmp_path / "inbw" / "step_4" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_adamw8bit_in_backward_resumes_exactly(tmp_path, corpus):
+    flags = {"max_steps": 6, "save_every": 3, "optimizer": "adamw8bit"}
+    flags["optimizer_in_backward"] = True
+    summary = run(tmp_path, corpus, name="full", **flags)
+    assert summary["optimizer"] == "adamw8bit in-backward"
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copytree(tmp_path / "full" / "step_3", part / "step_3")
+    run(tmp_path, corpus, name="part", resume=True, **flags)
+    resumed = read_metrics(part / "metrics.jsonl")  # steps 4..6: the copy held no metrics
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--optimizer-in-backward", "--max-grad-norm", "1"], "--max-grad-norm 0"),
+        (["--optimizer-in-backward", "--grad-accum", "2"], "--grad-accum"),
+        (["--bf16-compensation", "kahan"], "--dtype bf16"),
+    ],
+)
+def test_contradictory_optimizer_flags(tmp_path, capsys, argv, needle):
+    assert main(["train", *argv, "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "o").exists()
