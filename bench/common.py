@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -55,17 +58,90 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def run_train(args: list[str], cache_dir: str, workdir: Path) -> dict[str, Any]:
+def run_train(
+    args: list[str],
+    cache_dir: str,
+    workdir: Path,
+    allow_failure: bool = False,
+    remove_output: bool = False,
+) -> dict[str, Any]:
     """One `compiletune train` process with its own Inductor cache folder; returns the run's
-    summary.json plus `step_times` and `tokens_per_step` from its metrics.jsonl."""
+    summary.json plus `step_times`, `tokens_per_step` and `step_peak_mem_gib` (the peak after
+    the last step, before the final checkpoint is written) from its metrics.jsonl.
+
+    A failed run exits the bench, or with `allow_failure` returns `{"error": ...}` naming it
+    ("out of memory" or the last line of its stderr) so a bench can record it and go on.
+    `remove_output` deletes the run folder once read: the final checkpoint of a large model
+    (weights and optimizer state) would otherwise fill the disk over a bench's runs.
+    """
     out = workdir / f"run{len(list(workdir.iterdir()))}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     cmd = [sys.executable, "-m", "compiletune", "train", *args, "--output-dir", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"bench run failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+        if not allow_failure:
+            raise SystemExit(f"bench run failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+        return {"error": failure_reason(proc.stderr), "returncode": proc.returncode}
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary["step_times"] = [r["step_time_s"] for r in steps]
     summary["tokens_per_step"] = steps[0]["tokens"]
+    summary["step_peak_mem_gib"] = steps[-1]["peak_mem_gib"]
+    if remove_output:
+        shutil.rmtree(out)
     return summary
+
+
+def failure_reason(stderr: str) -> str:
+    """One line saying why a bench subprocess failed: 'out of memory' or its last stderr line."""
+    if "OutOfMemoryError" in stderr or "out of memory" in stderr.lower():
+        return "out of memory"
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else "failed without output"
+
+
+def steady_state(step_times: list[float], tokens_per_step: int) -> dict[str, Any]:
+    """Steady-state speed of a run: the median of the steps after the first (which compiles and
+    warms the allocator). `step_spread` is (slowest - fastest) / median over those steps: the
+    run's own noise, which `bench/regress.py` uses as its tolerance."""
+    steady = step_times[1:] or step_times
+    median = statistics.median(steady)
+    return {
+        "tokens_per_s": tokens_per_step / median,
+        "steady_step_s": median,
+        "step_spread": (max(steady) - min(steady)) / median,
+        "step_times": step_times,
+    }
+
+
+def train_flags() -> set[str]:
+    """The long options `compiletune train --help` lists (benches skip what is not there yet)."""
+    cmd = [sys.executable, "-m", "compiletune", "train", "--help"]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"(--[a-z][a-z0-9-]*)", text))
+
+
+# Dense bf16 peak of one GPU, for model FLOPs utilisation (the vendors' datasheet numbers).
+PEAK_BF16_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "l40s": 362e12}
+
+
+def model_flops_per_token(args: Any, seq_len: int) -> float:
+    """Training FLOPs per token of a decoder (forward + backward), torchtitan's convention:
+    6 * (parameters that multiply: all but the embedding lookup) + 12 * layers * heads *
+    head_dim * seq_len for attention scores and values (causal masking not discounted)."""
+    from compiletune.models import num_params
+
+    matmul_params = num_params(args) - (0 if args.tie_embeddings else args.vocab_size * args.dim)
+    attention = 12 * args.n_layers * args.n_heads * args.hd * seq_len
+    return 6 * matmul_params + attention
+
+
+def mfu(tokens_per_s: float, flops_per_token: float) -> float | None:
+    """Model FLOPs utilisation against this GPU's bf16 peak; None on CPU or an unknown GPU."""
+    peak = PEAK_BF16_FLOPS.get(device_name())
+    return tokens_per_s * flops_per_token / peak if peak else None
+
+
+def bench_out(bench: str, out: str | None) -> Path:
+    """Where a bench writes: --out if given, else bench/results/<bench>-<device>.json."""
+    return Path(out) if out else Path(__file__).parent / "results" / f"{bench}-{device_name()}.json"

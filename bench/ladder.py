@@ -1,0 +1,263 @@
+"""The technique ladder: one model, compiletune's techniques added one at a time, each rung a
+`compiletune train` run in its own process; steady-state tokens/s and peak memory per rung.
+
+    python bench/ladder.py                          # CPU: llama3_150m, seq 1024, fp32
+    python bench/ladder.py                          # GPU: llama3_2_1b and llama3_1_8b, seq 2048, bf16
+    python bench/ladder.py --n-layers 4 --steps 4   # fewer layers to fit CPU time
+    python bench/ladder.py --rungs eager "+ compile"
+
+Rungs are cumulative (RUNGS below); a rung whose flags `compiletune train --help` does not list
+is recorded as skipped with the reason, and a rung that runs out of memory is recorded as such.
+tokens/s is the median of the steps after the first (which compiles); peak memory is what the
+trainer reports after the last step: torch.cuda.max_memory_allocated on a GPU, the process's
+peak resident set on CPU (Python, libraries and the dataset included). On a GPU each row also
+gets its model FLOPs utilisation (common.model_flops_per_token against the bf16 peak).
+
+Writes bench/results/ladder-<device>.json and, with matplotlib, ladder-<device>.png; prints a
+markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    bench_out,
+    device_name,
+    mfu,
+    model_flops_per_token,
+    result_header,
+    run_train,
+    steady_state,
+    train_flags,
+    write_result,
+)
+
+from compiletune.models import from_name, num_params  # noqa: E402
+
+_SAC = ["--compile", "--ac", "selective"]
+_OIB = [*_SAC, "--optimizer-in-backward", "--max-grad-norm", "0"]  # in-backward cannot clip
+_OFF = [*_OIB, "--offload-activations"]
+
+# (name, the full `compiletune train` flags of the rung); each adds one technique to the last.
+RUNGS: list[tuple[str, list[str]]] = [
+    ("eager", ["--loss", "plain"]),
+    ("+ compile", ["--compile", "--loss", "plain"]),
+    ("+ fused loss", ["--compile"]),  # --loss fused is the default
+    ("+ selective AC", _SAC),
+    ("+ optimizer in backward", _OIB),
+    ("+ offload activations", _OFF),
+    ("+ 8-bit AdamW", [*_OFF, "--optimizer", "adamw8bit"]),
+]
+
+
+def missing_flags(flags: list[str], known: set[str]) -> list[str]:
+    return [f for f in flags if f.startswith("--") and f not in known]
+
+
+def full_stack(known: set[str]) -> tuple[str, list[str]]:
+    """The highest rung this trainer can run: what `bench/peers.py` compares against."""
+    return [(name, flags) for name, flags in RUNGS if not missing_flags(flags, known)][-1]
+
+
+def run_rung(
+    model: str, flags: list[str], a: argparse.Namespace, cache: str, work: Path
+) -> dict[str, Any]:
+    args = ["--model", model, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size)]
+    args += ["--max-steps", str(a.steps), "--dtype", a.dtype, *flags]
+    if a.n_layers:
+        args += ["--n-layers", str(a.n_layers)]
+    s = run_train(args, cache, work, allow_failure=True, remove_output=True)
+    if "error" in s:
+        return s
+    row = steady_state(s["step_times"], s["tokens_per_step"])
+    row["peak_mem_gib"] = s["step_peak_mem_gib"]
+    row["final_loss"] = s["final_loss"]
+    row["compile_seconds"] = s["compile"]["compile_seconds"] if s["compile"] else 0.0
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """What each rung buys: its speed and memory against the baseline and the last rung run."""
+    for r in rows:
+        for key in ("speed_vs_prev", "mem_vs_prev", "speed_vs_eager", "mem_vs_eager"):
+            r.pop(key, None)
+    ran = [r for r in rows if "tokens_per_s" in r]
+    for prev, r in zip(ran, ran[1:], strict=False):
+        r["speed_vs_prev"] = r["tokens_per_s"] / prev["tokens_per_s"]
+        r["mem_vs_prev"] = r["peak_mem_gib"] / prev["peak_mem_gib"]
+    base = rows[0] if rows and "tokens_per_s" in rows[0] else None
+    for r in ran:
+        if base:
+            r["speed_vs_eager"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["mem_vs_eager"] = r["peak_mem_gib"] / base["peak_mem_gib"]
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else ""
+
+
+def markdown(result: dict[str, Any]) -> str:
+    gpu = result["device"] != "cpu"
+    lines = []
+    for m in result["models"]:
+        lines.append(
+            f"\n{m['model']} ({m['params_m']:.0f}M parameters, {m['n_layers']} layers), "
+            f"seq {result['seq_len']} x batch {result['batch_size']}, {result['dtype']}, "
+            f"{result['device']}, torch {result['torch']}, commit {result['commit']}\n"
+        )
+        head = "| rung | tokens/s | vs prev | vs eager | peak GiB | vs prev | vs eager |"
+        lines += [head + (" MFU |" if gpu else ""), "|---" + "|---:" * 6 + "|" + ("---:|" * gpu)]
+        for r in m["rungs"]:
+            if "tokens_per_s" not in r:
+                why = r.get("skipped") or r.get("error")
+                lines.append(f"| {r['rung']} | {why} |" + " |" * (5 + gpu))
+                continue
+            cells = [
+                r["rung"],
+                f"{r['tokens_per_s']:.0f}",
+                _ratio(r, "speed_vs_prev"),
+                _ratio(r, "speed_vs_eager"),
+                f"{r['peak_mem_gib']:.2f}",
+                _ratio(r, "mem_vs_prev"),
+                _ratio(r, "mem_vs_eager"),
+            ]
+            if gpu:
+                cells.append(f"{r['mfu']:.1%}" if r.get("mfu") is not None else "")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    from plot import bar_panels
+
+    panels = []
+    for m in result["models"]:
+        ran = [r for r in m["rungs"] if "tokens_per_s" in r]
+        labels = [r["rung"] for r in ran]
+        panels.append((f"{m['model']}: tokens/s", labels, [r["tokens_per_s"] for r in ran]))
+        panels.append((f"{m['model']}: peak GiB", labels, [r["peak_mem_gib"] for r in ran]))
+    title = (
+        f"compiletune technique ladder, {result['device']}, seq {result['seq_len']} x batch "
+        f"{result['batch_size']}, {result['dtype']}, commit {result['commit']}"
+    )
+    bar_panels(path, title, panels)
+
+
+def main() -> None:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--models", nargs="+", default=["llama3_2_1b", "llama3_1_8b"] if gpu else ["llama3_150m"]
+    )
+    p.add_argument("--n-layers", type=int, default=None, help="fewer layers to fit CPU time")
+    p.add_argument("--seq-len", type=int, default=2048 if gpu else 1024)
+    p.add_argument("--batch-size", type=int, default=4 if gpu else 1)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16" if gpu else "fp32")
+    p.add_argument("--steps", type=int, default=8 if gpu else 4, help="first one compiles")
+    p.add_argument("--rungs", nargs="+", default=[name for name, _ in RUNGS])
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other rungs of the result at --out (same shape) and replace these",
+    )
+    p.add_argument("--out", default=None, help="default bench/results/ladder-<device>.json")
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args()
+    unknown = set(a.rungs) - {name for name, _ in RUNGS}
+    if unknown:
+        p.error(f"unknown rungs {sorted(unknown)}; choose from {[n for n, _ in RUNGS]}")
+
+    path = bench_out("ladder", a.out)
+    shape = {
+        "seq_len": a.seq_len,
+        "batch_size": a.batch_size,
+        "dtype": a.dtype,
+        "steps": a.steps,
+        "n_layers_override": a.n_layers,
+    }
+    previous: dict[str, list[dict[str, Any]]] = {}
+    if a.merge and path.exists():
+        old = json.loads(path.read_text())
+        old_shape = {k: old.get(k) for k in shape}
+        if old_shape != shape or old.get("device") != device_name():
+            p.error(f"--merge: {path} was measured with {old_shape} on {old.get('device')}")
+        previous = {m["model"]: m["rungs"] for m in old["models"]}
+
+    known = train_flags()
+    work = Path(tempfile.mkdtemp(prefix="ct-bench-ladder-"))
+    models = [*previous.keys() - set(a.models), *a.models]
+    # The arguments that reproduce the whole result (bench/regress.py reruns with them).
+    argv = ["--models", *models, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size)]
+    argv += ["--dtype", a.dtype, "--steps", str(a.steps)]
+    argv += ["--n-layers", str(a.n_layers)] if a.n_layers else []
+    result = {
+        **result_header(),
+        "bench": "ladder",
+        "argv": argv,
+        **shape,
+        "peak_memory": (
+            "torch.cuda.max_memory_allocated after the last step"
+            if gpu
+            else "process peak RSS after the last step (Python, libraries and data included)"
+        ),
+        "tokens_per_s": "median over the steps after the first",
+        "models": [],
+    }
+    for model in models:
+        args = from_name(model)
+        if a.n_layers:
+            args.n_layers = a.n_layers
+        flops = model_flops_per_token(args, a.seq_len)
+        cache = tempfile.mkdtemp(prefix="inductor-cache-", dir=work)
+        by_name = {r["rung"]: r for r in previous.get(model, [])}
+        for name, flags in RUNGS:
+            if model not in a.models or name not in a.rungs:
+                continue
+            row: dict[str, Any] = {"rung": name, "flags": flags, "commit": result["commit"]}
+            missing = missing_flags(flags, known)
+            if missing:
+                row["skipped"] = f"compiletune train has no {' '.join(missing)} yet"
+            else:
+                row.update(run_rung(model, flags, a, cache, work))
+                if "tokens_per_s" in row:
+                    row["mfu"] = mfu(row["tokens_per_s"], flops)
+            # Other work on the machine shows up as noise; the load says how much there was.
+            row["load_1m"] = os.getloadavg()[0]
+            by_name[name] = row
+            print({k: v for k, v in row.items() if k not in ("flags", "step_times")}, flush=True)
+        rows = [by_name[name] for name, _ in RUNGS if name in by_name]
+        add_ratios(rows)
+        result["models"].append(
+            {
+                "model": model,
+                "n_layers": args.n_layers,
+                "params_m": num_params(args) / 1e6,
+                "flops_per_token": flops,
+                "rungs": rows,
+            }
+        )
+
+    write_result(path, result)
+    print(markdown(result))
+    print(f"\nwrote {path}")
+    if not a.no_plot:
+        plot(result, path.with_suffix(".png"))
+    errors = [r for m in result["models"] for r in m["rungs"] if "error" in r]
+    if any(r["error"] != "out of memory" for r in errors):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The benches' bookkeeping on synthetic results: regress.py's comparison, the ladder's skipping
+and ratios, the peers' headline ratios. No bench is run here."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    sys.path.insert(0, str(BENCH))  # the benches import their sibling `common`
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+regress = _load("regress")
+ladder = _load("ladder")
+peers = _load("peers")
+
+
+def ladder_result(**overrides) -> dict:
+    rungs = [
+        {"rung": "eager", "tokens_per_s": 1000.0, "peak_mem_gib": 4.0, "step_spread": 0.02},
+        {"rung": "+ compile", "tokens_per_s": 1500.0, "peak_mem_gib": 3.5, "step_spread": 0.02},
+        {"rung": "+ 8-bit AdamW", "skipped": "compiletune train has no --optimizer yet"},
+    ]
+    for rung, values in overrides.items():
+        next(r for r in rungs if r["rung"] == rung).update(values)
+    return {"device": "cpu", "models": [{"model": "llama3_150m", "rungs": rungs}]}
+
+
+def regressed(checks) -> dict[str, float | None]:
+    return {c.path: c.change for c in checks if c.regressed}
+
+
+def test_identical_results_pass():
+    checks = regress.compare(ladder_result(), ladder_result())
+    assert len(checks) == 4  # tokens/s and memory of the two rungs that ran
+    assert not regressed(checks)
+    assert {c.path for c in checks} >= {"models[model=llama3_150m].rungs[rung=eager].tokens_per_s"}
+
+
+def test_speed_drop_beyond_the_tolerance_is_a_regression():
+    slower = ladder_result(**{"+ compile": {"tokens_per_s": 1300.0}})  # 13.3% slower
+    assert list(regressed(regress.compare(ladder_result(), slower))) == [
+        "models[model=llama3_150m].rungs[rung=+ compile].tokens_per_s"
+    ]
+    a_bit_slower = ladder_result(**{"+ compile": {"tokens_per_s": 1450.0}})  # 3.3%
+    assert not regressed(regress.compare(ladder_result(), a_bit_slower))
+    faster = ladder_result(**{"+ compile": {"tokens_per_s": 3000.0}})
+    assert not regressed(regress.compare(ladder_result(), faster))
+
+
+def test_measured_noise_sets_the_speed_tolerance():
+    noisy = ladder_result(**{"+ compile": {"tokens_per_s": 1300.0, "step_spread": 0.2}})
+    assert not regressed(regress.compare(ladder_result(), noisy))  # 13% < the run's 20% spread
+    assert regressed(regress.compare(ladder_result(), noisy, tolerance=0.1))  # fixed 10%
+    tol = {c.path: c.tolerance for c in regress.compare(ladder_result(), ladder_result())}
+    assert set(tol.values()) == {regress.MIN_SPEED_TOLERANCE, regress.DEFAULT_MEM_TOLERANCE}
+
+
+def test_spread_from_step_times_and_default_without_steps():
+    base = {"device": "cpu", "throughput": {"eager": {"tokens_per_s": 100.0}}}
+    cur = copy.deepcopy(base)
+    cur["throughput"]["eager"]["tokens_per_s"] = 91.0  # 9% slower
+    [check] = regress.compare(base, cur)
+    assert check.tolerance == regress.DEFAULT_SPEED_TOLERANCE and not check.regressed
+    cur["throughput"]["eager"]["step_times"] = [30.0, 1.0, 1.3, 1.0]  # spread 0.3 / 1.0
+    [check] = regress.compare(base, cur)
+    assert check.tolerance == pytest.approx(0.3)
+
+
+def test_memory_growth_is_a_regression_and_a_drop_is_not():
+    bigger = ladder_result(eager={"peak_mem_gib": 4.3})  # +7.5%
+    assert list(regressed(regress.compare(ladder_result(), bigger))) == [
+        "models[model=llama3_150m].rungs[rung=eager].peak_mem_gib"
+    ]
+    assert not regressed(regress.compare(ladder_result(), bigger, mem_tolerance=0.1))
+    smaller = ladder_result(eager={"peak_mem_gib": 2.0})
+    assert not regressed(regress.compare(ladder_result(), smaller))
+
+
+def test_a_rung_that_now_fails_is_a_regression_and_a_new_one_is_not():
+    failed = ladder_result(eager={"error": "out of memory"})
+    del failed["models"][0]["rungs"][0]["tokens_per_s"]
+    del failed["models"][0]["rungs"][0]["peak_mem_gib"]
+    changes = regressed(regress.compare(ladder_result(), failed))
+    assert set(changes) == {
+        "models[model=llama3_150m].rungs[rung=eager].tokens_per_s",
+        "models[model=llama3_150m].rungs[rung=eager].peak_mem_gib",
+    }
+    assert set(changes.values()) == {None}
+    # The rung skipped in the baseline runs now: nothing to compare it with, so no verdict.
+    now_runs = ladder_result(**{"+ 8-bit AdamW": {"tokens_per_s": 1.0, "peak_mem_gib": 99.0}})
+    assert not regressed(regress.compare(ladder_result(), now_runs))
+
+
+def test_rows_match_by_their_names_not_their_order():
+    rows = [
+        {"policy": "none", "seq_len": 1024, "tokens_per_s": 100.0},
+        {"policy": "full", "seq_len": 1024, "tokens_per_s": 60.0},
+    ]
+    base = {"device": "cpu", "rows": rows}
+    cur = {"device": "cpu", "rows": list(reversed(rows))}
+    assert not regressed(regress.compare(base, cur))
+
+
+def test_lower_is_better_times_and_unmeasured_baselines():
+    base = {
+        "rows": [
+            {"tokens": 1024, "fused": {"peak_mib": 2.0, "time_ms": 10.0}},
+            {"tokens": 4096, "plain": {"peak_mib": None, "time_ms": None}},  # OOM then
+        ]
+    }
+    cur = copy.deepcopy(base)
+    cur["rows"][0]["fused"]["time_ms"] = 12.0
+    cur["rows"][1]["plain"] = {"peak_mib": 900.0, "time_ms": 50.0}
+    checks = regress.compare(base, cur)
+    assert [c.path for c in checks] == [
+        "rows[tokens=1024].fused.peak_mib",
+        "rows[tokens=1024].fused.time_ms",
+    ]
+    assert regressed(checks) == {"rows[tokens=1024].fused.time_ms": pytest.approx(0.2)}
+
+
+def test_rerun_drops_the_baselines_out_path():
+    argv = ["--n-layers", "4", "--out", "x.json", "--steps", "4", "--out=y.json"]
+    assert regress._without_out(argv) == ["--n-layers", "4", "--steps", "4"]
+
+
+def test_ladder_skips_rungs_the_trainer_lacks():
+    known = {"--loss", "--compile", "--ac", "--offload-activations", "--max-grad-norm"}
+    assert ladder.full_stack(known)[0] == "+ selective AC"
+    oib = dict(ladder.RUNGS)["+ optimizer in backward"]
+    assert ladder.missing_flags(oib, known) == ["--optimizer-in-backward"]
+    everything = known | {"--optimizer", "--optimizer-in-backward"}
+    assert ladder.full_stack(everything) == ladder.RUNGS[-1]
+
+
+def test_ladder_ratios_skip_over_missing_rungs():
+    rows = [
+        {"rung": "eager", "tokens_per_s": 100.0, "peak_mem_gib": 4.0},
+        {"rung": "+ compile", "tokens_per_s": 150.0, "peak_mem_gib": 2.0},
+        {"rung": "+ fused loss", "skipped": "no"},
+        {"rung": "+ selective AC", "tokens_per_s": 120.0, "peak_mem_gib": 1.0},
+    ]
+    ladder.add_ratios(rows)
+    assert rows[3]["speed_vs_prev"] == pytest.approx(0.8)
+    assert rows[3]["mem_vs_prev"] == pytest.approx(0.5)
+    assert rows[3]["mem_vs_eager"] == pytest.approx(0.25)
+    assert "speed_vs_prev" not in rows[0] and rows[0]["speed_vs_eager"] == 1.0
+
+
+def test_peers_headline_against_the_best_transformers_row_per_measure():
+    rows = [
+        {
+            "framework": "transformers",
+            "config": "eager",
+            "tokens_per_s": 100.0,
+            "peak_mem_gib": 6.0,
+        },
+        {
+            "framework": "transformers",
+            "config": "checkpointing",
+            "tokens_per_s": 80.0,
+            "peak_mem_gib": 5.0,
+        },
+        {"framework": "transformers", "config": "compile", "error": "out of memory"},
+        {
+            "framework": "compiletune",
+            "config": "full stack",
+            "tokens_per_s": 160.0,
+            "peak_mem_gib": 2.5,
+        },
+    ]
+    h = peers.add_ratios(rows)
+    assert (h["leanest_transformers"], h["fastest_transformers"]) == ("checkpointing", "eager")
+    assert h["memory_vs_best_transformers"] == pytest.approx(0.5)
+    assert h["speed_vs_fastest_transformers"] == pytest.approx(1.6)
+    assert h["targets_met"] == {"memory": True, "speed": True}
