@@ -1,0 +1,416 @@
+"""Optimizer: in-backward equals the ordinary step, state round-trips, 8-bit and bf16 numerics."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import socket
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from compiletune.data import Batches, load_examples, pack
+from compiletune.errors import UserError
+from compiletune.loss import IGNORE_INDEX, LossHead
+from compiletune.models import ModelArgs, Transformer, build_model, from_name
+from compiletune.optim import (
+    BLOCK,
+    Optimizer,
+    adamw_update_,
+    check_optimizer_flags,
+    dequantize_exp_avg,
+    dequantize_exp_avg_sq,
+    quantize_exp_avg,
+    quantize_exp_avg_sq,
+)
+from compiletune.tokenizer import byte_tokenizer
+
+CPU = torch.device("cpu")
+
+
+def tiny_args(**overrides) -> ModelArgs:
+    args = ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_dim=128, rope_theta=10000.0
+    )
+    return dataclasses.replace(args, **overrides)
+
+
+def random_batches(n: int, vocab: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (2, 17), generator=g) for _ in range(n)]
+
+
+def lm_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])  # [b, s-1, v]
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def train_steps(
+    model: Transformer, opt: Optimizer, batches: list[torch.Tensor], lrs: list[float]
+) -> None:
+    """The trainer's order: set_lr -> backward -> step -> zero_grad."""
+    for tokens, lr in zip(batches, lrs, strict=True):
+        opt.set_lr(lr)
+        lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def make_opt(model: Transformer, **kw) -> Optimizer:
+    kw.setdefault("lr", 1e-3)
+    return Optimizer(model.named_parameters(), device=CPU, compile_step=False, **kw)
+
+
+def assert_params_equal(a: Transformer, b: Transformer) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y), f"{name} differs by {(x.float() - y.float()).abs().max():.3g}"
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def test_check_optimizer_flags() -> None:
+    check_optimizer_flags("adamw", False, 4, 1.0, "none")
+    check_optimizer_flags("adamw8bit", True, 1, 0.0, "kahan")
+    with pytest.raises(UserError, match="--optimizer sgd.*adamw, adamw8bit"):
+        check_optimizer_flags("sgd", False, 1, 1.0, "none")
+    with pytest.raises(UserError, match="--grad-accum 1"):
+        check_optimizer_flags("adamw", True, 4, 0.0, "none")
+    with pytest.raises(UserError, match="pass --max-grad-norm 0"):
+        check_optimizer_flags("adamw", True, 1, 1.0, "none")
+    with pytest.raises(UserError, match="--bf16-compensation round"):
+        check_optimizer_flags("adamw", False, 1, 1.0, "round")
+
+
+# ----------------------------------------------------------------------------- in backward
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw8bit"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_in_backward_equals_step_exactly(kind: str, tied: bool) -> None:
+    args = tiny_args(tie_embeddings=tied)
+    batches = random_batches(4, args.vocab_size)
+    lrs = [1e-3, 3e-3, 2e-3, 5e-4]  # a changing lr must reach every per-parameter step
+
+    ref = build_model(args, seed=0)
+    train_steps(ref, make_opt(ref, kind=kind, weight_decay=0.1), batches, lrs)
+
+    model = build_model(args, seed=0)
+    alive: list[int] = []
+    params = list(model.parameters())
+    for p in params:
+        # Registered before the optimizer's hook, so it sees the moment each gradient lands:
+        # the count of gradients held then is the most that ever coexist.
+        p.register_post_accumulate_grad_hook(
+            lambda _: alive.append(sum(q.grad is not None for q in params))
+        )
+    opt = make_opt(model, kind=kind, weight_decay=0.1, in_backward=True)
+    assert opt.in_backward
+    for tokens, lr in zip(batches, lrs, strict=True):
+        opt.set_lr(lr)
+        lm_loss(model, tokens).backward()
+        assert all(p.grad is None for p in params)
+        opt.step()
+        opt.zero_grad()
+    assert max(alive) == 1, f"up to {max(alive)} gradients were alive at once"
+    assert len(alive) == len(batches) * len(params)  # every parameter stepped every time
+    assert_params_equal(model, ref)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@pytest.mark.parametrize(
+    ("kind", "in_backward", "dtype", "compensation"),
+    [
+        ("adamw", False, torch.float32, "none"),
+        ("adamw", True, torch.float32, "none"),
+        ("adamw8bit", False, torch.float32, "none"),
+        ("adamw8bit", True, torch.float32, "none"),
+        ("adamw", True, torch.bfloat16, "stochastic"),
+        ("adamw8bit", False, torch.bfloat16, "kahan"),
+    ],
+)
+def test_state_dict_round_trip(
+    kind: str, in_backward: bool, dtype: torch.dtype, compensation: str
+) -> None:
+    args = tiny_args()
+    batches = random_batches(6, args.vocab_size)
+    lrs = [1e-3 * (i + 1) for i in range(6)]
+    kw = dict(kind=kind, in_backward=in_backward, bf16_compensation=compensation, weight_decay=0.1)
+
+    ref = build_model(args, dtype=dtype, seed=0)
+    train_steps(ref, make_opt(ref, **kw), batches, lrs)
+
+    first = build_model(args, dtype=dtype, seed=0)
+    opt = make_opt(first, **kw)
+    train_steps(first, opt, batches[:3], lrs[:3])
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": opt.state_dict()}, buf)
+    opt.remove_hooks()
+    del first, opt
+
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed = build_model(args, dtype=dtype, seed=123)  # other weights, overwritten by the load
+    resumed.load_state_dict(saved["model"])
+    opt = make_opt(resumed, **kw)
+    opt.load_state_dict(saved["optimizer"])
+    train_steps(resumed, opt, batches[3:], lrs[3:])
+    assert_params_equal(resumed, ref)
+
+
+def test_state_resumes_across_modes() -> None:
+    """A run saved with the ordinary step continues exactly with in-backward (and back)."""
+    args = tiny_args()
+    batches = random_batches(4, args.vocab_size)
+    ref = build_model(args, seed=0)
+    train_steps(ref, make_opt(ref), batches, [1e-3] * 4)
+    model = build_model(args, seed=0)
+    opt = make_opt(model)
+    train_steps(model, opt, batches[:2], [1e-3] * 2)
+    opt2 = make_opt(model, in_backward=True)
+    opt2.load_state_dict(opt.state_dict())
+    train_steps(model, opt2, batches[2:], [1e-3] * 2)
+    assert_params_equal(model, ref)
+
+
+def test_load_state_dict_rejects_mismatch() -> None:
+    model = build_model(tiny_args(), seed=0)
+    sd = make_opt(model, kind="adamw8bit").state_dict()
+    with pytest.raises(UserError, match="--optimizer adamw8bit"):
+        make_opt(model, kind="adamw").load_state_dict(sd)
+    other = build_model(tiny_args(dim=32, n_heads=2, n_kv_heads=1), seed=0)
+    with pytest.raises(UserError, match="same model"):
+        make_opt(other, kind="adamw8bit").load_state_dict(sd)
+
+
+def test_state_bytes_per_param() -> None:
+    model = build_model(from_name("debug"), seed=0)
+    n = sum(p.numel() for p in model.parameters())
+    n_params = len(list(model.parameters()))
+    scalars = 4 * n_params  # one fp32 step count per parameter
+    assert make_opt(model).state_bytes() == 8 * n + scalars
+    per_param = (make_opt(model, kind="adamw8bit").state_bytes() - scalars) / n
+    # 2 bytes of codes + 2 fp32 scales per 256 values (+ padding of the last block)
+    assert 2 + 8 / BLOCK <= per_param < 2 + 8 / BLOCK + 0.01, per_param
+    bf16 = build_model(from_name("debug"), dtype=torch.bfloat16, seed=0)
+    assert make_opt(bf16).state_bytes() == 4 * n + scalars
+    assert make_opt(bf16, bf16_compensation="kahan").state_bytes() == 6 * n + scalars
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def test_own_adamw_matches_torch() -> None:
+    """The compiled/eager step our 8-bit and compensated paths share the math of equals torch's."""
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(1000, generator=g)
+    ref = torch.nn.Parameter(p0.clone())
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    p, m, v = p0.clone(), torch.zeros(1000), torch.zeros(1000)
+    step, lr = torch.zeros(()), torch.tensor(1e-2)
+    for _ in range(5):
+        grad = torch.randn(1000, generator=g)
+        ref.grad = grad.clone()
+        torch_opt.step()
+        step += 1
+        adamw_update_(p, grad, m, v, step, lr, None, None, 0.9, 0.95, 1e-8, 0.1)
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_quantization_keeps_small_moments() -> None:
+    """Companded codes: relative error of m and sqrt(v) stays small far below the block max."""
+    g = torch.Generator().manual_seed(0)
+    # Magnitudes spread over 4 decades within each block, as Adam moments are.
+    mag = 10 ** (-4 * torch.rand(64, BLOCK, generator=g))
+    sign = torch.randint(0, 2, (64, BLOCK), generator=g) * 2 - 1
+    m = mag * sign
+    m_hat = dequantize_exp_avg(*quantize_exp_avg(m))
+    big = mag > 1e-2
+    assert ((m_hat - m).abs() / mag)[big].max() < 0.08
+    assert (m_hat != 0)[mag > 1e-4].all()
+    v = mag**2
+    v_hat = dequantize_exp_avg_sq(*quantize_exp_avg_sq(v))
+    assert ((v_hat.sqrt() - mag).abs() / mag)[big].max() < 0.08
+    assert (v_hat != 0)[mag > 1e-4].all()
+
+
+def test_bf16_compensation_tracks_fp32() -> None:
+    """At an lr whose updates are under half a bf16 ulp of most weights, plain bf16 loses most
+    of each update; with Kahan or stochastic rounding the weights follow the fp32 run.
+
+    progress: the bf16 run's displacement projected on the fp32 run's, over the latter's
+    length (1 = all of the fp32 move happened). distance: |bf16 - fp32| / |fp32 - init|.
+    Stochastic rounding is unbiased but leaves every weight up to an ulp off, so its distance
+    over a few steps at a tiny lr is no better than plain bf16; its progress is.
+    """
+    args = tiny_args(n_layers=1)
+    batches = random_batches(30, args.vocab_size)
+    lrs = [2e-5] * len(batches)
+    bf16_init = build_model(args, dtype=torch.bfloat16, seed=0)
+    init = [p.detach().float() for p in bf16_init.parameters()]
+
+    ref = build_model(args, seed=0)
+    with torch.no_grad():
+        for p, p0 in zip(ref.parameters(), init, strict=True):
+            p.copy_(p0)  # the same, bf16-representable, start
+    train_steps(ref, make_opt(ref), batches, lrs)
+    ref_move = [p.detach() - p0 for p, p0 in zip(ref.parameters(), init, strict=True)]
+    moved_sq = sum((d * d).sum().item() for d in ref_move)
+
+    progress, distance = {}, {}
+    for compensation in ("none", "kahan", "stochastic"):
+        model = build_model(args, dtype=torch.bfloat16, seed=0)
+        train_steps(model, make_opt(model, bf16_compensation=compensation), batches, lrs)
+        move = [p.detach().float() - p0 for p, p0 in zip(model.parameters(), init, strict=True)]
+        dot = sum((a * b).sum().item() for a, b in zip(move, ref_move, strict=True))
+        dist_sq = sum(((a - b) ** 2).sum().item() for a, b in zip(move, ref_move, strict=True))
+        progress[compensation] = dot / moved_sq
+        distance[compensation] = math.sqrt(dist_sq / moved_sq)
+    msg = f"after {len(batches)} steps at lr 2e-5: " + "; ".join(
+        f"{k}: progress {progress[k]:.3f}, distance {distance[k]:.3f}" for k in progress
+    )
+    print(msg)
+    assert progress["none"] < 0.5, msg
+    assert progress["kahan"] > 0.9 and progress["stochastic"] > 0.9, msg
+    assert distance["kahan"] < 0.5 * distance["none"], msg
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager() -> None:
+    """The compiled own step (8-bit, in backward; bf16 + Kahan) follows the eager one."""
+    args = tiny_args()
+    batches = random_batches(3, args.vocab_size)
+    for dtype, compensation, atol in (
+        (torch.float32, "none", 1e-5),
+        (torch.bfloat16, "kahan", 1e-2),
+    ):
+        eager = build_model(args, dtype=dtype, seed=0)
+        train_steps(
+            eager,
+            make_opt(eager, kind="adamw8bit", bf16_compensation=compensation),
+            batches,
+            [1e-3] * 3,
+        )
+        model = build_model(args, dtype=dtype, seed=0)
+        opt = Optimizer(
+            model.named_parameters(),
+            kind="adamw8bit",
+            lr=1e-3,
+            in_backward=True,
+            bf16_compensation=compensation,
+            device=CPU,
+            compile_step=True,
+        )
+        train_steps(model, opt, batches, [1e-3] * 3)
+        assert opt._update.compiled is not None, "compiling fell back to eager"
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p, q, atol=atol, rtol=0)
+
+
+@pytest.mark.slow
+def test_adamw8bit_follows_adamw_on_debug_preset() -> None:
+    """300 steps of the debug preset (2 of its 4 layers, to keep this near a minute) on the
+    pydocs corpus: the final loss of 8-bit AdamW is within 2% of fp32 AdamW's (same init, same
+    batches, warmup then constant lr)."""
+    data = pack(load_examples("pydocs", byte_tokenizer()), 64)
+    args = from_name("debug")
+    args.n_layers = 2
+
+    def run(kind: str) -> float:
+        model = build_model(args, seed=0)
+        head = LossHead(model.output, "plain")
+        opt = make_opt(model, kind=kind)
+        batches = Batches(data, 8, seed=0)
+        losses = []
+        for step in range(300):
+            opt.set_lr(1e-3 * min(1.0, (step + 1) / 20))
+            batch = batches.next()
+            n_targets = (batch["targets"] != IGNORE_INDEX).sum()
+            loss = head(model.hidden_states(batch["inputs"]), batch["targets"]) / n_targets
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return sum(losses[-20:]) / 20  # the last 20 batches: one batch is a noisy estimate
+
+    threads = torch.get_num_threads()
+    # One thread: ~300 small steps on a shared 2-core machine spend less time waiting at
+    # OpenMP barriers; the numbers do not depend on it.
+    torch.set_num_threads(1)
+    try:
+        fp32, q8 = run("adamw"), run("adamw8bit")
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(q8 - fp32) / fp32 < 0.02, f"final loss: adamw {fp32:.4f}, adamw8bit {q8:.4f}"
+
+
+def _fsdp_worker(rank: int, world: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    from torch.distributed.fsdp import fully_shard
+
+    args = tiny_args(vocab_size=97)  # an odd row count: uneven shards
+    batches = random_batches(3, args.vocab_size, seed=rank + 1)  # each rank its own data
+    lrs = [1e-3, 3e-3, 2e-3]
+
+    def sharded() -> Transformer:
+        model = build_model(args, seed=0)
+        for layer in model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+
+    for kind in ("adamw", "adamw8bit"):
+        results[rank, kind] = _fsdp_case(kind, sharded, batches, lrs)
+    dist.destroy_process_group()
+
+
+def _fsdp_case(
+    kind: str, sharded: Callable[[], Transformer], batches: list[torch.Tensor], lrs: list[float]
+) -> tuple[bool, bool]:
+    ref = sharded()
+    train_steps(ref, make_opt(ref, kind=kind, weight_decay=0.1), batches, lrs)
+
+    # In backward for one step, saved and loaded through bytes into an ordinary optimizer
+    # for the other two: the same weights as three ordinary steps.
+    model = sharded()
+    opt = make_opt(model, kind=kind, weight_decay=0.1, in_backward=True)
+    train_steps(model, opt, batches[:1], lrs[:1])
+    grads_freed = all(p.grad is None for p in model.parameters())
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    opt.remove_hooks()
+    opt = make_opt(model, kind=kind, weight_decay=0.1)
+    opt.load_state_dict(torch.load(buf, weights_only=True))
+    train_steps(model, opt, batches[1:], lrs[1:])
+    same = all(
+        torch.equal(p.full_tensor(), q.full_tensor())
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+    return grads_freed, same
+
+
+@pytest.mark.slow
+def test_fsdp2_in_backward() -> None:
+    """Under FSDP2 (2 CPU processes, gloo) the hooks step the sharded parameters, and state
+    saved in backward resumes in the ordinary step with identical weights."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_fsdp_worker, args=(2, port, results), nprocs=2)
+        assert dict(results) == {
+            (rank, kind): (True, True) for rank in (0, 1) for kind in ("adamw", "adamw8bit")
+        }
