@@ -335,7 +335,8 @@ class Optimizer:
 
     params: `model.named_parameters()` (recommended: state is keyed by these names, so it
     survives a change in parameter order) or plain parameters (keyed "0", "1", ...). A tied
-    weight must appear once (`named_parameters()` already dedups).
+    weight must appear once (`named_parameters()` already dedups). Frozen parameters
+    (requires_grad False) are left out.
     device: the training device. Each state tensor lives with its parameter (its local shard
     under FSDP2; on CPU with FSDP2's CPU offload).
     compile_step: compile our own step (8-bit, bf16 compensation, devices without a fused
@@ -361,9 +362,13 @@ class Optimizer:
         check_optimizer_flags(kind, in_backward, 1, 0.0, bf16_compensation)
         named: list[tuple[str, nn.Parameter]] = []
         for i, item in enumerate(params):
-            named.append(item if isinstance(item, tuple) else (str(i), item))
+            name, p = item if isinstance(item, tuple) else (str(i), item)
+            if p.requires_grad:  # frozen weights get no gradient, no state and no hook
+                named.append((name, p))
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        if not self._params:
+            raise ValueError("the optimizer got no parameters that require grad")
         if len(set(map(id, self._params))) != len(self._params):
             raise ValueError("a parameter appears twice; pass each tied weight once")
         if len(set(self._names)) != len(self._names):
