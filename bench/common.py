@@ -66,8 +66,10 @@ def run_train(
     remove_output: bool = False,
 ) -> dict[str, Any]:
     """One `compiletune train` process with its own Inductor cache folder; returns the run's
-    summary.json plus `step_times`, `tokens_per_step` and `step_peak_mem_gib` (the peak after
-    the last step, before the final checkpoint is written) from its metrics.jsonl.
+    summary.json plus `step_times`, `tokens_per_step`, `step_peak_mem_gib` (the peak after
+    the last step, before the final checkpoint is written) and `first_step_peak_mem_gib` (after
+    the first: when the two are equal, the peak came in the first step, which compiles) from
+    its metrics.jsonl.
 
     A failed run exits the bench, or with `allow_failure` returns `{"error": ...}` naming it
     ("out of memory" or the last line of its stderr) so a bench can record it and go on.
@@ -87,6 +89,7 @@ def run_train(
     summary["step_times"] = [r["step_time_s"] for r in steps]
     summary["tokens_per_step"] = steps[0]["tokens"]
     summary["step_peak_mem_gib"] = steps[-1]["peak_mem_gib"]
+    summary["first_step_peak_mem_gib"] = steps[0]["peak_mem_gib"]
     if remove_output:
         shutil.rmtree(out)
     return summary
@@ -103,11 +106,13 @@ def failure_reason(stderr: str) -> str:
 def steady_state(step_times: list[float], tokens_per_step: int) -> dict[str, Any]:
     """Steady-state speed of a run: the median of the steps after the first (which compiles and
     warms the allocator). `step_spread` is (slowest - fastest) / median over those steps: the
-    run's own noise, which `bench/regress.py` uses as its tolerance."""
+    run's own noise, which `bench/regress.py` uses as its tolerance. `best_tokens_per_s` is
+    the fastest of those steps: on a machine shared with other work, the least disturbed."""
     steady = step_times[1:] or step_times
     median = statistics.median(steady)
     return {
         "tokens_per_s": tokens_per_step / median,
+        "best_tokens_per_s": tokens_per_step / min(steady),
         "steady_step_s": median,
         "step_spread": (max(steady) - min(steady)) / median,
         "step_times": step_times,

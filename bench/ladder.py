@@ -81,6 +81,7 @@ def run_rung(
         return s
     row = steady_state(s["step_times"], s["tokens_per_step"])
     row["peak_mem_gib"] = s["step_peak_mem_gib"]
+    row["first_step_peak_mem_gib"] = s["first_step_peak_mem_gib"]
     row["final_loss"] = s["final_loss"]
     row["compile_seconds"] = s["compile"]["compile_seconds"] if s["compile"] else 0.0
     return row
@@ -108,6 +109,8 @@ def _ratio(row: dict[str, Any], key: str) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     gpu = result["device"] != "cpu"
+    head = ["rung", "tokens/s", "vs prev", "vs eager", "peak GiB", "vs prev", "vs eager"]
+    head += ["best tokens/s", "step spread", "load"] + ["MFU"] * gpu
     lines = []
     for m in result["models"]:
         lines.append(
@@ -115,12 +118,11 @@ def markdown(result: dict[str, Any]) -> str:
             f"seq {result['seq_len']} x batch {result['batch_size']}, {result['dtype']}, "
             f"{result['device']}, torch {result['torch']}, commit {result['commit']}\n"
         )
-        head = "| rung | tokens/s | vs prev | vs eager | peak GiB | vs prev | vs eager |"
-        lines += [head + (" MFU |" if gpu else ""), "|---" + "|---:" * 6 + "|" + ("---:|" * gpu)]
+        lines += ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
         for r in m["rungs"]:
             if "tokens_per_s" not in r:
                 why = r.get("skipped") or r.get("error")
-                lines.append(f"| {r['rung']} | {why} |" + " |" * (5 + gpu))
+                lines.append(f"| {r['rung']} | {why} |" + " |" * (len(head) - 2))
                 continue
             cells = [
                 r["rung"],
@@ -130,6 +132,9 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{r['peak_mem_gib']:.2f}",
                 _ratio(r, "mem_vs_prev"),
                 _ratio(r, "mem_vs_eager"),
+                f"{r['best_tokens_per_s']:.0f}",
+                f"{r['step_spread']:.0%}",
+                f"{r['load_1m']:.1f}",
             ]
             if gpu:
                 cells.append(f"{r['mfu']:.1%}" if r.get("mfu") is not None else "")
@@ -165,7 +170,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048 if gpu else 1024)
     p.add_argument("--batch-size", type=int, default=4 if gpu else 1)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16" if gpu else "fp32")
-    p.add_argument("--steps", type=int, default=8 if gpu else 4, help="first one compiles")
+    p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one compiles")
     p.add_argument("--rungs", nargs="+", default=[name for name, _ in RUNGS])
     p.add_argument(
         "--merge",

@@ -6,7 +6,8 @@ one run; each configuration trains in its own process.
     python bench/peers.py --n-layers 4 --peers eager checkpointing
 
 transformers configurations (AutoModelForCausalLM from `hf_config_from_args` of the preset,
-random init, loss from `labels`, torch AdamW betas 0.9/0.95, clipping at 1.0 as the trainer does):
+random init, loss from `labels`, fused torch AdamW betas 0.9/0.95, clipping at 1.0 as the
+trainer does):
 
     eager           the model as transformers builds it (SDPA attention)
     checkpointing   + activation checkpointing of every decoder layer (transformers' own switch)
@@ -88,10 +89,11 @@ def hf_train(peer: str, a: argparse.Namespace) -> dict[str, Any]:
             model.gradient_checkpointing_enable()
     forward = torch.compile(model) if peer == "compile" else model
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    # fused: transformers' Trainer default (adamw_torch_fused), and compiletune's adamw step.
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     batches = Batches(pack(load_examples("pydocs", byte_tokenizer()), a.seq_len), a.batch_size, 0)
 
-    step_times, losses = [], []
+    step_times, losses, first_peak = [], [], None
     for _ in range(a.steps):
         t0 = time.perf_counter()
         b = batches.next()
@@ -104,10 +106,12 @@ def hf_train(peer: str, a: argparse.Namespace) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         losses.append(out.loss.item())  # syncs the GPU, as the trainer's loss read does
         step_times.append(time.perf_counter() - t0)
+        first_peak = first_peak or peak_memory_gib(device)
     return {
         "step_times": step_times,
         "tokens_per_step": a.batch_size * a.seq_len,
         "peak_mem_gib": peak_memory_gib(device),
+        "first_step_peak_mem_gib": first_peak,
         "final_loss": losses[-1],
         "transformers": transformers.__version__,
     }
@@ -125,6 +129,7 @@ def run_hf(peer: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     child = json.loads(out.read_text())
     row = steady_state(child["step_times"], child["tokens_per_step"])
     row.update(peak_mem_gib=child["peak_mem_gib"], final_loss=child["final_loss"])
+    row["first_step_peak_mem_gib"] = child["first_step_peak_mem_gib"]
     row["transformers_version"] = child["transformers"]
     return row
 
@@ -137,6 +142,7 @@ def run_compiletune(flags: list[str], a: argparse.Namespace, work: Path) -> dict
         return s
     row = steady_state(s["step_times"], s["tokens_per_step"])
     row.update(peak_mem_gib=s["step_peak_mem_gib"], final_loss=s["final_loss"])
+    row["first_step_peak_mem_gib"] = s["first_step_peak_mem_gib"]
     return row
 
 
@@ -180,18 +186,20 @@ def add_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     gpu = result["device"] != "cpu"
+    head = ["framework", "configuration", "tokens/s", "vs fastest transformers", "peak GiB"]
+    head += ["vs leanest transformers", "best tokens/s", "step spread", "load"] + ["MFU"] * gpu
     lines = [
         f"{result['model']} ({result['params_m']:.0f}M parameters, {result['n_layers']} layers), "
         f"seq {result['seq_len']} x batch {result['batch_size']}, {result['dtype']}, "
         f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}, "
         f"commit {result['commit']}\n",
-        "| framework | configuration | tokens/s | vs fastest transformers | peak GiB "
-        "| vs leanest transformers |" + (" MFU |" if gpu else ""),
-        "|---|---|---:|---:|---:|---:|" + ("---:|" * gpu),
+        "| " + " | ".join(head) + " |",
+        "|---|---" + "|---:" * (len(head) - 2) + "|",
     ]
     for r in result["rows"]:
         if "tokens_per_s" not in r:
-            lines.append(f"| {r['framework']} | {r['config']} | {r['error']} | | | |" + " |" * gpu)
+            cells = f"| {r['framework']} | {r['config']} | {r['error']} |"
+            lines.append(cells + " |" * (len(head) - 3))
             continue
         cells = [
             r["framework"],
@@ -200,6 +208,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['speed_vs_fastest_transformers']:.2f}x",
             f"{r['peak_mem_gib']:.2f}",
             f"{r['mem_vs_best_transformers']:.2f}x",
+            f"{r['best_tokens_per_s']:.0f}",
+            f"{r['step_spread']:.0%}",
+            f"{r['load_1m']:.1f}",
         ]
         if gpu:
             cells.append(f"{r['mfu']:.1%}" if r.get("mfu") is not None else "")
@@ -226,7 +237,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048 if gpu else 1024)
     p.add_argument("--batch-size", type=int, default=4 if gpu else 1)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16" if gpu else "fp32")
-    p.add_argument("--steps", type=int, default=8 if gpu else 4, help="first one warms up")
+    p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one warms up")
     p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
     p.add_argument(
         "--no-compiletune-eager", action="store_true", help="skip compiletune's eager row"
