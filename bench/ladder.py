@@ -197,7 +197,10 @@ def main() -> None:
         old = json.loads(path.read_text())
         old_shape = {k: old.get(k) for k in shape}
         if old_shape != shape or old.get("device") != device_name():
-            p.error(f"--merge: {path} was measured with {old_shape} on {old.get('device')}")
+            p.error(
+                f"--merge: {path} was measured with {old_shape} on {old.get('device')}; "
+                "pass the same settings, or drop --merge to start a new result"
+            )
         previous = {m["model"]: m["rungs"] for m in old["models"]}
 
     known = train_flags()
