@@ -4,12 +4,20 @@ Layout of `OUTPUT_DIR/step_N/`:
     config.json, model*.safetensors (+ index), tokenizer files   -> loads in transformers as is
     trainer_state.pt                                              -> optimizer, schedule, data, RNG
 
+Under FSDP (`--fsdp`) a checkpoint is sharded instead:
+    sharded/                  torch.distributed.checkpoint: each rank's model shards and its
+                              optimizer state, written in parallel
+    config.json, tokenizer    the architecture (`compiletune convert` needs it)
+    model*.safetensors        only at the end of the run: exported tensor by tensor
+    trainer_state.pt          step, data position, RNG, config, number of ranks
+
 A checkpoint is written under a temporary name and renamed when complete. A rename within one
 folder is atomic, so a crash mid-save leaves only a `.tmp-step_N` folder that `--resume` ignores.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -73,6 +81,12 @@ def save_checkpoint(
     save_hf(model, tmp, tokenizer=tokenizer)
     torch.save(train_state, tmp / STATE_FILE)
     _fsync_tree(tmp)
+    _publish(tmp, final, output_dir, step)
+    return final
+
+
+def _publish(tmp: Path, final: Path, output_dir: Path, step: int) -> None:
+    """Rename the finished `tmp` to `final` (atomic within one folder)."""
     if final.exists():  # re-saving a step (e.g. after a resume): swap, never delete first
         old = output_dir / f".old-step_{step}"
         if old.exists():
@@ -82,6 +96,77 @@ def save_checkpoint(
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
+
+
+def is_sharded(ckpt: Path) -> bool:
+    from compiletune.distributed import SHARDED_DIR
+
+    return (ckpt / SHARDED_DIR).is_dir()
+
+
+def check_resumable(ckpt: Path, state: dict[str, Any], world: int | None) -> None:
+    """A single-process checkpoint resumes in a single process, a sharded one under FSDP with
+    the same number of ranks (each rank's optimizer state is its own). world None: no FSDP."""
+    if is_sharded(ckpt):
+        saved = state.get("world_size")
+        if world is None:
+            raise UserError(
+                f"{ckpt} is a sharded (FSDP) checkpoint of {saved} processes; resume it with "
+                f"torchrun --nproc-per-node {saved} ... --fsdp, or turn it into an HF folder with "
+                "`compiletune convert` and start a new run from it with --model-dir"
+            )
+        if saved != world:
+            raise UserError(
+                f"{ckpt} was written by {saved} processes and this run has {world}; resume with "
+                f"{saved} processes, or `compiletune convert` it and start a new run with --model-dir"
+            )
+    elif world is not None:
+        raise UserError(
+            f"{ckpt} is a single-process checkpoint; resume it without --fsdp, or start a new "
+            f"FSDP run from its weights with --model-dir {ckpt}"
+        )
+
+
+def save_sharded_checkpoint(
+    output_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    train_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+    *,
+    is_main: bool,
+    export_hf: bool,
+) -> Path:
+    """Every rank calls this. Writes `output_dir/step_{step}` atomically (rank 0 renames it once
+    all ranks are done); `export_hf` also writes the HF weights, gathered tensor by tensor."""
+    import torch.distributed as dist
+
+    from compiletune.distributed import SHARDED_DIR, save_sharded
+    from compiletune.models import hf_config_from_args, save_hf
+
+    final = output_dir / f"step_{step}"
+    tmp = output_dir / f".tmp-step_{step}"
+    if is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    save_sharded(tmp / SHARDED_DIR, model, optimizer_state)
+    if export_hf:
+        save_hf(model, tmp, tokenizer=tokenizer, writer=is_main)
+    elif is_main:
+        dtype = next(model.parameters()).dtype
+        cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    dist.barrier()  # every rank's shards are on disk
+    if is_main:
+        torch.save(train_state, tmp / STATE_FILE)
+        _fsync_tree(tmp)
+        _publish(tmp, final, output_dir, step)
+    dist.barrier()
     return final
 
 
@@ -95,10 +180,66 @@ def load_train_state(ckpt: Path) -> dict[str, Any]:
 
 def _fsync_tree(folder: Path) -> None:
     """Flush file contents to disk before the rename makes the checkpoint visible."""
-    for child in folder.iterdir():
+    for child in folder.rglob("*"):
         if child.is_file():
             fd = os.open(child, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def convert_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None) -> Path:
+    """Turn a sharded (FSDP) checkpoint folder into an HF folder, one tensor at a time (no
+    process group, no GPU; host memory: one safetensors shard)."""
+    from compiletune.distributed import SHARDED_DIR, read_sharded_tensor, sharded_model_tensors
+    from compiletune.models import (
+        Transformer,
+        args_from_hf_config,
+        hf_config_from_args,
+        load_hf_config,
+        to_hf_name,
+        write_hf_folder,
+    )
+
+    src, dst = Path(src), Path(dst)
+    if not is_sharded(src):
+        hint = " (it is already an HF folder)" if (src / "config.json").is_file() else ""
+        raise UserError(
+            f"{src} holds no sharded checkpoint ({SHARDED_DIR}/){hint}; pass a step_N folder "
+            "of an --fsdp run"
+        )
+    if dst.exists() and any(dst.iterdir()):
+        raise UserError(f"{dst} exists and is not empty; pass a new folder")
+    hf_cfg = load_hf_config(src)
+    args = args_from_hf_config(hf_cfg)
+    saved = sharded_model_tensors(src / SHARDED_DIR)
+    with torch.device("meta"):
+        model = Transformer(args)
+    entries = []
+    for name, p in model.named_parameters():  # model order; a tied head appears once
+        if name not in saved:
+            raise UserError(
+                f"{src}: the sharded checkpoint has no tensor {name!r}; it is incomplete"
+            )
+        shape, saved_dtype = saved[name]
+        if tuple(p.shape) != shape:
+            raise UserError(f"{src}: {name} is {shape} but config.json implies {tuple(p.shape)}")
+        entries.append(
+            (
+                to_hf_name(name),
+                shape,
+                lambda n=name, s=shape, d=saved_dtype: read_sharded_tensor(
+                    src / SHARDED_DIR, n, s, d
+                ),
+            )
+        )
+    if args.tie_embeddings:
+        entries = [e for e in entries if e[0] != "lm_head.weight"]
+    out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[dtype]
+    out_dtype = out_dtype or next(iter(saved.values()))[1]
+    write_hf_folder(dst, hf_config_from_args(args, out_dtype, base=hf_cfg), entries, out_dtype)
+    for extra in src.iterdir():  # tokenizer files and anything else beside the weights
+        if extra.is_file() and extra.name not in ("config.json", STATE_FILE):
+            shutil.copy2(extra, dst / extra.name)
+    return dst

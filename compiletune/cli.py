@@ -1,4 +1,4 @@
-"""Command line: `compiletune train | models` (also `python -m compiletune ...`).
+"""Command line: `compiletune train | models | convert` (also `python -m compiletune ...`).
 
 Flags override `--config run.yaml`, which overrides the defaults in `config.TrainConfig`.
 Bad input prints one line, `compiletune: error: ...`, and exits with code 2.
@@ -58,7 +58,12 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         default=S,
         help="keep small bf16 updates from vanishing (with --dtype bf16)",
     )
-    g.add_argument("--dtype", choices=("bf16", "fp32"), default=S, help="default: bf16 on GPU")
+    g.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32", "bf16-mixed"),
+        default=S,
+        help="default: bf16 on GPU; bf16-mixed: fp32 master weights (with --fsdp)",
+    )
     g.add_argument("--seed", type=int, default=S, help="initialisation and data order (default 0)")
     g = p.add_argument_group("compiler")
     g.add_argument("--compile", action="store_true", default=S, help="compile blocks and loss head")
@@ -73,6 +78,18 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ac-every", type=int, default=S, help="apply --ac to every K-th block")
     g.add_argument(
         "--offload-activations", action="store_true", default=S, help="saved tensors to host"
+    )
+    g = p.add_argument_group("distributed (launch with torchrun for several processes)")
+    g.add_argument("--fsdp", action="store_true", default=S, help="shard with FSDP2")
+    g.add_argument(
+        "--sharding",
+        choices=("full", "grad-op", "hybrid", "none"),
+        default=S,
+        help="what FSDP shards (default full)",
+    )
+    g.add_argument("--shard-size", type=int, default=S, help="hybrid: processes per shard group")
+    g.add_argument(
+        "--cpu-offload", action="store_true", default=S, help="parameters and step on the host"
     )
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", default=S, help="run folder (default runs/<model>-<time>)")
@@ -89,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="fine-tune or train a model")
     _add_train_flags(train)
     sub.add_parser("models", help="list the model presets with parameter counts")
+    convert = sub.add_parser("convert", help="turn a sharded (--fsdp) checkpoint into an HF folder")
+    convert.add_argument("checkpoint", help="a step_N folder of an --fsdp run")
+    convert.add_argument("output", help="new folder for the HF checkpoint")
+    convert.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default=None, help="default: as saved"
+    )
     return parser
 
 
@@ -118,11 +141,25 @@ def _cmd_models(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(ns: argparse.Namespace) -> int:
+    import time
+
+    from compiletune.checkpoint import convert_to_hf
+
+    t0 = time.perf_counter()
+    out = convert_to_hf(ns.checkpoint, ns.output, ns.dtype)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**30
+    print(f"wrote {out} ({size:.2f} GiB of safetensors) in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "train":
             return _cmd_train(ns)
+        if ns.command == "convert":
+            return _cmd_convert(ns)
         return _cmd_models(ns)
     except UserError as e:
         sys.stderr.write(f"compiletune: error: {e}\n")

@@ -16,7 +16,7 @@ import yaml
 
 from compiletune.errors import UserError
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "bf16-mixed")
 SCHEDULES = ("cosine", "linear", "constant")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 LOSSES = ("fused", "chunked", "plain")
@@ -45,7 +45,8 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | adamw8bit
     optimizer_in_backward: bool = False  # step each parameter in its grad hook, free its grad
     bf16_compensation: str = "none"  # none | kahan | stochastic (pure-bf16 parameter updates)
-    dtype: str | None = None  # None -> bf16 on a GPU that supports it, else fp32
+    dtype: str | None = None  # None -> bf16 on a GPU that supports it, else fp32; bf16-mixed:
+    # fp32 master weights, bf16 compute, fp32 gradient reduction (FSDP's mixed precision)
     seed: int = 0
     # compiler
     compile: bool = False  # compile each block and the loss head through compiletune's backend
@@ -55,6 +56,11 @@ class TrainConfig:
     ac: str = "none"  # activation policy: none | full | selective | budget=F
     ac_every: int = 1  # apply --ac to every K-th block
     offload_activations: bool = False  # what each block saves goes to host memory (needs --compile)
+    # distributed (FSDP2; launch with torchrun for several processes)
+    fsdp: bool = False  # shard parameters, gradients and optimizer state across processes
+    sharding: str = "full"  # full | grad-op | hybrid | none (FULL_SHARD, SHARD_GRAD_OP, ...)
+    shard_size: int | None = None  # hybrid: processes per shard group; None -> per node
+    cpu_offload: bool = False  # parameters, gradients and the optimizer step on the host
     # output
     output_dir: str | None = None  # None -> runs/<model>-<time>
     save_every: int = 0  # 0 -> only at the end
@@ -106,6 +112,8 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
         "compile": bool,
         "ac_every": int,
         "offload_activations": bool,
+        "fsdp": bool,
+        "cpu_offload": bool,
     }
     for name, typ in expected.items():
         value = getattr(cfg, name)
@@ -180,6 +188,27 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
         raise UserError("--offload-activations is a pass of the compile pipeline; add --compile")
     if cfg.dump_graphs is not None and not cfg.compile:
         raise UserError("--dump-graphs shows what the compiler did; it needs --compile")
+    from compiletune.distributed import SHARDINGS, launched_world_size
+
+    if cfg.sharding not in SHARDINGS:
+        raise UserError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {cfg.sharding!r}")
+    world = launched_world_size()
+    if world > 1 and not cfg.fsdp:
+        raise UserError(
+            f"{world} processes were launched but --fsdp is off; add --fsdp (every process "
+            "would otherwise train its own copy)"
+        )
+    if not cfg.fsdp:
+        for name, default in (("sharding", "full"), ("shard_size", None), ("cpu_offload", False)):
+            if getattr(cfg, name) != default:
+                flag = "--" + name.replace("_", "-")
+                raise UserError(f"{flag} is a setting of FSDP; add --fsdp or drop {flag}")
+        if cfg.dtype == "bf16-mixed":
+            raise UserError(
+                "--dtype bf16-mixed is FSDP's mixed precision; add --fsdp, or pass --dtype bf16"
+            )
+    if cfg.shard_size is not None and (cfg.sharding != "hybrid" or cfg.shard_size < 1):
+        raise UserError("--shard-size (a positive process count) only applies to --sharding hybrid")
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume and --overwrite contradict each other; pass one of them")
     if cfg.resume and cfg.output_dir is None:

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from compiletune import checkpoint as ckpt
+from compiletune import distributed as dist_
 from compiletune.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import TrainConfig, save_yaml
@@ -32,6 +34,7 @@ from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import (
     ModelArgs,
+    Transformer,
     args_from_hf_config,
     build_model,
     from_hf,
@@ -51,10 +54,11 @@ def pick_device() -> torch.device:
 
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The dtype parameters are stored in (bf16-mixed stores fp32 and computes in bf16)."""
     if name is None:
         bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16_ok else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-mixed": torch.float32}[name]
 
 
 def resolve_model_args(cfg: TrainConfig) -> ModelArgs:
@@ -124,6 +128,10 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """`print` for ranks other than 0."""
+
+
 @dataclass
 class _Stop:
     """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints, and returns."""
@@ -132,10 +140,60 @@ class _Stop:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run a training job described by `cfg`; returns the run summary."""
+    """Run a training job described by `cfg`; returns the run summary (the same on every rank).
+
+    With --fsdp every process of the job runs this function; rank 0 alone writes the metrics,
+    the config and the summary, and prints.
+    """
+    env = dist_.init_distributed(pick_device().type) if cfg.fsdp else None
+    try:
+        return _train(cfg, env)
+    finally:
+        if env is not None:
+            dist_.shutdown(env)
+
+
+def _build_model(
+    cfg: TrainConfig,
+    args: ModelArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+    resume_from: Path | None,
+    env: dist_.DistEnv | None,
+) -> tuple[Transformer, dict[str, Tensor] | None]:
+    """The model with its weights (single process), or, under FSDP, the model on the meta
+    device plus rank 0's full state dict to broadcast once the model is sharded (None on other
+    ranks, and when a sharded checkpoint supplies the weights)."""
+    if env is None:
+        if resume_from is not None:
+            return from_hf(resume_from, dtype=dtype, device=device), None
+        if cfg.model_dir is not None:
+            return from_hf(cfg.model_dir, dtype=dtype, device=device), None
+        return build_model(args, device=device, dtype=dtype, init=True, seed=cfg.seed), None
+    full_sd = None
+    if env.is_main and resume_from is None:
+        # Rank 0 alone reads the checkpoint (or draws the initial weights, on the host, the
+        # same values a single CPU process draws): host RAM holds one model, not one per rank.
+        if cfg.model_dir is not None:
+            source = from_hf(cfg.model_dir, dtype=dtype, device="cpu")
+        else:
+            source = build_model(args, device="cpu", dtype=dtype, init=True, seed=cfg.seed)
+        full_sd = source.state_dict()
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to(dtype)
+    config_dir = resume_from or cfg.model_dir
+    if config_dir is not None:
+        model.hf_config = load_hf_config(config_dir)
+    return model, full_sd
+
+
+def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    device = pick_device()
+    device = env.device if env is not None else pick_device()
     dtype = pick_dtype(cfg.dtype, device)
+    world = env.world if env is not None else 1
+    main = env is None or env.is_main
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("--dtype bf16: this GPU has no bf16 support; pass --dtype fp32")
 
@@ -165,22 +223,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     data = pack(examples, cfg.seq_len)
     resume_from = ckpt.latest_checkpoint(out) if cfg.resume else None
     state = ckpt.load_train_state(resume_from) if resume_from else None
+    if state is not None:
+        ckpt.check_resumable(resume_from, state, world if env is not None else None)
 
-    if resume_from is not None:
-        model = from_hf(resume_from, dtype=dtype, device=device)
-    elif cfg.model_dir is not None:
-        model = from_hf(cfg.model_dir, dtype=dtype, device=device)
-    else:
-        model = build_model(args, device=device, dtype=dtype, init=True, seed=cfg.seed)
+    model, full_sd = _build_model(cfg, args, dtype, device, resume_from, env)
 
     # --- the run's folder --------------------------------------------------------------
-    if cfg.overwrite and out.exists():
-        for _, path in ckpt.list_checkpoints(out):
-            shutil.rmtree(path)
-        for stale in ("metrics.jsonl", "summary.json"):
-            (out / stale).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    save_yaml(cfg, out / "config.yaml")
+    if main:
+        if cfg.overwrite and out.exists():
+            for _, path in ckpt.list_checkpoints(out):
+                shutil.rmtree(path)
+            for stale in ("metrics.jsonl", "summary.json"):
+                (out / stale).unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        save_yaml(cfg, out / "config.yaml")
 
     # The head shares the model's output projection; with --compile both are compiled in place.
     head = LossHead(model.output, head_kind(cfg.loss, cfg.compile))
@@ -197,6 +253,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         regions = compile_regions(model, head, opts)
     elif policy.kind != "none":
         apply_eager_checkpointing(model, policy)
+    if env is not None:
+        # After compile (FSDP's hooks stay outside the compiled blocks), then materialise the
+        # shards and fill them from rank 0.
+        mesh = dist_.build_mesh(env, cfg.sharding, cfg.shard_size)
+        dist_.apply_fsdp(
+            model,
+            mesh,
+            sharding=cfg.sharding,
+            param_dtype=torch.bfloat16 if cfg.dtype == "bf16-mixed" else None,
+            cpu_offload=cfg.cpu_offload,
+        )
+        model.to_empty(device="cpu" if cfg.cpu_offload else device)
+        model.tie_weights()
+        if resume_from is None:
+            dist_.load_full_state(model, full_sd)
+        del full_sd
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = Optimizer(
@@ -207,35 +279,75 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         weight_decay=cfg.weight_decay,
         in_backward=cfg.optimizer_in_backward,
         bf16_compensation=cfg.bf16_compensation,
-        device=device,
+        device=torch.device("cpu") if cfg.cpu_offload else device,
     )
-    batches = Batches(data, cfg.batch_size, cfg.seed)
+    # Every rank draws the same global batch of world x --batch-size rows and trains its slice.
+    batches = Batches(data, cfg.batch_size * world, cfg.seed)
+    rank = env.rank if env else 0
+    rank_rows = slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
     start_step = 0
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        if env is not None:
+            opt_sd = dist_.load_sharded(
+                resume_from / dist_.SHARDED_DIR, model, optimizer.state_dict()
+            )
+        else:
+            opt_sd = state["optimizer"]
+        optimizer.load_state_dict(opt_sd)
         batches.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
         start_step = state["step"]
 
     n_params = num_params(args)
-    print(
+    say = print if main else _silent
+    dtype_name = cfg.dtype if cfg.dtype == "bf16-mixed" else str(dtype).removeprefix("torch.")
+    say(
         f"model {cfg.model or cfg.model_dir or 'debug'}: {n_params / 1e6:.1f}M parameters, "
-        f"{str(dtype).removeprefix('torch.')} on {device.type}; data {cfg.data}: "
-        f"{data.inputs.shape[0]} rows of {cfg.seq_len} tokens; output {out}"
+        f"{dtype_name} on {device.type}"
+        + (
+            f" x {world} processes (FSDP2 {cfg.sharding}"
+            + (", CPU offload" if cfg.cpu_offload else "")
+            + ")"
+            if env is not None
+            else ""
+        )
+        + f"; data {cfg.data}: {data.inputs.shape[0]} rows of {cfg.seq_len} tokens; output {out}"
         + (f"; resuming from {resume_from.name}" if resume_from else ""),
         flush=True,
     )
 
     def train_state(step: int) -> dict[str, Any]:
-        return {
+        state = {
             "step": step,
-            "optimizer": optimizer.state_dict(),
             "data": batches.state_dict(),
             "rng": ckpt.rng_state(),
             "config": cfg.to_dict(),
         }
+        if env is None:
+            state["optimizer"] = optimizer.state_dict()
+        else:  # the optimizer state is in the sharded checkpoint, one entry per rank
+            state["world_size"] = world
+        return state
 
-    metrics = MetricsLog(out / "metrics.jsonl", resume_step=start_step if state else None)
+    def save(step: int, final: bool) -> Path:
+        if env is None:
+            return ckpt.save_checkpoint(out, step, model, tokenizer, train_state(step))
+        return ckpt.save_sharded_checkpoint(
+            out,
+            step,
+            model,
+            tokenizer,
+            train_state(step),
+            optimizer.state_dict(),
+            is_main=main,
+            export_hf=final,
+        )
+
+    metrics = (
+        MetricsLog(out / "metrics.jsonl", resume_step=start_step if state else None)
+        if main
+        else None
+    )
     stop = _Stop()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
@@ -247,7 +359,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     for s in previous:
         signal.signal(s, request_stop)
 
-    interactive = sys.stderr.isatty()
+    interactive = sys.stderr.isatty() and main
     log_every = max(1, cfg.max_steps // 10)
     bar = tqdm(
         total=cfg.max_steps, initial=start_step, disable=not interactive, unit="step", ncols=100
@@ -260,20 +372,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         model.train()
         while step < cfg.max_steps and not stop.requested:
             t0 = time.perf_counter()
-            micro = [batches.next() for _ in range(cfg.grad_accum)]
+            micro = [batches.next() for _ in range(cfg.grad_accum)]  # global batches
             # The lr is a function of the step alone (so a resume needs no schedule state); it is
             # set before backward because --optimizer-in-backward steps during backward.
             lr = cfg.lr * lr_factor(step, cfg)
             optimizer.set_lr(lr)
             # The loss is normalised by the target tokens of the whole accumulated batch, so
             # accumulation gives the same gradient as one big batch.
+            # Under FSDP every rank sees the whole global batch, so the count needs no
+            # communication; FSDP averages gradients over ranks, which the factor `world` undoes.
             n_targets = sum(int((mb["targets"] != IGNORE_INDEX).sum()) for mb in micro)
             total = torch.zeros((), device=device, dtype=torch.float32)
             for mb in micro:
-                mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+                mb = {k: v[rank_rows].to(device, non_blocking=True) for k, v in mb.items()}
                 hidden = model.hidden_states(mb["inputs"])  # [b, s, d]
                 loss = head(hidden, mb["targets"])  # fp32 [], summed over targets
-                (loss / n_targets).backward()
+                (loss * (world / n_targets)).backward()
                 total += loss.detach()
             grad_norm = (
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -284,15 +398,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             optimizer.zero_grad()
             step += 1
 
-            loss_value = total.item() / n_targets
+            loss_sum = total.item()
+            if env is not None:
+                # One collective per step: the global loss, and a stop request seen by any
+                # rank (so every rank leaves the loop after the same step).
+                loss_sum, stop_votes = dist_.all_reduce_sum([loss_sum, stop.requested], device)
+                stop.requested = stop_votes > 0
+            loss_value = loss_sum / n_targets
             if not math.isfinite(loss_value):
                 raise UserError(
                     f"the loss became {loss_value} at step {step}; lower --lr or use --dtype fp32"
                     + (f" (last good checkpoint: {last_saved})" if last_saved else "")
                 )
             dt = time.perf_counter() - t0
-            n_tokens = cfg.grad_accum * cfg.batch_size * cfg.seq_len
+            n_tokens = cfg.grad_accum * cfg.batch_size * world * cfg.seq_len
             tokens_done += n_tokens
+            if grad_norm is not None and hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()  # the norm over every rank's shards
             record = {
                 "step": step,
                 "loss": loss_value,
@@ -305,7 +427,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "peak_mem_gib": peak_memory_gib(device),
                 "epoch": batches.epoch,
             }
-            metrics.write(record)
+            if metrics is not None:
+                metrics.write(record)
             if step == start_step + 1:
                 first_loss = loss_value
             last_loss = loss_value
@@ -315,27 +438,31 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 mem=f"{record['peak_mem_gib']:.2f}G",
             )
-            if not interactive and (step % log_every == 0 or step == cfg.max_steps):
+            if main and not interactive and (step % log_every == 0 or step == cfg.max_steps):
                 print(
                     f"step {step}/{cfg.max_steps} loss {loss_value:.4f} lr {lr:.2e} "
                     f"{record['tokens_per_s']:.0f} tok/s mem {record['peak_mem_gib']:.2f} GiB",
                     flush=True,
                 )
-            if regions is not None and cfg.dump_graphs and step == start_step + 1:
+            if regions is not None and cfg.dump_graphs and step == start_step + 1 and main:
                 regions.write_dump(Path(cfg.dump_graphs))  # every region has compiled by now
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-                last_saved = ckpt.save_checkpoint(out, step, model, tokenizer, train_state(step))
+                last_saved = save(step, final=False)
         if step > start_step or resume_from is None:
-            last_saved = ckpt.save_checkpoint(out, step, model, tokenizer, train_state(step))
+            last_saved = save(step, final=True)
     finally:
         bar.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
     elapsed = time.perf_counter() - t_start
+    peak_mem = peak_memory_gib(device)
+    if env is not None:  # the busiest rank's peak
+        peak_mem = dist_.all_reduce_max(peak_mem, device)
     compile_stats = regions.stats() if regions is not None else None
-    if regions is not None and cfg.dump_graphs:
+    if regions is not None and cfg.dump_graphs and main:
         regions.write_dump(Path(cfg.dump_graphs))
     summary = {
         "steps": step,
@@ -345,16 +472,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "tokens": tokens_done,
         "seconds": elapsed,
         "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0,
-        "peak_mem_gib": peak_memory_gib(device),
+        "peak_mem_gib": peak_mem,
         "checkpoint": str(last_saved) if last_saved else None,
         "optimizer": cfg.optimizer + (" in-backward" if cfg.optimizer_in_backward else ""),
         "optimizer_state_bytes": optimizer.state_bytes(),
         "output_dir": str(out),
         "loss_kind": cfg.loss,
         "compile": compile_stats,
+        "processes": world,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(
+    if main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    say(
         ("stopped early: " if summary["interrupted"] else "done: ")
         + f"{step} steps, loss {first_loss:.4f} -> {last_loss:.4f}, "
         f"{tokens_done} tokens in {elapsed:.1f}s ({summary['tokens_per_s']:.0f} tok/s), "

@@ -1,7 +1,15 @@
 """Native decoder models, presets and HF checkpoint mapping."""
 
 from .decoder import ModelArgs, RopeScaling, Transformer, build_model
-from .hf import args_from_hf_config, from_hf, hf_config_from_args, load_hf_config, save_hf
+from .hf import (
+    args_from_hf_config,
+    from_hf,
+    hf_config_from_args,
+    load_hf_config,
+    save_hf,
+    to_hf_name,
+    write_hf_folder,
+)
 from .presets import PRESETS, from_name, num_params
 
 __all__ = [
@@ -17,4 +25,6 @@ __all__ = [
     "load_hf_config",
     "num_params",
     "save_hf",
+    "to_hf_name",
+    "write_hf_folder",
 ]

@@ -13,8 +13,10 @@ plus the 5.x keys when the original config used them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -443,30 +445,62 @@ def save_hf(
     dtype: torch.dtype | None = None,
     tokenizer: Any = None,
     max_shard_bytes: int = 5 * 2**30,
+    writer: bool = True,
 ) -> None:
     """Write an HF checkpoint folder: config.json, safetensors (sharded with an index when
     larger than `max_shard_bytes`) and, if given, the tokenizer files.
 
-    Shards are built one at a time from CPU copies of the parameters, so peak extra host memory
-    is one shard. Files are written under temporary names and renamed at the end, and stale
-    shards from an earlier save are removed, so a folder never mixes two saves.
+    A sharded (FSDP2) model is exported tensor by tensor: every rank calls this (each whole
+    tensor is gathered, a collective), and only the rank with `writer=True` keeps the CPU copy
+    and writes files, so no device ever holds more than one whole tensor of the model.
     """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    from compiletune.distributed import full_tensor
+
     named = _native_named_params(model)
     if dtype is None:
         dtype = named[0][1].dtype
+    entries = [(name, tuple(p.shape), lambda p=p: full_tensor(p.detach())) for name, p in named]
     cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
+    write_hf_folder(
+        path,
+        cfg,
+        entries,
+        dtype,
+        tokenizer=tokenizer,
+        max_shard_bytes=max_shard_bytes,
+        writer=writer,
+    )
 
+
+def write_hf_folder(
+    path: str | os.PathLike,
+    config: dict[str, Any],
+    entries: list[tuple[str, tuple[int, ...], Callable[[], Tensor]]],
+    dtype: torch.dtype,
+    *,
+    tokenizer: Any = None,
+    max_shard_bytes: int = 5 * 2**30,
+    writer: bool = True,
+) -> None:
+    """Write `config` and the tensors of `entries` (HF name, shape, fetch) as an HF folder.
+
+    Tensors are fetched one at a time and grouped into safetensors shards by size; peak extra
+    host memory is one shard. Files are written under temporary names and renamed at the end,
+    and stale shards from an earlier save are removed, so a folder never mixes two saves.
+    `writer=False` only fetches (for ranks whose fetch is a collective they must join).
+    """
+    path = Path(path)
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shards: list[list[tuple[str, Tensor]]] = [[]]
+    shards: list[list[tuple[str, Callable[[], Tensor]]]] = [[]]
     shard_bytes = 0
-    for name, p in named:
-        nbytes = p.numel() * itemsize
+    for name, shape, fetch in entries:
+        nbytes = math.prod(shape) * itemsize
         if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append([])
             shard_bytes = 0
-        shards[-1].append((name, p))
+        shards[-1].append((name, fetch))
         shard_bytes += nbytes
     n = len(shards)
     file_names = (
@@ -479,7 +513,14 @@ def save_hf(
     weight_map: dict[str, str] = {}
     total = 0
     for file_name, shard in zip(file_names, shards, strict=True):
-        tensors = {name: p.detach().to(device="cpu", dtype=dtype).contiguous() for name, p in shard}
+        tensors = {}
+        for name, fetch in shard:
+            whole = fetch()
+            if writer:
+                tensors[name] = whole.to(device="cpu", dtype=dtype).contiguous()
+            del whole
+        if not writer:
+            continue
         final = path / file_name
         tmp = path / (file_name + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -488,13 +529,15 @@ def save_hf(
             weight_map[name] = file_name
             total += t.numel() * t.element_size()
         del tensors
+    if not writer:
+        return
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         tmp = path / "model.safetensors.index.json.tmp"
         tmp.write_text(json.dumps(index, indent=2) + "\n")
         written.append((tmp, path / "model.safetensors.index.json"))
     tmp = path / "config.json.tmp"
-    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     written.append((tmp, path / "config.json"))
 
     keep = {final.name for _, final in written}

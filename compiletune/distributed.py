@@ -1,0 +1,244 @@
+"""FSDP2 across processes: process group, device mesh, sharding, loading, sharded checkpoints.
+
+One command from one process to many nodes: `torchrun --nproc-per-node N -m compiletune train
+--fsdp ...`. torch.distributed is the engine (NCCL on GPUs, gloo on CPU).
+
+Units (torchtitan's order: compile first, then `fully_shard` per unit, then the root):
+    each transformer block                 gathered for its forward, freed after (full/hybrid)
+    the token embedding                    its own unit (untied models)
+    final norm + output projection         one unit; the loss head reads the output weight
+                                           directly, so this unit stays gathered from the
+                                           norm's forward to the end of backward
+    the root (the model)                   whatever is left (tied models: embedding + head)
+
+Data parallelism: each rank reads its own slice of the global batch (`--batch-size` rows per
+rank), the loss is divided by the global count of target tokens, and FSDP's reduction (a mean
+over ranks) is undone by scaling the loss by the world size, so N ranks compute the gradient of
+one big batch, exactly as a single process with N x --batch-size rows would.
+
+Checkpoints (`step_N/sharded/`, torch.distributed.checkpoint): every rank writes its shards of
+the model (resharding on load is possible: `compiletune convert` reads them without a process
+group) and its optimizer state under its own key (a resume needs the same number of ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from compiletune.errors import UserError
+
+SHARDINGS = ("full", "grad-op", "hybrid", "none")
+SHARDED_DIR = "sharded"
+
+
+@dataclass
+class DistEnv:
+    """This process's place in the job."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    device: torch.device
+    owns_group: bool  # we initialised the process group (and tear it down)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_world_size() -> int:
+    """Processes in this job as torchrun announced it (1 when started by hand)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device_type: str) -> DistEnv:
+    """Join (or, for a single process with --fsdp, create) the default process group."""
+    owns = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # one process without torchrun: a group of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        owns = True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
+    return DistEnv(rank, world, local_rank, local_world, device, owns)
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mesh_shape(sharding: str, world: int, shard_size: int | None, local_world: int) -> tuple:
+    """(replicate, shard) sizes of the 2-D mesh, or (world,) for 1-D full / grad-op sharding."""
+    if sharding in ("full", "grad-op"):
+        return (world,)
+    if sharding == "none":
+        return (world, 1)  # every rank holds everything: replication only
+    size = shard_size or local_world  # hybrid: shard within a node, replicate across nodes
+    if size < 1 or world % size:
+        raise UserError(
+            f"--sharding hybrid: a shard group of {size} processes does not divide the "
+            f"{world} processes; pass --shard-size with a divisor of {world}"
+        )
+    return (world // size, size)
+
+
+def build_mesh(env: DistEnv, sharding: str, shard_size: int | None = None) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(sharding, env.world, shard_size, env.local_world)
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh(env.device.type, shape, mesh_dim_names=names)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    sharding: str = "full",
+    param_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+) -> None:
+    """`fully_shard` the blocks, the embedding, the head (norm + output) and then the root.
+
+    param_dtype: the compute dtype of gathered parameters (bf16 mixed precision keeps fp32
+    master weights and reduces gradients in fp32); None computes in the storage dtype.
+    """
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
+    if sharding not in SHARDINGS:
+        raise ValueError(f"unknown sharding {sharding!r}")
+    mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
+    )
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else None
+    common = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload or OffloadPolicy()}
+    # grad-op (SHARD_GRAD_OP) keeps gathered parameters from forward to backward: less
+    # communication, more memory. With one shard per rank ("none") there is nothing to free.
+    reshard = sharding in ("full", "hybrid")
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard, **common)
+    if not model.args.tie_embeddings:
+        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **common)
+        # The head is needed again right at the start of backward: no point freeing it.
+        fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
+    fully_shard(model, **common)
+    # The trainer calls `hidden_states` (the loss head follows outside the model), so the root's
+    # hooks (lazy init, gathering the root's own parameters) must run for that method too.
+    register_fsdp_forward_method(model, "hidden_states")
+
+
+def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -> None:
+    """Fill a sharded model (materialised with `to_empty`) from rank 0's full state dict:
+    tensors are broadcast one at a time and each rank keeps its shard. Other ranks pass None."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_sd if dist.get_rank() == 0 else {}, options=options)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) parameter; a collective: every rank calls it."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":  # --cpu-offload shards
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t.full_tensor()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def save_sharded(folder: Path, model: nn.Module, optimizer_sd: dict[str, Any]) -> None:
+    """Every rank writes its shards of the model and its own optimizer state into `folder`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer": {f"rank{dist.get_rank()}": optimizer_sd},
+    }
+    dcp.save(state, checkpoint_id=str(folder))
+
+
+def load_sharded(folder: Path, model: nn.Module, optimizer_sd: dict[str, Any]) -> dict[str, Any]:
+    """Read `folder` into the sharded model (in place) and into `optimizer_sd` (a template of
+    this rank's optimizer state, filled in place and returned)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model_sd = get_model_state_dict(model)
+    key = f"rank{dist.get_rank()}"
+    state = {"model": model_sd, "optimizer": {key: optimizer_sd}}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, model_sd)
+    return state["optimizer"][key]
+
+
+def sharded_model_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Native parameter name -> (shape, dtype) of the model saved in a sharded checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(str(folder)).read_metadata()
+    out = {}
+    for key, md in meta.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata):
+            out[key.removeprefix("model.")] = (tuple(md.size), md.properties.dtype)
+    return out
+
+
+def read_sharded_tensor(
+    folder: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """One whole model tensor from a sharded checkpoint, without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    t = torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": {name: t}}, checkpoint_id=str(folder), no_dist=True)
+    return t
