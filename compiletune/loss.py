@@ -47,7 +47,9 @@ class LossHead(nn.Module):
             return chunked_cross_entropy(
                 h, w, targets, bias=b, ignore_index=IGNORE_INDEX, reduction="sum"
             )
-        logits = self.output(h)  # [b, s, V]
+        # F.linear, not self.output(h): under FSDP the output projection's unit has hooks that
+        # must not run inside the compiled head (its weight is gathered by the norm's hook).
+        logits = F.linear(h, w, b)  # [b, s, V]
         return F.cross_entropy(
             logits.flatten(0, 1).float(),
             targets.flatten(),

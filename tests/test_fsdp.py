@@ -1,0 +1,251 @@
+"""FSDP2 on CPU with gloo: 2 processes train like one process on the same global batch.
+
+Every multi-process case compares against a single-process run of the same global batch
+(N ranks x --batch-size rows = one process with N x --batch-size rows): fp32 losses within
+1e-5 relative, bf16 mixed precision within the bf16 bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+from safetensors.torch import load_file
+
+from compiletune.checkpoint import check_resumable, convert_to_hf
+from compiletune.cli import main
+from compiletune.config import resolve
+from compiletune.distributed import mesh_shape
+from compiletune.errors import UserError
+from compiletune.metrics import read_metrics
+from compiletune.models import build_model, from_name, save_hf
+from compiletune.tokenizer import byte_tokenizer
+from compiletune.trainer import train
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+TEXT = "\n".join(
+    f"Row {i}: a packed line of text about sharding, number {i * 11 % 17}." for i in range(300)
+)
+BASE = {"seq_len": 32, "batch_size": 2, "max_steps": 3, "n_layers": 2, "lr": 3e-3}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"sharding": "grad-op"}, "--sharding is a setting of FSDP"),
+        ({"cpu_offload": True}, "--cpu-offload is a setting of FSDP"),
+        ({"dtype": "bf16-mixed"}, "bf16-mixed is FSDP's mixed precision"),
+        ({"fsdp": True, "sharding": "zero3"}, "--sharding must be one of"),
+        ({"fsdp": True, "shard_size": 2}, "--shard-size"),
+    ],
+)
+def test_bad_fsdp_flags(flags: dict, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        resolve({}, flags)
+
+
+def test_torchrun_without_fsdp_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(UserError, match="4 processes were launched but --fsdp is off"):
+        resolve({}, {})
+
+
+def test_mesh_shapes() -> None:
+    assert mesh_shape("full", 8, None, 4) == (8,)
+    assert mesh_shape("grad-op", 8, None, 4) == (8,)
+    assert mesh_shape("none", 8, None, 4) == (8, 1)
+    assert mesh_shape("hybrid", 8, None, 4) == (2, 4)  # shard within a node of 4
+    assert mesh_shape("hybrid", 8, 2, 4) == (4, 2)
+    with pytest.raises(UserError, match="does not divide"):
+        mesh_shape("hybrid", 8, 3, 4)
+
+
+def test_checkpoint_kind_must_match_the_launch(tmp_path: Path) -> None:
+    single = tmp_path / "step_1"
+    single.mkdir()
+    with pytest.raises(UserError, match="single-process checkpoint"):
+        check_resumable(single, {}, world=2)
+    check_resumable(single, {}, world=None)
+    sharded = tmp_path / "step_2"
+    (sharded / "sharded").mkdir(parents=True)
+    with pytest.raises(UserError, match="torchrun --nproc-per-node 2"):
+        check_resumable(sharded, {"world_size": 2}, world=None)
+    with pytest.raises(UserError, match="written by 2 processes and this run has 4"):
+        check_resumable(sharded, {"world_size": 2}, world=4)
+
+
+def test_convert_refuses_what_it_cannot_convert(tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    save_hf(build_model(from_name("debug")), hf)
+    with pytest.raises(UserError, match="already an HF folder"):
+        convert_to_hf(hf, tmp_path / "out")
+    (hf / "sharded").mkdir()
+    with pytest.raises(UserError, match="not empty"):
+        convert_to_hf(hf, hf)
+    assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "o")]) == 2
+
+
+# ----------------------------------------------------------------------------- torchrun, end to end
+
+
+@pytest.mark.slow
+def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m compiletune train --fsdp`: the same losses as one process
+    with the whole global batch; a resume from the sharded step_2 reproduces the run exactly;
+    the final HF export and a converted step_2 load in transformers."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    flags = {**BASE, "max_steps": 4, "data": str(corpus)}
+    train(resolve({}, {**flags, "batch_size": 4, "output_dir": str(tmp_path / "single")}))
+
+    def torchrun(out: Path, *extra: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        cmd += ["--master-port", str(_port()), "-m", "compiletune", "train", "--fsdp"]
+        for key, value in flags.items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        cmd += ["--save-every", "2", "--output-dir", str(out), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    torchrun(tmp_path / "fsdp")
+    single, fsdp = _losses(tmp_path / "single"), _losses(tmp_path / "fsdp")
+    assert fsdp == pytest.approx(single, rel=1e-5)
+    step2 = tmp_path / "fsdp" / "step_2"
+    assert (step2 / "sharded").is_dir() and not (step2 / "model.safetensors").exists()
+
+    # A run that died after step 2: resume from the sharded checkpoint.
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copytree(step2, part / "step_2")
+    (part / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in read_metrics(tmp_path / "fsdp" / "metrics.jsonl")[:2])
+    )
+    torchrun(part, "--resume")
+    assert _losses(part) == _losses(tmp_path / "fsdp")
+    a = load_file(tmp_path / "fsdp" / "step_4" / "model.safetensors")
+    b = load_file(part / "step_4" / "model.safetensors")
+    ref = load_file(tmp_path / "single" / "step_4" / "model.safetensors")
+    assert a.keys() == ref.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for k in a:
+        torch.testing.assert_close(a[k], ref[k], rtol=1e-4, atol=1e-5)
+
+    # The final export and a converted sharded checkpoint are ordinary HF folders.
+    tokens = torch.randint(0, 256, (1, 16))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "step_4")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "step_4")
+    with torch.no_grad():
+        torch.testing.assert_close(
+            exported(tokens).logits, reference(tokens).logits, rtol=1e-4, atol=1e-4
+        )
+    assert main(["convert", str(step2), str(tmp_path / "converted")]) == 0
+    converted = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted")
+    saved = load_file(tmp_path / "converted" / "model.safetensors")
+    got = dict(converted.named_parameters())
+    assert all(torch.equal(got[k], v) for k, v in saved.items())
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "converted") is not None
+
+
+# ----------------------------------------------------------------------------- variants in one spawn
+
+
+def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
+    """name -> (flags for the 2-rank run, flags for the single-process reference)."""
+    base = {**BASE, "data": corpus}
+    from_dir = {k: v for k, v in base.items() if k != "n_layers"} | {"model_dir": tied_dir}
+    return {
+        "grad-op": ({**base, "sharding": "grad-op"}, base),
+        "none": ({**base, "sharding": "none"}, base),
+        "hybrid": ({**base, "sharding": "hybrid", "shard_size": 1}, base),
+        "cpu-offload": ({**base, "cpu_offload": True}, base),
+        "compiled": (
+            {**base, "compile": True, "compile_backend": "aot_eager", "ac": "selective"},
+            base,
+        ),
+        "in-backward": (
+            {**base, "optimizer_in_backward": True},
+            {**base, "max_grad_norm": 0.0},
+        ),
+        "tied-model-dir": (from_dir, from_dir),
+        "bf16-mixed": ({**base, "dtype": "bf16-mixed"}, base),
+    }
+
+
+def _variant_worker(rank: int, port: int, tmp: str, corpus: str, tied_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for name, (flags, _) in _variants(Path(tmp), corpus, tied_dir).items():
+            cfg = resolve({}, {**flags, "fsdp": True, "output_dir": f"{tmp}/{name}"})
+            train(cfg)
+            torch.compiler.reset()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_variants_match_one_process(tmp_path: Path) -> None:
+    """Sharding modes, CPU offload, compile + activation policy + fused loss, in-backward,
+    a tied model loaded by rank 0 from --model-dir, and bf16 mixed precision: each 2-rank run
+    against a single process with the whole global batch."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    tied = from_name("debug")
+    tied.n_layers, tied.tie_embeddings, tied.qkv_bias, tied.family = 2, True, True, "qwen2"
+    tied_dir = tmp_path / "tied-qwen"
+    save_hf(build_model(tied, seed=5), tied_dir, tokenizer=byte_tokenizer())
+
+    mp.spawn(
+        _variant_worker,
+        args=(_port(), str(tmp_path), str(corpus), str(tied_dir)),
+        nprocs=2,
+    )
+    references: dict[str, list[float]] = {}
+    failures = []
+    for name, (_, ref_flags) in _variants(tmp_path, str(corpus), str(tied_dir)).items():
+        key = json.dumps(ref_flags, sort_keys=True)
+        if key not in references:
+            out = tmp_path / f"ref-{len(references)}"
+            train(resolve({}, {**ref_flags, "batch_size": 4, "output_dir": str(out)}))
+            references[key] = _losses(out)
+        want, got = references[key], _losses(tmp_path / name)
+        # bf16 compute against the fp32 run: within bf16's precision, not bit-close.
+        rel = 2e-2 if name == "bf16-mixed" else 1e-5
+        if got != pytest.approx(want, rel=rel):
+            failures.append(f"{name}: {got} vs one process {want}")
+    assert not failures, "\n".join(failures)
+    summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
+    assert summary["compile"]["recompiles"] == 0 and summary["processes"] == 2
