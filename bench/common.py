@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def run_train(
     workdir: Path,
     allow_failure: bool = False,
     remove_output: bool = False,
+    processes: int = 0,
 ) -> dict[str, Any]:
     """One `compiletune train` process with its own Inductor cache folder; returns the run's
     summary.json plus `step_times`, `tokens_per_step`, `step_peak_mem_gib` (the peak after
@@ -75,10 +77,18 @@ def run_train(
     ("out of memory" or the last line of its stderr) so a bench can record it and go on.
     `remove_output` deletes the run folder once read: the final checkpoint of a large model
     (weights and optimizer state) would otherwise fill the disk over a bench's runs.
+    `processes` > 0 launches that many ranks with torchrun (add --fsdp to `args`).
     """
     out = workdir / f"run{len(list(workdir.iterdir()))}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    cmd = [sys.executable, "-m", "compiletune", "train", *args, "--output-dir", str(out)]
+    launch = [sys.executable, "-m"]
+    if processes:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launch += ["torch.distributed.run", f"--nproc-per-node={processes}"]
+        launch += [f"--master-port={port}", "-m"]
+    cmd = [*launch, "compiletune", "train", *args, "--output-dir", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         if not allow_failure:

@@ -186,10 +186,12 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def all_reduce_max(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+def gather_floats(value: float, device: torch.device) -> list[float]:
+    """Every rank's `value`, in rank order, on every rank."""
+    t = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    t[dist.get_rank()] = value
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def save_sharded(folder: Path, model: nn.Module, optimizer_sd: dict[str, Any]) -> None:

@@ -459,8 +459,8 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
 
     elapsed = time.perf_counter() - t_start
     peak_mem = peak_memory_gib(device)
-    if env is not None:  # the busiest rank's peak
-        peak_mem = dist_.all_reduce_max(peak_mem, device)
+    rank_peaks = [peak_mem] if env is None else dist_.gather_floats(peak_mem, device)
+    peak_mem = max(rank_peaks)  # the busiest rank's peak
     compile_stats = regions.stats() if regions is not None else None
     if regions is not None and cfg.dump_graphs and main:
         regions.write_dump(Path(cfg.dump_graphs))
@@ -473,6 +473,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         "seconds": elapsed,
         "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0,
         "peak_mem_gib": peak_mem,
+        "peak_mem_gib_per_rank": rank_peaks,
         "checkpoint": str(last_saved) if last_saved else None,
         "optimizer": cfg.optimizer + (" in-backward" if cfg.optimizer_in_backward else ""),
         "optimizer_state_bytes": optimizer.state_bytes(),
