@@ -7,6 +7,8 @@ own launch; the table shows the peak memory of each rank, tokens/s of the steady
 final loss (equal across rows: sharding changes where tensors live, not the result). On CPU the
 peak is the process's resident set (Python and torch included), and rank 0 also holds the one
 full copy of the weights it reads and broadcasts at start; the other ranks show the sharding.
+Peaks are taken after the last step, before the final checkpoint (whose staging copies would
+otherwise dominate on CPU; they are recorded too).
 Writes bench/results/fsdp-<device>.json.
 """
 
@@ -62,7 +64,12 @@ def main() -> None:
                 {
                     "config": name,
                     "processes": procs or 1,
-                    "peak_mem_gib_per_rank": [round(x, 3) for x in s["peak_mem_gib_per_rank"]],
+                    "peak_mem_gib_per_rank": [
+                        round(x, 3) for x in s["train_peak_mem_gib_per_rank"]
+                    ],
+                    "peak_with_final_save_gib_per_rank": [
+                        round(x, 3) for x in s["peak_mem_gib_per_rank"]
+                    ],
                     "tokens_per_s": round(speed["tokens_per_s"], 1),
                     "final_loss": s["final_loss"],
                 }

@@ -448,6 +448,10 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
                 regions.write_dump(Path(cfg.dump_graphs))  # every region has compiled by now
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
                 last_saved = save(step, final=False)
+        # The training peak of every rank, before the final save (whose staging copies count
+        # toward the process's peak on CPU) adds its own.
+        train_peak = peak_memory_gib(device)
+        train_peaks = [train_peak] if env is None else dist_.gather_floats(train_peak, device)
         if step > start_step or resume_from is None:
             last_saved = save(step, final=True)
     finally:
@@ -474,6 +478,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0,
         "peak_mem_gib": peak_mem,
         "peak_mem_gib_per_rank": rank_peaks,
+        "train_peak_mem_gib_per_rank": train_peaks,
         "checkpoint": str(last_saved) if last_saved else None,
         "optimizer": cfg.optimizer + (" in-backward" if cfg.optimizer_in_backward else ""),
         "optimizer_state_bytes": optimizer.state_bytes(),
