@@ -33,6 +33,16 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-layers", type=int, default=S, help="override the preset's depth")
     g.add_argument("--data", default=S, help="pydocs (embedded default) | FILE.txt | FILE.jsonl")
     g.add_argument("--tokenizer", default=S, help="local HF tokenizer folder")
+    g.add_argument(
+        "--doc-mask",
+        action=argparse.BooleanOptionalAction,
+        default=S,
+        help="packed examples attend only to themselves (default: on when rows pack several)",
+    )
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-data", default=S, help="held-out SOURCE (like --data)")
+    g.add_argument("--val-split", type=float, default=S, help="hold out this fraction of --data")
+    g.add_argument("--eval-every", type=int, default=S, help="evaluate every N steps (0 = end)")
     g = p.add_argument_group("step shape")
     g.add_argument("--seq-len", type=int, default=S, help="tokens per row (default 256)")
     g.add_argument("--batch-size", type=int, default=S, help="rows per micro-batch (default 8)")
@@ -81,6 +91,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", default=S, help="continue from the latest checkpoint"
     )
     g.add_argument("--overwrite", action="store_true", default=S, help="replace an existing run")
+    g.add_argument("--log", default=S, help="also log to: tensorboard, wandb (comma-separated)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention import causal_attention
+
 
 @dataclass
 class RopeScaling:
@@ -135,8 +137,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [b, s, d], cos/sin [b, s, hd] -> [b, s, d]."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """x [b, s, d], cos/sin [b, s, hd], doc_ids [b, s] or None -> [b, s, d].
+
+        With `doc_ids`, a token attends only to earlier tokens of its own document.
+        """
         b, s, _ = x.shape
         h, k, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.wq(x).view(b, s, h, hd).transpose(1, 2)  # [b, h, s, hd]
@@ -149,7 +154,7 @@ class Attention(nn.Module):
             n_rep = h // k
             kk = kk[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, h, s, hd)
             v = v[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, h, s, hd)
-        out = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=hd**-0.5)
+        out = causal_attention(q, kk, v, hd**-0.5, doc_ids)  # [b, h, s, hd]
         out = out.transpose(1, 2).reshape(b, s, h * hd)  # [b, s, h * hd]
         return self.wo(out)
 
@@ -178,9 +183,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [b, s, d], cos/sin [b, s, hd] -> [b, s, d]."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """x [b, s, d], cos/sin [b, s, hd], doc_ids [b, s] or None -> [b, s, d]."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -230,22 +235,29 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
-    def hidden_states(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+    def hidden_states(
+        self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None
+    ) -> Tensor:
         """tokens [b, s] (int) -> final-normed hidden states [b, s, d].
 
-        positions [b, s] default to 0..s-1 for every row.
+        positions [b, s] default to 0..s-1 for every row. doc_ids [b, s] (packed rows: 0, 1, 2
+        ... per document) confine attention to each document; pass positions that restart at
+        each document with them, and every document is computed exactly as if alone. Every
+        block gets the same inputs (h, cos, sin, doc_ids), so one compiled graph serves all.
         """
         h = self.tok_embeddings(tokens)  # [b, s, d]
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # [1, s]
         cos, sin = rope_cos_sin(self.args, positions, h.dtype)  # [b, s, hd]
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, doc_ids)
         return self.norm(h)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None
+    ) -> Tensor:
         """tokens [b, s] -> logits [b, s, v] in the parameter dtype."""
-        return self.output(self.hidden_states(tokens, positions))
+        return self.output(self.hidden_states(tokens, positions, doc_ids))
 
 
 def build_model(
