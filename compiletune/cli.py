@@ -1,4 +1,4 @@
-"""Command line: `compiletune train | models` (also `python -m compiletune ...`).
+"""Command line: `compiletune train | generate | models` (also `python -m compiletune ...`).
 
 Flags override `--config run.yaml`, which overrides the defaults in `config.TrainConfig`.
 Bad input prints one line, `compiletune: error: ...`, and exits with code 2.
@@ -99,8 +99,39 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="fine-tune or train a model")
     _add_train_flags(train)
+    generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache)")
+    _add_generate_flags(generate)
     sub.add_parser("models", help="list the model presets with parameter counts")
     return parser
+
+
+def _add_generate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", required=True, help="checkpoint (OUTPUT_DIR/step_N) or HF folder")
+    p.add_argument("--prompt", default=None, help="text to continue (with --chat: one user turn)")
+    p.add_argument(
+        "--chat", action="store_true", help="apply the chat template; without --prompt, read stdin"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model-dir)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on GPU")
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from compiletune.generate import Sampling, run_generate
+
+    run_generate(
+        ns.model_dir,
+        ns.prompt,
+        ns.chat,
+        ns.max_new_tokens,
+        Sampling(ns.temperature, ns.top_p, ns.seed),
+        tokenizer_dir=ns.tokenizer,
+        dtype_name=ns.dtype,
+    )
+    return 0
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
@@ -134,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.command == "train":
             return _cmd_train(ns)
+        if ns.command == "generate":
+            return _cmd_generate(ns)
         return _cmd_models(ns)
     except UserError as e:
         sys.stderr.write(f"compiletune: error: {e}\n")
