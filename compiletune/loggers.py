@@ -29,8 +29,12 @@ class MetricLogger(Protocol):
     def close(self) -> None: ...
 
 
-def parse_loggers(text: str | None) -> list[str]:
-    """'tensorboard,wandb' -> ['tensorboard', 'wandb']; '' or None -> []."""
+def parse_loggers(text: str | list[str] | None) -> list[str]:
+    """'tensorboard,wandb' (or a YAML list of names) -> ['tensorboard', 'wandb']; None -> []."""
+    if isinstance(text, list):
+        text = ",".join(map(str, text))
+    if text is not None and not isinstance(text, str):
+        raise UserError(f"--log must be names separated by commas, got {text!r}")
     names = [name.strip() for name in (text or "").split(",") if name.strip()]
     for name in names:
         if name not in LOGGERS:

@@ -9,7 +9,7 @@ from compiletune.cli import main
 from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import resolve
 from compiletune.loss import LossHead
-from compiletune.models import build_model, from_name
+from compiletune.models import PRESETS, build_model, from_name
 from compiletune.models.attention import doc_segments
 from compiletune.trainer import train
 
@@ -168,3 +168,13 @@ def test_no_doc_mask_flag_and_compiled_run(tmp_path, capsys):
     )
     assert summary["doc_mask"] is True
     assert summary["compile"]["recompiles"] == 0
+
+
+def test_presets_carry_published_context_lengths():
+    published = {"llama2_7b": 4096, "llama3_8b": 8192, "llama3_70b": 8192}
+    published |= dict.fromkeys(
+        ["llama3_1_8b", "llama3_1_405b", "llama3_2_1b", "llama3_3_70b"], 131072
+    )
+    published |= {"qwen2_5_0_5b": 32768, "qwen2_5_7b": 131072, "mistral_7b": 32768}
+    published |= {"debug": 32768, "debug_128k": 32768}  # long-context checks on CPU
+    assert {name: PRESETS[name].max_seq_len for name in published} == published
