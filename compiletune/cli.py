@@ -1,4 +1,4 @@
-"""Command line: `compiletune train | models | convert` (also `python -m compiletune ...`).
+"""Command line: `compiletune train | generate | models | convert` (also `python -m compiletune ...`).
 
 Flags override `--config run.yaml`, which overrides the defaults in `config.TrainConfig`.
 Bad input prints one line, `compiletune: error: ...`, and exits with code 2.
@@ -33,6 +33,16 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-layers", type=int, default=S, help="override the preset's depth")
     g.add_argument("--data", default=S, help="pydocs (embedded default) | FILE.txt | FILE.jsonl")
     g.add_argument("--tokenizer", default=S, help="local HF tokenizer folder")
+    g.add_argument(
+        "--doc-mask",
+        action=argparse.BooleanOptionalAction,
+        default=S,
+        help="packed examples attend only to themselves (default: on when rows pack several)",
+    )
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-data", default=S, help="held-out SOURCE (like --data)")
+    g.add_argument("--val-split", type=float, default=S, help="hold out this fraction of --data")
+    g.add_argument("--eval-every", type=int, default=S, help="evaluate every N steps (0 = end)")
     g = p.add_argument_group("step shape")
     g.add_argument("--seq-len", type=int, default=S, help="tokens per row (default 256)")
     g.add_argument("--batch-size", type=int, default=S, help="rows per micro-batch (default 8)")
@@ -98,6 +108,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", default=S, help="continue from the latest checkpoint"
     )
     g.add_argument("--overwrite", action="store_true", default=S, help="replace an existing run")
+    g.add_argument("--log", default=S, help="also log to: tensorboard, wandb (comma-separated)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="fine-tune or train a model")
     _add_train_flags(train)
+    generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache)")
+    _add_generate_flags(generate)
     sub.add_parser("models", help="list the model presets with parameter counts")
     convert = sub.add_parser("convert", help="turn a sharded (--fsdp) checkpoint into an HF folder")
     convert.add_argument("checkpoint", help="a step_N folder of an --fsdp run")
@@ -113,6 +126,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=("fp32", "bf16"), default=None, help="default: as saved"
     )
     return parser
+
+
+def _add_generate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", required=True, help="checkpoint (OUTPUT_DIR/step_N) or HF folder")
+    p.add_argument("--prompt", default=None, help="text to continue (with --chat: one user turn)")
+    p.add_argument(
+        "--chat", action="store_true", help="apply the chat template; without --prompt, read stdin"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model-dir)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on GPU")
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from compiletune.generate import Sampling, run_generate
+
+    run_generate(
+        ns.model_dir,
+        ns.prompt,
+        ns.chat,
+        ns.max_new_tokens,
+        Sampling(ns.temperature, ns.top_p, ns.seed),
+        tokenizer_dir=ns.tokenizer,
+        dtype_name=ns.dtype,
+    )
+    return 0
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
@@ -160,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_train(ns)
         if ns.command == "convert":
             return _cmd_convert(ns)
+        if ns.command == "generate":
+            return _cmd_generate(ns)
         return _cmd_models(ns)
     except UserError as e:
         sys.stderr.write(f"compiletune: error: {e}\n")

@@ -30,6 +30,12 @@ class TrainConfig:
     n_layers: int | None = None  # override the preset's depth (random init; benches, debugging)
     data: str = "pydocs"  # pydocs | file.txt | file.jsonl
     tokenizer: str | None = None  # local HF tokenizer folder; default: the model dir, else bytes
+    # None -> on when rows pack several examples: each attends only to itself (see trainer)
+    doc_mask: bool | None = None
+    # held-out evaluation
+    eval_data: str | None = None  # a source like --data, evaluated on held-out loss/perplexity
+    val_split: float = 0.0  # or: hold out this fraction of --data's examples (0 = none)
+    eval_every: int = 0  # evaluate every N steps; 0 -> only at the end (with an eval source)
     # shape of a step
     seq_len: int = 256
     batch_size: int = 8
@@ -64,6 +70,7 @@ class TrainConfig:
     # output
     output_dir: str | None = None  # None -> runs/<model>-<time>
     save_every: int = 0  # 0 -> only at the end
+    log: str | None = None  # extra metric loggers beside metrics.jsonl: tensorboard,wandb
     resume: bool = False
     overwrite: bool = False
 
@@ -114,6 +121,8 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
         "offload_activations": bool,
         "fsdp": bool,
         "cpu_offload": bool,
+        "eval_every": int,
+        "val_split": float,
     }
     for name, typ in expected.items():
         value = getattr(cfg, name)
@@ -209,6 +218,21 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
             )
     if cfg.shard_size is not None and (cfg.sharding != "hybrid" or cfg.shard_size < 1):
         raise UserError("--shard-size (a positive process count) only applies to --sharding hybrid")
+    if cfg.doc_mask is not None and not isinstance(cfg.doc_mask, bool):
+        raise UserError(f"config: doc_mask must be true or false, got {cfg.doc_mask!r}")
+    if cfg.eval_every < 0:
+        raise UserError(
+            f"--eval-every must be 0 (only at the end) or positive, got {cfg.eval_every}"
+        )
+    if not 0.0 <= cfg.val_split < 1.0:
+        raise UserError(f"--val-split must be a fraction in [0, 1), got {cfg.val_split}")
+    if cfg.val_split > 0 and cfg.eval_data is not None:
+        raise UserError("--val-split and --eval-data both name the held-out data; pass one of them")
+    if cfg.eval_every > 0 and cfg.eval_data is None and cfg.val_split == 0:
+        raise UserError("--eval-every needs held-out data: add --eval-data SOURCE or --val-split F")
+    from compiletune.loggers import parse_loggers
+
+    parse_loggers(cfg.log)
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume and --overwrite contradict each other; pass one of them")
     if cfg.resume and cfg.output_dir is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -303,6 +304,45 @@ def load_examples(source: str, tokenizer: PreTrainedTokenizerBase) -> list[Examp
     return examples
 
 
+# ----------------------------------------------------------------------------- held-out split
+
+
+def split_examples(
+    examples: list[Example], fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """(train, held_out): a seeded random `fraction` of whole examples is held out.
+
+    Splitting examples before packing keeps every example on one side (a packed row may cut an
+    example in two, a row-level split would leak it). Both sides keep the source order. The
+    same seed and data give the same split, so a resumed run evaluates on the same examples.
+    """
+    n = len(examples)
+    n_held = round(fraction * n)
+    if n_held < 1 or n_held >= n:
+        raise UserError(
+            f"--val-split {fraction} of {n} examples leaves "
+            + ("no held-out example" if n_held < 1 else "no training example")
+            + "; pass a fraction that leaves at least one example on each side, or --eval-data"
+        )
+    g = torch.Generator()
+    g.manual_seed(seed % (1 << 63))
+    held = set(torch.randperm(n, generator=g)[:n_held].tolist())
+    train = [e for i, e in enumerate(examples) if i not in held]
+    return train, [e for i, e in enumerate(examples) if i in held]
+
+
+def eval_batches(data: PackedData, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Every row of `data` once, in order, in batches of up to `batch_size` rows."""
+    for start in range(0, data.rows, batch_size):
+        sl = slice(start, start + batch_size)
+        yield {
+            "inputs": data.inputs[sl],
+            "targets": data.targets[sl],
+            "positions": data.positions[sl],
+            "doc_ids": data.doc_ids[sl],
+        }
+
+
 # ----------------------------------------------------------------------------- packing
 
 
@@ -310,8 +350,8 @@ def pack(examples: list[Example], seq_len: int, source: str = "the data") -> Pac
     """Concatenate `examples` into one token stream and cut it into training rows.
 
     Row r covers stream tokens [r*L, r*L + L] (L + 1 tokens, L = seq_len): inputs are the first
-    L, targets the last L where they are targets and IGNORE_INDEX elsewhere, so consecutive rows
-    share one token and no token is lost. The tail that does not fill a row is dropped, and so
+    L, targets the last L where they are targets of the same document and IGNORE_INDEX
+    elsewhere, so consecutive rows share one token and no token is lost. The tail that does not fill a row is dropped, and so
     is any row without a single target. `source` names the data in error messages.
     """
     if seq_len < 1:
@@ -339,7 +379,11 @@ def pack(examples: list[Example], seq_len: int, source: str = "the data") -> Pac
     inputs = stream[:end].view(rows, seq_len)
     next_ids = stream[1 : end + 1].view(rows, seq_len)
     next_is_target = stream_is_target[1 : end + 1].view(rows, seq_len)
-    targets = torch.where(next_is_target, next_ids, IGNORE_INDEX)
+    # A token never predicts the first token of the next document: trained one by one, no
+    # example has that target, and with document masking nothing of the next document is
+    # visible. (With a bos token that first token is bos, which is no target anyway.)
+    same_doc = (stream_doc[1 : end + 1] == stream_doc[:end]).view(rows, seq_len)
+    targets = torch.where(next_is_target & same_doc, next_ids, IGNORE_INDEX)
 
     doc = stream_doc[:end].view(rows, seq_len)  # [rows, L], global document index
     doc_ids = (doc - doc[:, :1]).to(torch.int32)  # documents are contiguous, so 0, 1, 2 ...
@@ -403,7 +447,8 @@ class Batches:
         return self._order
 
     def next(self) -> dict[str, torch.Tensor]:
-        """The next batch: `inputs`, `targets`, `positions`, each `[batch_size, seq_len]` int64."""
+        """The next batch: `inputs`, `targets`, `positions` (int64) and `doc_ids` (int32), each
+        `[batch_size, seq_len]`."""
         rows = self.data.rows
         picked = []
         need = self.batch_size
@@ -423,6 +468,7 @@ class Batches:
             "inputs": self.data.inputs[idx],
             "targets": self.data.targets[idx],
             "positions": self.data.positions[idx],
+            "doc_ids": self.data.doc_ids[idx],
         }
 
     __next__ = next

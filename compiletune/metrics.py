@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 from pathlib import Path
@@ -23,6 +24,11 @@ def peak_memory_gib(device: torch.device) -> float:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is in KiB on Linux and in bytes on macOS.
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean loss per target token); inf where that overflows a float."""
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 class MetricsLog:

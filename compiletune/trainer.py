@@ -28,10 +28,18 @@ from compiletune import distributed as dist_
 from compiletune.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import TrainConfig, save_yaml
-from compiletune.data import Batches, load_examples, pack
+from compiletune.data import (
+    Batches,
+    PackedData,
+    eval_batches,
+    load_examples,
+    pack,
+    split_examples,
+)
 from compiletune.errors import UserError
+from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
-from compiletune.metrics import MetricsLog, peak_memory_gib
+from compiletune.metrics import MetricsLog, peak_memory_gib, perplexity
 from compiletune.models import (
     ModelArgs,
     Transformer,
@@ -132,6 +140,45 @@ def _silent(*args: Any, **kwargs: Any) -> None:
     """`print` for ranks other than 0."""
 
 
+def forward_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor], doc_mask: bool):
+    """Hidden states [b, s, d] of a batch; with `doc_mask` every packed example attends only to
+    itself, with its positions restarting at 0 (as if it were alone in the row)."""
+    if doc_mask:
+        return model.hidden_states(batch["inputs"], batch["positions"], batch["doc_ids"])
+    return model.hidden_states(batch["inputs"])
+
+
+def evaluate(
+    model: torch.nn.Module,
+    data: PackedData,
+    loss_kind: str,
+    batch_size: int,
+    device: torch.device,
+    doc_mask: bool,
+) -> dict[str, float]:
+    """Mean loss per target token (and its perplexity) over every row of `data`.
+
+    Runs eagerly even under --compile (`force_eager`): the compiled regions were traced with
+    gradients on, so calling them under no_grad would compile them a second time, and a short
+    last batch a third. Eager gives the same loss (the numerics contract), and without autograd
+    nothing is kept for a backward.
+    """
+    head = LossHead(model.output, loss_kind)  # shares the weight; the eager form of the head
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    n_targets = 0
+    model.eval()
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            for batch in eval_batches(data, batch_size):
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                total += head(forward_hidden(model, batch, doc_mask), batch["targets"])
+                n_targets += int((batch["targets"] != IGNORE_INDEX).sum())
+    finally:
+        model.train()
+    loss = total.item() / n_targets
+    return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_targets": n_targets}
+
+
 @dataclass
 class _Stop:
     """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints, and returns."""
@@ -219,8 +266,27 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     if cfg.loss is None:
         # The fused head pays off once logits are large; a tiny vocabulary gains nothing from it.
         cfg.loss = "fused" if cfg.compile or args.vocab_size >= 32000 else "plain"
+    log_names = parse_loggers(cfg.log)
+    check_available(log_names)
     examples = load_examples(cfg.data, tokenizer)
-    data = pack(examples, cfg.seq_len)
+    held_out, held_out_name = None, None
+    if cfg.val_split > 0:
+        # Whole examples are held out before packing, so none is on both sides.
+        examples, held_out = split_examples(examples, cfg.val_split, cfg.seed)
+        held_out_name = f"the --val-split {cfg.val_split} held-out examples"
+    elif cfg.eval_data is not None:
+        held_out = load_examples(cfg.eval_data, tokenizer)
+        held_out_name = f"--eval-data {cfg.eval_data}"
+    data = pack(examples, cfg.seq_len, source=cfg.data)
+    eval_set = pack(held_out, cfg.seq_len, source=held_out_name) if held_out else None
+    if cfg.doc_mask is None:
+        # Document masking is the default wherever a row holds more than one example: without
+        # it an example attends to the unrelated text packed before it, which it never sees at
+        # inference, and its positions run on from that text. With the mask, loss and
+        # gradients of a packed row equal those of its examples run one by one (tested). Where
+        # no row holds two examples the mask changes nothing, and plain causal attention is
+        # the simpler kernel.
+        cfg.doc_mask = bool((data.doc_ids > 0).any())
     resume_from = ckpt.latest_checkpoint(out) if cfg.resume else None
     state = ckpt.load_train_state(resume_from) if resume_from else None
     if state is not None:
@@ -311,7 +377,10 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
             if env is not None
             else ""
         )
-        + f"; data {cfg.data}: {data.inputs.shape[0]} rows of {cfg.seq_len} tokens; output {out}"
+        + f"; data {cfg.data}: {data.inputs.shape[0]} rows of {cfg.seq_len} tokens"
+        + (", document-masked" if cfg.doc_mask else "")
+        + (f"; eval {eval_set.rows} rows" if eval_set is not None else "")
+        + f"; output {out}"
         + (f"; resuming from {resume_from.name}" if resume_from else ""),
         flush=True,
     )
@@ -348,6 +417,9 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         if main
         else None
     )
+    loggers = (
+        open_loggers(log_names, out, cfg.to_dict(), start_step if state else None) if main else []
+    )
     stop = _Stop()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
@@ -365,6 +437,8 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         total=cfg.max_steps, initial=start_step, disable=not interactive, unit="step", ncols=100
     )
     first_loss = last_loss = float("nan")
+    last_eval: dict[str, float] | None = None
+    eval_seconds = 0.0
     tokens_done, t_start = 0, time.perf_counter()
     last_saved: Path | None = resume_from
     step = start_step
@@ -385,7 +459,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
             total = torch.zeros((), device=device, dtype=torch.float32)
             for mb in micro:
                 mb = {k: v[rank_rows].to(device, non_blocking=True) for k, v in mb.items()}
-                hidden = model.hidden_states(mb["inputs"])  # [b, s, d]
+                hidden = forward_hidden(model, mb, cfg.doc_mask)  # [b, s, d]
                 loss = head(hidden, mb["targets"])  # fp32 [], summed over targets
                 (loss * (world / n_targets)).backward()
                 total += loss.detach()
@@ -427,21 +501,44 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
                 "peak_mem_gib": peak_memory_gib(device),
                 "epoch": batches.epoch,
             }
+            at_end = step == cfg.max_steps or stop.requested
+            if eval_set is not None and (at_end or (cfg.eval_every and step % cfg.eval_every == 0)):
+                t_eval = time.perf_counter()
+                last_eval = evaluate(
+                    model, eval_set, cfg.loss, cfg.batch_size, device, cfg.doc_mask
+                )
+                eval_seconds += time.perf_counter() - t_eval
+                record.update(last_eval)  # eval_loss, eval_ppl, eval_targets on this step's line
             if metrics is not None:
                 metrics.write(record)
+            for logger in loggers:
+                logger.log(record)
             if step == start_step + 1:
                 first_loss = loss_value
             last_loss = loss_value
             bar.update(1)
-            bar.set_postfix(
-                loss=f"{loss_value:.3f}",
-                tok_s=f"{record['tokens_per_s']:.0f}",
-                mem=f"{record['peak_mem_gib']:.2f}G",
-            )
-            if main and not interactive and (step % log_every == 0 or step == cfg.max_steps):
+            postfix = {
+                "loss": f"{loss_value:.3f}",
+                "tok_s": f"{record['tokens_per_s']:.0f}",
+                "mem": f"{record['peak_mem_gib']:.2f}G",
+            }
+            if last_eval is not None:
+                postfix["eval"] = f"{last_eval['eval_loss']:.3f}"
+            bar.set_postfix(postfix)
+            evaluated = "eval_loss" in record
+            if (
+                main
+                and not interactive
+                and (step % log_every == 0 or step == cfg.max_steps or evaluated)
+            ):
                 print(
                     f"step {step}/{cfg.max_steps} loss {loss_value:.4f} lr {lr:.2e} "
-                    f"{record['tokens_per_s']:.0f} tok/s mem {record['peak_mem_gib']:.2f} GiB",
+                    f"{record['tokens_per_s']:.0f} tok/s mem {record['peak_mem_gib']:.2f} GiB"
+                    + (
+                        f" eval_loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}"
+                        if evaluated
+                        else ""
+                    ),
                     flush=True,
                 )
             if regions is not None and cfg.dump_graphs and step == start_step + 1 and main:
@@ -458,10 +555,12 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         bar.close()
         if metrics is not None:
             metrics.close()
+        for logger in loggers:
+            logger.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
-    elapsed = time.perf_counter() - t_start
+    elapsed = time.perf_counter() - t_start - eval_seconds  # training time alone
     peak_mem = peak_memory_gib(device)
     rank_peaks = [peak_mem] if env is None else dist_.gather_floats(peak_mem, device)
     peak_mem = max(rank_peaks)  # the busiest rank's peak
@@ -484,6 +583,10 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         "optimizer_state_bytes": optimizer.state_bytes(),
         "output_dir": str(out),
         "loss_kind": cfg.loss,
+        "doc_mask": cfg.doc_mask,
+        "eval_loss": last_eval["eval_loss"] if last_eval else None,
+        "eval_ppl": last_eval["eval_ppl"] if last_eval else None,
+        "eval_seconds": eval_seconds,
         "compile": compile_stats,
         "processes": world,
     }
@@ -492,7 +595,12 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     say(
         ("stopped early: " if summary["interrupted"] else "done: ")
         + f"{step} steps, loss {first_loss:.4f} -> {last_loss:.4f}, "
-        f"{tokens_done} tokens in {elapsed:.1f}s ({summary['tokens_per_s']:.0f} tok/s), "
+        + (
+            f"eval loss {last_eval['eval_loss']:.4f} (ppl {last_eval['eval_ppl']:.2f}), "
+            if last_eval
+            else ""
+        )
+        + f"{tokens_done} tokens in {elapsed:.1f}s ({summary['tokens_per_s']:.0f} tok/s), "
         f"peak mem {summary['peak_mem_gib']:.2f} GiB, "
         + (
             f"{compile_stats['compiles']} compiles ({compile_stats['recompiles']} recompiles, "

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention import causal_attention
+
 
 @dataclass
 class RopeScaling:
@@ -135,23 +137,63 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [b, s, d], cos/sin [b, s, hd] -> [b, s, d]."""
+    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [b, s, d] -> q [b, h, s, hd], k and v [b, k, s, hd], rope applied to q and k."""
         b, s, _ = x.shape
         h, k, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.wq(x).view(b, s, h, hd).transpose(1, 2)  # [b, h, s, hd]
         kk = self.wk(x).view(b, s, k, hd).transpose(1, 2)  # [b, k, s, hd]
         v = self.wv(x).view(b, s, k, hd).transpose(1, 2)  # [b, k, s, hd]
-        q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
-        if h != k:
-            # kv head j serves query heads j*n_rep .. (j+1)*n_rep-1 (HF repeat_kv). Expanded
-            # explicitly rather than via SDPA's enable_gqa, which not every backend supports.
-            n_rep = h // k
-            kk = kk[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, h, s, hd)
-            v = v[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, h, s, hd)
-        out = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=hd**-0.5)
-        out = out.transpose(1, 2).reshape(b, s, h * hd)  # [b, s, h * hd]
+        return apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v
+
+    def _repeat_kv(self, t: Tensor) -> Tensor:
+        """[b, k, s, hd] -> [b, h, s, hd]: kv head j serves query heads j*n_rep .. (j+1)*n_rep-1
+        (HF repeat_kv). Expanded explicitly rather than via SDPA's enable_gqa, which not every
+        backend supports."""
+        b, k, s, hd = t.shape
+        if k == self.n_heads:
+            return t
+        n_rep = self.n_heads // k
+        return t[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, self.n_heads, s, hd)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """x [b, s, d], cos/sin [b, s, hd], doc_ids [b, s] or None -> [b, s, d].
+
+        With `doc_ids`, a token attends only to earlier tokens of its own document.
+        """
+        b, s, _ = x.shape
+        q, kk, v = self._qkv(x, cos, sin)
+        kk, v = self._repeat_kv(kk), self._repeat_kv(v)  # [b, h, s, hd]
+        out = causal_attention(q, kk, v, self.head_dim**-0.5, doc_ids)  # [b, h, s, hd]
+        out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, h * hd]
         return self.wo(out)
+
+    def forward_cached(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int
+    ) -> Tensor:
+        """Inference: x [b, s, d] are the tokens after the `cache.length` cached ones.
+
+        Their keys and values are written into the cache; each new token attends to every
+        cached token and to the new ones up to itself.
+        """
+        b, s, _ = x.shape
+        q, kk, v = self._qkv(x, cos, sin)
+        start, end = cache.length, cache.length + s
+        cache.k[layer][:, :, start:end] = kk
+        cache.v[layer][:, :, start:end] = v
+        keys = self._repeat_kv(cache.k[layer][:, :, :end])  # [b, h, end, hd]
+        values = self._repeat_kv(cache.v[layer][:, :, :end])
+        scale = self.head_dim**-0.5
+        if start == 0:  # the prompt: ordinary causal attention
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+        else:
+            # new token i sits at position start + i and sees keys 0 .. start + i: [s, end]
+            visible = (
+                torch.arange(end, device=x.device)[None, :]
+                <= torch.arange(start, end, device=x.device)[:, None]
+            )
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -178,10 +220,40 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [b, s, d], cos/sin [b, s, hd] -> [b, s, d]."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """x [b, s, d], cos/sin [b, s, hd], doc_ids [b, s] or None -> [b, s, d]."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward_cached(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int
+    ) -> Tensor:
+        """`forward` for incremental decoding with a KV cache (see `Attention.forward_cached`)."""
+        h = x + self.attention.forward_cached(self.attention_norm(x), cos, sin, cache, layer)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class KVCache:
+    """Keys and values of the tokens decoded so far, for generation without recomputing them.
+
+    k[i], v[i]: [b, n_kv_heads, max_len, hd] for layer i (kv heads, before the GQA expansion,
+    so the cache is n_heads / n_kv_heads times smaller); the first `length` positions are
+    filled. Lives beside the model: the model itself stays parameters only.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch, args.n_kv_heads, max_len, args.hd)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.max_len = max_len
+        self.length = 0
 
 
 class Transformer(nn.Module):
@@ -230,22 +302,46 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
-    def hidden_states(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+    def hidden_states(
+        self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None
+    ) -> Tensor:
         """tokens [b, s] (int) -> final-normed hidden states [b, s, d].
 
-        positions [b, s] default to 0..s-1 for every row.
+        positions [b, s] default to 0..s-1 for every row. doc_ids [b, s] (packed rows: 0, 1, 2
+        ... per document) confine attention to each document; pass positions that restart at
+        each document with them, and every document is computed exactly as if alone. Every
+        block gets the same inputs (h, cos, sin, doc_ids), so one compiled graph serves all.
         """
         h = self.tok_embeddings(tokens)  # [b, s, d]
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # [1, s]
         cos, sin = rope_cos_sin(self.args, positions, h.dtype)  # [b, s, hd]
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, doc_ids)
         return self.norm(h)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None
+    ) -> Tensor:
         """tokens [b, s] -> logits [b, s, v] in the parameter dtype."""
-        return self.output(self.hidden_states(tokens, positions))
+        return self.output(self.hidden_states(tokens, positions, doc_ids))
+
+    def hidden_states_cached(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        """Inference: tokens [b, s] following the `cache.length` cached ones -> hidden [b, s, d].
+
+        The same blocks and weights as `hidden_states`, at positions cache.length .. + s - 1;
+        the tokens' keys and values are appended to `cache`. The training path is untouched.
+        """
+        start, s = cache.length, tokens.shape[1]
+        if start + s > cache.max_len:
+            raise ValueError(f"KV cache of {cache.max_len} positions cannot take {start + s}")
+        h = self.tok_embeddings(tokens)  # [b, s, d]
+        positions = torch.arange(start, start + s, device=tokens.device)[None]  # [1, s]
+        cos, sin = rope_cos_sin(self.args, positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_cached(h, cos, sin, cache, i)
+        cache.length += s
+        return self.norm(h)
 
 
 def build_model(

@@ -98,7 +98,7 @@ def _debug(vocab_size: int) -> ModelArgs:
         ffn_dim=768,
         norm_eps=1e-5,
         rope_theta=500000.0,
-        max_seq_len=2048,
+        max_seq_len=32768,  # long-context checks on CPU (README "Long context")
     )
 
 

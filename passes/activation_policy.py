@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compiletune.models.attention import doc_causal_attention_op
+
 POLICIES = ("full", "selective")
 
 aten = torch.ops.aten
@@ -53,7 +55,10 @@ def _resolve(name: str) -> Any:
     return getattr(getattr(aten, packet, None), overload, None)
 
 
-SAVE_OPS = frozenset(op for op in map(_resolve, _SAVE_NAMES) if op is not None)
+SAVE_OPS = frozenset(op for op in map(_resolve, _SAVE_NAMES) if op is not None) | {
+    # Document-masked attention of packed rows (an opaque custom op: attention FLOPs inside).
+    doc_causal_attention_op._opoverload
+}
 
 
 def forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -307,8 +307,12 @@ def test_pack_matches_stream_definition():
     for r in range((len(stream) - 1) // seq_len):
         s = r * seq_len
         inputs = stream[s : s + seq_len]
+        # A target counts only inside one document (never the next document's first token).
         targets = [
-            stream[s + j + 1] if is_target[s + j + 1] else IGNORE_INDEX for j in range(seq_len)
+            stream[s + j + 1]
+            if is_target[s + j + 1] and doc[s + j + 1] == doc[s + j]
+            else IGNORE_INDEX
+            for j in range(seq_len)
         ]
         if all(t == IGNORE_INDEX for t in targets):
             continue
@@ -362,8 +366,10 @@ def test_batches_shapes_and_epoch_coverage():
     seen = []
     for _ in range(3):
         batch = batches.next()
-        assert set(batch) == {"inputs", "targets", "positions"}
-        assert all(v.shape == (4, 4) and v.dtype == torch.int64 for v in batch.values())
+        assert set(batch) == {"inputs", "targets", "positions", "doc_ids"}
+        assert all(v.shape == (4, 4) for v in batch.values())
+        assert batch.pop("doc_ids").dtype == torch.int32
+        assert all(v.dtype == torch.int64 for v in batch.values())
         assert count_targets(batch) == 16
         seen += row_ids(batch)
     assert sorted(seen) == list(range(12))  # one epoch visits every row once

@@ -203,7 +203,7 @@ BAD = [
     (lambda t: ["--model-dir", _mismatched_dir(t)], "feed_forward|mlp|128|96"),
     (lambda t: ["--data", _bad_jsonl(t)], "bad.jsonl:2"),
     (lambda t: ["--data", _short_txt(t)], "seq-len"),
-    (lambda t: ["--seq-len", "4096"], "beyond the model's 2048 positions"),
+    (lambda t: ["--seq-len", "40000"], "beyond the model's 32768 positions"),
     (lambda t: ["--tokenizer", _big_tokenizer(t)], "601 tokens"),
     (lambda t: ["--output-dir", _file_as_parent(t)], "not a writable folder"),
     (lambda t: ["--resume", "--overwrite"], "contradict"),

@@ -1,0 +1,226 @@
+"""`compiletune generate`: a quick look at what a fine-tune learned.
+
+Loads a checkpoint folder (any `step_N/` or HF folder) into the native model, encodes a prompt
+(raw, or through the tokenizer's chat template with `--chat`) and decodes with a KV cache:
+greedy by default (token for token what `transformers` `generate(do_sample=False)` gives on the
+same checkpoint), or temperature + top-p (nucleus) sampling with a seed. Text is printed as it
+is produced. One prompt at a time: this is a checking tool, not a server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from compiletune.errors import UserError
+from compiletune.models import Transformer, from_hf
+from compiletune.models.decoder import KVCache
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 -> greedy (argmax)
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    seed: int = 0
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [v] -> probs with everything outside the nucleus zeroed (not renormalised).
+
+    The nucleus is the smallest set of most likely tokens whose total probability reaches
+    `top_p`; the most likely token is always in it, so top_p -> 0 becomes greedy.
+    """
+    sorted_probs, order = probs.sort(descending=True)
+    before = sorted_probs.cumsum(0) - sorted_probs  # probability of the tokens ranked above
+    sorted_probs[before >= top_p] = 0.0
+    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """logits [v] (any float dtype) -> the next token id."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        probs = top_p_filter(probs, sampling.top_p)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate_ids(
+    model: Transformer,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: Sampling | None = None,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    generator: torch.Generator | None = None,
+) -> Iterator[int]:
+    """Yield up to `max_new_tokens` new token ids after `prompt`, stopping after a stop id.
+
+    The prompt runs through the model once (prefill); every later step feeds only the newest
+    token, whose keys and values join the cache. `generator` (default: seeded with
+    `sampling.seed`) draws the samples; pass one to continue its stream across calls.
+    """
+    sampling = sampling or Sampling()
+    if not prompt:
+        raise UserError("the prompt encodes to no tokens; pass a non-empty --prompt")
+    args = model.args
+    total = len(prompt) + max_new_tokens
+    if total > args.max_seq_len:
+        raise UserError(
+            f"the prompt ({len(prompt)} tokens) plus --max-new-tokens {max_new_tokens} exceeds "
+            f"the model's {args.max_seq_len} positions; shorten the prompt or lower "
+            "--max-new-tokens"
+        )
+    device = model.tok_embeddings.weight.device
+    dtype = model.tok_embeddings.weight.dtype
+    cache = KVCache(args, batch=1, max_len=total, dtype=dtype, device=device)
+    generator = generator or torch.Generator().manual_seed(sampling.seed)
+    tokens = torch.tensor([prompt], device=device)  # [1, s]
+    for _ in range(max_new_tokens):
+        hidden = model.hidden_states_cached(tokens, cache)  # [1, s, d]
+        logits = model.output(hidden[0, -1])  # [v]
+        token = next_token(logits, sampling, generator)
+        yield token
+        if token in stop_ids:
+            return
+        tokens = torch.tensor([[token]], device=device)
+
+
+def stop_ids(tokenizer: Any, model_dir: Path) -> set[int]:
+    """eos of the tokenizer plus the eos ids of generation_config.json (chat models list their
+    end-of-turn token there, e.g. Llama 3's <|eot_id|>)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    config = model_dir / "generation_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+    return ids
+
+
+def encode_prompt(tokenizer: Any, text: str, chat: bool, history: list[dict] | None = None):
+    """Token ids of `text`: raw (with the tokenizer's bos, as HF encodes it), or with `chat` the
+    conversation `history` + this user message rendered by the chat template, ending with the
+    assistant's turn header."""
+    if not chat:
+        return tokenizer(text)["input_ids"]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(
+            "--chat needs a tokenizer with a chat template and this one has none; drop --chat "
+            "to continue raw text, or pass --tokenizer with a chat template"
+        )
+    messages = [*(history or []), {"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template writes bos itself where the model wants one.
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+class _Printer:
+    """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer: Any, out: TextIO) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.out.write(text[self.shown :])
+            self.out.flush()
+            self.shown = len(text)
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+
+def reply(
+    model: Transformer,
+    tokenizer: Any,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    stops: set[int],
+    out: TextIO,
+    generator: torch.Generator,
+) -> tuple[str, int, float]:
+    """Stream one completion to `out`; returns (text, new tokens, seconds)."""
+    printer = _Printer(tokenizer, out)
+    t0 = time.perf_counter()
+    for token in generate_ids(model, prompt, max_new_tokens, sampling, stops, generator):
+        printer.add(token)
+    out.write("\n")
+    return printer.text(), len(printer.ids), time.perf_counter() - t0
+
+
+def run_generate(
+    model_dir: str,
+    prompt: str | None,
+    chat: bool,
+    max_new_tokens: int,
+    sampling: Sampling,
+    tokenizer_dir: str | None = None,
+    dtype_name: str | None = None,
+    stdin: TextIO | None = None,
+    out: TextIO | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[str]:
+    """The `compiletune generate` command; returns the replies (for tests)."""
+    from compiletune.tokenizer import load_tokenizer
+    from compiletune.trainer import pick_device, pick_dtype
+
+    out = out or sys.stdout
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if sampling.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {sampling.temperature}")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise UserError(f"--top-p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_p < 1.0 and sampling.temperature == 0:
+        raise UserError("--top-p chooses among sampled tokens; add --temperature > 0 (e.g. 0.7)")
+    if prompt is None and not chat:
+        raise UserError("pass --prompt TEXT, or --chat for a conversation")
+    folder = Path(model_dir)
+    if not (folder / "config.json").is_file():
+        raise UserError(
+            f"--model-dir {model_dir} holds no config.json; pass a checkpoint folder "
+            "(e.g. OUTPUT_DIR/step_N) or a HF model folder"
+        )
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+    device = pick_device()
+    model = from_hf(model_dir, dtype=pick_dtype(dtype_name, device), device=device).eval()
+    stops = stop_ids(tokenizer, folder)
+    generator = torch.Generator().manual_seed(sampling.seed)  # one stream for the session
+
+    replies = []
+    if prompt is not None:  # one completion (raw, or one chat turn with --chat)
+        ids = encode_prompt(tokenizer, prompt, chat)
+        text, n, seconds = reply(
+            model, tokenizer, ids, max_new_tokens, sampling, stops, out, generator
+        )
+        log(f"{n} tokens in {seconds:.2f}s ({n / seconds:.1f} tok/s)")
+        return [text]
+    # --chat without --prompt: a conversation on stdin, one user message per line.
+    stdin = stdin or sys.stdin
+    history: list[dict] = []
+    log("chat: one message per line; an empty line or end of input quits")
+    for line in stdin:
+        message = line.strip()
+        if not message:
+            break
+        ids = encode_prompt(tokenizer, message, True, history)
+        text, n, seconds = reply(
+            model, tokenizer, ids, max_new_tokens, sampling, stops, out, generator
+        )
+        history += [{"role": "user", "content": message}, {"role": "assistant", "content": text}]
+        replies.append(text)
+    return replies
