@@ -66,6 +66,7 @@ class TrainConfig:
     save_every: int = 0  # 0 -> only at the end
     resume: bool = False
     overwrite: bool = False
+    preflight: bool = True  # on a GPU, refuse a step the memory estimate says cannot fit
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -114,6 +115,7 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
         "offload_activations": bool,
         "fsdp": bool,
         "cpu_offload": bool,
+        "preflight": bool,
     }
     for name, typ in expected.items():
         value = getattr(cfg, name)

@@ -230,13 +230,14 @@ class _Tracker(mi.TorchDispatchMode):
         if self.paused:
             return func(*args, **kwargs)  # DTensor's shape propagation, not the step's memory
         name = str(func)
-        if name.startswith("compiletune.linear_cross_entropy"):
-            self.transient(self.fused_loss_extra.bytes(name, args))
         out = func(*args, **kwargs)
         category = _TEMP if "all_gather_copy_in" in name else None
         for t in tree_leaves(out):
             if isinstance(t, Tensor) and not isinstance(t, DTensor):
                 self.add(t, category)
+        if name.startswith("compiletune.linear_cross_entropy"):
+            # The op's outputs exist (it allocates them first) while its chunks come and go.
+            self.transient(self.fused_loss_extra.bytes(name, args))
         return out
 
     def set_phase(self, phase: str, category: str) -> None:
@@ -437,9 +438,10 @@ def run_step(
     world: int | None,
     tracker: _Tracker | None,
     fake: bool,
+    device: str = "cpu",
 ) -> None:
     """One training step as the trainer runs it (rank 0's share of the batch), on fake tensors
-    under `tracker` or, with fake=False, on real CPU tensors (for measuring the estimate).
+    under `tracker` or, with fake=False, on real tensors on `device` (measuring the estimate).
 
     world: FSDP2 over that many ranks (a process group must exist), or None for one process.
     The step runs min(grad_accum, 2) micro-batches: from the second on, gradients are alive.
@@ -460,7 +462,7 @@ def run_step(
     if policy.kind != "none":
         apply_eager_checkpointing(model, policy)
     if world is not None:
-        env = dist_.DistEnv(0, world, 0, min(world, GPUS_PER_NODE), torch.device("cpu"), False)
+        env = dist_.DistEnv(0, world, 0, min(world, GPUS_PER_NODE), torch.device(device), False)
         if not fake:
             import torch.distributed as dist
 
@@ -483,7 +485,7 @@ def run_step(
     rows = cfg.batch_size
     with mode, watch, track:
         _phase(tracker, "setup", _SHARDED)
-        model.to_empty(device="cpu")
+        model.to_empty(device="cpu" if cfg.cpu_offload else device)
         model.tie_weights()
         if not fake:
             with torch.no_grad():
@@ -503,15 +505,15 @@ def run_step(
             weight_decay=cfg.weight_decay,
             in_backward=cfg.optimizer_in_backward,
             bf16_compensation=cfg.bf16_compensation,
-            device=torch.device("cpu"),
+            device=torch.device("cpu" if cfg.cpu_offload else device),
             compile_step=False,  # eager in both, so a measurement compares like with like
         )
         offload = _offload_hooks(tracker, model) if cfg.offload_activations and tracker else None
         micro = min(cfg.grad_accum, 2)
         for _ in range(micro):
             _phase(tracker, "forward", _ACT)
-            tokens = torch.randint(0, args.vocab_size, (rows, cfg.seq_len))
-            targets = torch.randint(0, args.vocab_size, (rows, cfg.seq_len))
+            tokens = torch.randint(0, args.vocab_size, (rows, cfg.seq_len), device=device)
+            targets = torch.randint(0, args.vocab_size, (rows, cfg.seq_len), device=device)
             targets[:, :1] = IGNORE_INDEX
             with offload or contextlib.nullcontext():
                 hidden = model.hidden_states(tokens)  # [b, s, d]
@@ -580,6 +582,18 @@ def measure_cpu_step(cfg: TrainConfig, world: int | None = None) -> int:
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def measure_cuda_step(cfg: TrainConfig) -> int:
+    """Peak bytes the same step allocates on the GPU, one process: torch.cuda's
+    max_memory_allocated over the step, less what was allocated before it."""
+    args, dtype, loss = _setup(cfg)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run_step(cfg, args, dtype, loss, None, None, fake=False, device="cuda")
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 # ---------------------------------------------------------------------------------------------
