@@ -235,6 +235,12 @@ class _Tracker(mi.TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, Tensor) and not isinstance(t, DTensor):
                 self.add(t, category)
+        if "split_with_sizes_copy" in name:
+            # FSDP2 copies a unit's gathered parameters out of the all-gather buffer into
+            # their own storages (allocated here the first time, by resize_ after that).
+            for t in tree_leaves(kwargs.get("out", ())):
+                if isinstance(t, Tensor):
+                    self.retag(t, _GATHERED)
         if name.startswith("compiletune.linear_cross_entropy"):
             # The op's outputs exist (it allocates them first) while its chunks come and go.
             self.transient(self.fused_loss_extra.bytes(name, args))
