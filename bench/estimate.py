@@ -147,7 +147,9 @@ def main() -> None:
     }
     path = bench_out("estimate", ns.out)
     write_result(path, result)
-    print("\n| configuration | ranks | estimate GiB | CPU measured GiB | error | GPU est / measured |")
+    print(
+        "\n| configuration | ranks | estimate GiB | CPU measured GiB | error | GPU est / measured |"
+    )
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:
         g = (
