@@ -1,4 +1,4 @@
-"""Command line: `compiletune train | generate | models | convert` (also `python -m compiletune ...`).
+"""Command line: `compiletune train | generate | estimate-memory | models | convert`.
 
 Flags override `--config run.yaml`, which overrides the defaults in `config.TrainConfig`.
 Bad input prints one line, `compiletune: error: ...`, and exits with code 2.
@@ -109,6 +109,13 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--overwrite", action="store_true", default=S, help="replace an existing run")
     g.add_argument("--log", default=S, help="also log to: tensorboard, wandb (comma-separated)")
+    g.add_argument(
+        "--no-preflight",
+        dest="preflight",
+        action="store_false",
+        default=S,
+        help="skip the memory estimate that refuses a step that cannot fit the GPU",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_flags(train)
     generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache)")
     _add_generate_flags(generate)
+    est = sub.add_parser(
+        "estimate-memory",
+        help="predict a training step's peak GPU memory (no GPU needed)",
+        description="Run one training step on fake tensors (no memory) as rank 0 of --gpus "
+        "ranks and report its peak GPU memory by part; takes the technique flags of `train`.",
+    )
+    _add_train_flags(est)
+    g = est.add_argument_group("estimate")
+    g.add_argument("--gpus", type=int, default=1, help="GPUs (FSDP2 ranks) to shard over")
+    g.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="GIB|GPU",
+        help="GPU memory to check against: GiB (80) or a name (h100, a100-40, h200, ...)",
+    )
+    g.add_argument("--ladder", action="store_true", help="print the technique ladder (markdown)")
+    g.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub.add_parser("models", help="list the model presets with parameter counts")
     convert = sub.add_parser("convert", help="turn a sharded (--fsdp) checkpoint into an HF folder")
     convert.add_argument("checkpoint", help="a step_N folder of an --fsdp run")
@@ -167,6 +191,46 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return 130 if summary["interrupted"] else 0
 
 
+def _cmd_estimate(ns: argparse.Namespace) -> int:
+    import json
+
+    from compiletune.config import load_yaml, resolve
+    from compiletune.estimate import (
+        estimate_memory,
+        format_estimate,
+        format_ladder,
+        ladder,
+        parse_device_memory,
+    )
+
+    own = ("command", "config", "gpus", "device_memory", "ladder", "json")
+    flags = {k: v for k, v in vars(ns).items() if k not in own}
+    if ns.gpus < 1:
+        raise UserError(f"--gpus must be at least 1, got {ns.gpus}")
+    if ns.gpus > 1:
+        flags["fsdp"] = True  # several GPUs train under torchrun with --fsdp
+    yaml_values = load_yaml(ns.config) if ns.config else {}
+    cfg = resolve(yaml_values, flags)
+    capacity = parse_device_memory(ns.device_memory) if ns.device_memory else None
+    if ns.ladder:
+        rows = ladder(cfg, ns.gpus)
+        if ns.json:
+            out = [
+                {"rung": name, "flags": f, **(e.to_dict() if e else {"error": "n/a"})}
+                for name, f, e in rows
+            ]
+            print(json.dumps(out, indent=2))
+        else:
+            print(format_ladder(rows, capacity))
+        return 0
+    est = estimate_memory(cfg, ns.gpus)
+    if ns.json:
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        print(format_estimate(est, capacity))
+    return 0
+
+
 def _cmd_models(ns: argparse.Namespace) -> int:
     from compiletune.models import PRESETS, num_params
 
@@ -204,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_convert(ns)
         if ns.command == "generate":
             return _cmd_generate(ns)
+        if ns.command == "estimate-memory":
+            return _cmd_estimate(ns)
         return _cmd_models(ns)
     except UserError as e:
         sys.stderr.write(f"compiletune: error: {e}\n")

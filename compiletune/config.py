@@ -73,6 +73,7 @@ class TrainConfig:
     log: str | None = None  # extra metric loggers beside metrics.jsonl: tensorboard,wandb
     resume: bool = False
     overwrite: bool = False
+    preflight: bool = True  # on a GPU, refuse a step the memory estimate says cannot fit
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -123,6 +124,7 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
         "cpu_offload": bool,
         "eval_every": int,
         "val_split": float,
+        "preflight": bool,
     }
     for name, typ in expected.items():
         value = getattr(cfg, name)

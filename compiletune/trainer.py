@@ -192,12 +192,38 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     With --fsdp every process of the job runs this function; rank 0 alone writes the metrics,
     the config and the summary, and prints.
     """
+    if cfg.preflight and pick_device().type == "cuda":
+        preflight_check(cfg)
     env = dist_.init_distributed(pick_device().type) if cfg.fsdp else None
     try:
         return _train(cfg, env)
     finally:
         if env is not None:
             dist_.shutdown(env)
+
+
+def preflight_check(cfg: TrainConfig) -> None:
+    """Before anything is allocated: refuse a step that cannot fit this GPU, naming flags that
+    would make it fit (estimate.py, fake tensors; seconds for an 8B model). Runs before the
+    process group exists, since the estimate simulates its own. An estimator failure (a torch
+    version without one of its private APIs, say) warns and lets the run go on."""
+    import warnings
+
+    from compiletune import estimate
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    capacity = torch.cuda.mem_get_info(local)[1]
+    world = dist_.launched_world_size() if cfg.fsdp else 1
+    try:
+        estimate.preflight(cfg, world, capacity)
+    except UserError:
+        raise
+    except Exception as e:  # the estimate is advice; never block a run on its own bug
+        warnings.warn(
+            f"compiletune: the memory pre-flight check failed ({type(e).__name__}: {e}); "
+            "continuing without it",
+            stacklevel=2,
+        )
 
 
 def _build_model(

@@ -1,0 +1,766 @@
+"""`compiletune estimate-memory`: the peak GPU memory of one training step, without a GPU.
+
+The estimator runs the trainer's own step — model, activation checkpointing, FSDP2, loss head,
+backward, optimizer step — on fake tensors (shapes and dtypes, no data, no memory), as rank 0 of
+N ranks through a process group that does not communicate. A dispatch mode below autograd sees
+every tensor the step creates and every storage it frees, and keeps a running total per
+category:
+
+    parameters        the model's (sharded) weights, and the blocks FSDP gathers for compute
+    gradients         .grad of each (sharded) parameter
+    optimizer_state   AdamW moments / 8-bit codes and scales, created with the optimizer
+    activations       tensors created in the forward (what backward keeps, and forward scratch)
+    temporaries       tensors created in backward and in the optimizer step (activation
+                      gradients, recomputed activations, gather/scatter buffers), plus the
+                      fused loss's internal chunks, which a custom op hides from fake tensors
+
+The peak is the highest device total seen, with its breakdown at that moment. With
+`--cpu-offload` the sharded parameters, gradients and optimizer state live in host memory and
+are reported as host memory, not device memory.
+
+What is approximated (stated in the output's `notes`):
+    --compile            the step runs eagerly: the compiled blocks' saved tensors are close to
+                         the eager ones (the same policy), not identical
+    --ac budget=F        interpolated between `--ac none` (F = 1) and `--ac full` (F = 0): the
+                         partitioner's budget is that fraction of the activation memory
+    --offload-activations  what each block saves is moved to the host category after the
+                         block's forward and back to the device when backward first reads it
+    fused loss           one chunk of logits [c, V] (c from fused_loss.chunk_tokens) plus the
+                         weight-gradient buffers, added while the op runs (all tokens counted
+                         as targets)
+Not seen at all: the CUDA context and library workspaces (cuBLAS, NCCL), communication
+buffers inside the process group, and allocator fragmentation (`RESERVE_BYTES` covers them in
+the pre-flight check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+
+from compiletune import memory_internals as mi
+from compiletune.config import TrainConfig
+from compiletune.errors import UserError
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+# Internal categories: where FSDP keeps a tensor decides whether --cpu-offload moves it.
+_SHARDED, _GATHERED, _GRAD, _OPT, _ACT, _ACT_HOST, _TEMP = (
+    "params_sharded",
+    "params_gathered",
+    "grads",
+    "opt",
+    "act",
+    "act_host",
+    "temp",
+)
+_REPORTED = {
+    _SHARDED: "parameters",
+    _GATHERED: "parameters",
+    _GRAD: "gradients",
+    _OPT: "optimizer_state",
+    _ACT: "activations",
+    _ACT_HOST: "activations",
+    _TEMP: "temporaries",
+}
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes.
+GPU_ROUND_BYTES = 512
+# What a GPU needs beyond the tensors of the step: CUDA context, cuBLAS/NCCL workspaces,
+# fragmentation. The pre-flight check keeps this much free.
+RESERVE_BYTES = 2 * 2**30
+GPUS_PER_NODE = 8  # hybrid sharding's default shard group (one node), as torchrun would set it
+
+# Device memory of common GPUs in GiB (the capacity the driver reports is slightly less).
+GPU_MEMORY_GIB = {
+    "a10g": 24,
+    "l4": 24,
+    "4090": 24,
+    "a100-40": 40,
+    "l40s": 48,
+    "a6000": 48,
+    "a100": 80,
+    "a100-80": 80,
+    "h100": 80,
+    "h200": 141,
+    "b200": 180,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The tracker.
+
+
+class _Tracker(mi.TorchDispatchMode):
+    """Running bytes per category of every storage alive, and the device peak with its parts.
+
+    New storages take the category of the current phase (`self.category`); `retag` moves a
+    storage to another category (a gradient is created in backward as a temporary and becomes a
+    gradient when it lands in .grad). Storages are identified by their StorageImpl and counted
+    once, however many tensors view them; a weak reference tells when one is freed.
+    """
+
+    def __init__(self, host: set[str], round_bytes: int = 1) -> None:
+        super().__init__()
+        self.category = _SHARDED
+        self.host = host
+        self.round_bytes = round_bytes
+        self.entries: dict[int, list[Any]] = {}  # storage key -> [bytes, category, seq, weakref]
+        self.totals = dict.fromkeys(_REPORTED, 0)
+        self.seq = 0
+        self.device_now = self.host_now = 0
+        self.peak = 0
+        self.peak_totals = dict(self.totals)
+        self.peak_phase = ""
+        self.host_peak = 0
+        self.host_peak_totals = dict(self.totals)
+        self.phase = "setup"
+        self.phase_peaks: dict[str, int] = {}
+        self.fused_loss_extra = _FusedLossTemps()
+        self.paused = 0
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    # --- bookkeeping ------------------------------------------------------------------------
+
+    def _bytes(self, storage: torch.UntypedStorage) -> int:
+        n = storage.nbytes()
+        r = self.round_bytes
+        return n if r <= 1 else -(-n // r) * r
+
+    def _change(self, category: str, delta: int) -> None:
+        self.totals[category] += delta
+        if category in self.host:
+            self.host_now += delta
+            if self.host_now > self.host_peak:
+                self.host_peak = self.host_now
+                self.host_peak_totals = dict(self.totals)
+            return
+        self.device_now += delta
+        if delta > 0:
+            self._note_peak(self.device_now, None)
+
+    def _note_peak(self, total: int, extra: tuple[str, int] | None) -> None:
+        if total > self.phase_peaks.get(self.phase, 0):
+            self.phase_peaks[self.phase] = total
+        if total > self.peak:
+            self.peak = total
+            self.peak_totals = dict(self.totals)
+            if extra is not None:
+                self.peak_totals[extra[0]] += extra[1]
+            self.peak_phase = self.phase
+
+    def _freed(self, key: int, _ref: Any) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self._change(entry[1], -entry[0])
+
+    def add(self, t: Tensor, category: str | None = None) -> None:
+        """Count t's storage (once) under `category` (default: the current phase's)."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.entries:
+            return
+        category = category or self.category
+        nbytes = self._bytes(storage)
+        self.seq += 1
+        ref = weakref.ref(storage, lambda r, key=key: self._freed(key, r))
+        self.entries[key] = [nbytes, category, self.seq, ref]
+        self._change(category, nbytes)
+
+    def retag(self, t: Tensor, category: str) -> None:
+        entry = self.entries.get(t.untyped_storage()._cdata)
+        if entry is None:
+            self.add(t, category)
+        elif entry[1] != category:
+            self._change(entry[1], -entry[0])
+            entry[1] = category
+            self._change(category, entry[0])
+
+    def category_of(self, t: Tensor) -> tuple[str, int] | None:
+        entry = self.entries.get(t.untyped_storage()._cdata)
+        return None if entry is None else (entry[1], entry[2])
+
+    def transient(self, nbytes: int) -> None:
+        """Temporaries an opaque op holds while it runs (not seen as tensors)."""
+        if nbytes > 0:
+            self._note_peak(self.device_now + nbytes, (_TEMP, nbytes))
+
+    def on_resize(self, storage: torch.UntypedStorage) -> None:
+        """FSDP2 gathers a parameter by growing its storage and frees it by shrinking it."""
+        key = storage._cdata
+        entry = self.entries.get(key)
+        nbytes = self._bytes(storage)
+        if entry is None:
+            if nbytes == 0:
+                return
+            self.seq += 1
+            ref = weakref.ref(storage, lambda r, key=key: self._freed(key, r))
+            self.entries[key] = [0, _GATHERED, self.seq, ref]
+            entry = self.entries[key]
+        if entry[1] != _GATHERED:
+            self._change(entry[1], -entry[0])
+            entry[1] = _GATHERED
+            self._change(_GATHERED, entry[0])
+        delta = nbytes - entry[0]
+        entry[0] = nbytes
+        self._change(_GATHERED, delta)
+
+    # --- the dispatch hook ------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops, which come back here
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)  # DTensor's shape propagation, not the step's memory
+        name = str(func)
+        out = func(*args, **kwargs)
+        category = _TEMP if "all_gather_copy_in" in name else None
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and not isinstance(t, DTensor):
+                self.add(t, category)
+        if "split_with_sizes_copy" in name:
+            # FSDP2 copies a unit's gathered parameters out of the all-gather buffer into
+            # their own storages (allocated here the first time, by resize_ after that).
+            for t in tree_leaves(kwargs.get("out", ())):
+                if isinstance(t, Tensor):
+                    self.retag(t, _GATHERED)
+        if name.startswith("compiletune.linear_cross_entropy"):
+            # The op's outputs exist (it allocates them first) while its chunks come and go.
+            self.transient(self.fused_loss_extra.bytes(name, args))
+        return out
+
+    def set_phase(self, phase: str, category: str) -> None:
+        self.phase, self.category = phase, category
+
+
+@dataclass
+class _FusedLossTemps:
+    """Bytes the fused loss op holds inside itself (see fused_loss.py), all tokens as targets:
+    forward one chunk of logits [c, V]; backward the chunk plus the weight-gradient (or
+    hidden-gradient) accumulator and, in a narrow dtype, one product per chunk."""
+
+    def bytes(self, name: str, args: tuple) -> int:
+        from compiletune.fused_loss import _chunk_vocab, chunk_tokens
+
+        backward = "backward" in name
+        h, weight = (args[2], args[3]) if backward else (args[0], args[1])
+        chunk_size = args[9] if backward else args[6]
+        n, d = h.shape
+        vocab = weight.shape[0]
+        elt = h.element_size()
+        c = min(n, chunk_tokens(vocab, chunk_size))
+        logits = c * vocab * elt
+        if not backward:
+            return logits
+        need_dh, need_dw = bool(args[12]), bool(args[13])
+        if weight.dtype == torch.float32:
+            return logits  # fp32 accumulates in place (addmm_)
+        if _chunk_vocab(n, vocab, d, weight.dtype, need_dh, need_dw):
+            cols = max(1, c * vocab // n)
+            return n * cols * elt + n * d * 4 + n * d * elt
+        return logits + (vocab * d * (4 + elt) if need_dw else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate.
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak memory of one training step on the busiest GPU (rank 0), in bytes."""
+
+    peak_bytes: int  # device peak: the tensors of the step
+    parts: dict[str, int]  # CATEGORIES -> bytes at the peak (they sum to peak_bytes)
+    host_bytes: int  # host memory offload needs (peak)
+    host_parts: dict[str, int]
+    peak_phase: str  # forward | backward | step
+    phase_peaks: dict[str, int]
+    gpus: int
+    setup: dict[str, Any]  # what was estimated: model, params, dtype, loss, ...
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        gib = 2**30
+        return {
+            "peak_gib": round(self.peak_bytes / gib, 3),
+            "parts_gib": {k: round(v / gib, 3) for k, v in self.parts.items()},
+            "host_gib": round(self.host_bytes / gib, 3),
+            "host_parts_gib": {k: round(v / gib, 3) for k, v in self.host_parts.items()},
+            "peak_phase": self.peak_phase,
+            "phase_peaks_gib": {k: round(v / gib, 3) for k, v in self.phase_peaks.items()},
+            "gpus": self.gpus,
+            "setup": self.setup,
+            "notes": self.notes,
+            "peak_bytes": self.peak_bytes,
+            "parts_bytes": self.parts,
+            "host_bytes": self.host_bytes,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def _reported(totals: dict[str, int], keep: set[str] | None = None) -> dict[str, int]:
+    out = dict.fromkeys(CATEGORIES, 0)
+    for k, v in totals.items():
+        if keep is None or k in keep:
+            out[_REPORTED[k]] += v
+    return out
+
+
+def estimate_memory(
+    cfg: TrainConfig, gpus: int = 1, round_bytes: int = GPU_ROUND_BYTES
+) -> MemoryEstimate:
+    """Run one step of the run `cfg` describes (a resolved TrainConfig) on fake tensors, as
+    rank 0 of `gpus` ranks, and return its peak device memory and the host memory offload needs.
+
+    More than one GPU means FSDP2 (as `torchrun --nproc-per-node N ... --fsdp` would run).
+    """
+    if gpus < 1:
+        raise UserError(f"--gpus must be at least 1, got {gpus}")
+    t0 = time.perf_counter()
+    from compiletune.activation import parse_ac
+
+    policy = parse_ac(cfg.ac, cfg.ac_every)
+    notes = []
+    if cfg.compile:
+        notes.append(
+            "--compile: estimated from the eager step with the same policies (compiled blocks "
+            "save about as much)"
+        )
+    if policy.kind == "budget":
+        # The partitioner's budget is a fraction of the activation memory between recomputing
+        # everything (full) and saving what min-cut saves (none).
+        hi = _estimate(dataclasses.replace(cfg, ac="none"), gpus, round_bytes)
+        lo = _estimate(dataclasses.replace(cfg, ac="full"), gpus, round_bytes)
+        f = policy.budget or 0.0
+        est = _interpolate(lo, hi, f)
+        notes.append(f"--ac {cfg.ac}: interpolated between --ac full and --ac none")
+    else:
+        est = _estimate(cfg, gpus, round_bytes)
+    if cfg.offload_activations:
+        notes.append(
+            "--offload-activations: saved activations counted on the host from the end of their "
+            "block's forward until backward reads them"
+            + (
+                " (not simulated inside --ac selective blocks)"
+                if policy.kind == "selective"
+                else ""
+            )
+        )
+    est.notes = notes + est.notes
+    est.seconds = time.perf_counter() - t0
+    return est
+
+
+def _interpolate(lo: MemoryEstimate, hi: MemoryEstimate, f: float) -> MemoryEstimate:
+    def mix(a: int, b: int) -> int:
+        return round(a + f * (b - a))
+
+    out = dataclasses.replace(hi)
+    out.peak_bytes = mix(lo.peak_bytes, hi.peak_bytes)
+    out.parts = {k: mix(lo.parts[k], hi.parts[k]) for k in CATEGORIES}
+    out.host_bytes = mix(lo.host_bytes, hi.host_bytes)
+    out.host_parts = {k: mix(lo.host_parts[k], hi.host_parts[k]) for k in CATEGORIES}
+    return out
+
+
+def step_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype parameters are stored in on the GPU (the default is bf16, as on a GPU that
+    supports it; bf16-mixed stores fp32)."""
+    return {None: torch.bfloat16, "bf16": torch.bfloat16}.get(cfg.dtype, torch.float32)
+
+
+def _setup(cfg: TrainConfig) -> tuple[Any, torch.dtype, str]:
+    """(model args, storage dtype, loss kind) of the run, resolved as the trainer does."""
+    from compiletune.trainer import resolve_model_args
+
+    args = resolve_model_args(cfg)
+    loss = cfg.loss or ("fused" if cfg.compile or args.vocab_size >= 32000 else "plain")
+    return args, step_dtype(cfg), loss
+
+
+def _estimate(cfg: TrainConfig, gpus: int, round_bytes: int) -> MemoryEstimate:
+    args, dtype, loss = _setup(cfg)
+    fsdp = cfg.fsdp or gpus > 1
+    host = {_SHARDED, _GRAD, _OPT} if cfg.cpu_offload else set()
+    host.add(_ACT_HOST)
+    tracker = _Tracker(host, round_bytes)
+    group = mi.fake_process_group(gpus) if fsdp else contextlib.nullcontext()
+    with group:
+        run_step(cfg, args, dtype, loss, gpus if fsdp else None, tracker, fake=True)
+    from compiletune.models import num_params
+
+    device_keep = set(_REPORTED) - host
+    parts = _reported(tracker.peak_totals, device_keep)
+    return MemoryEstimate(
+        peak_bytes=tracker.peak,
+        parts=parts,
+        host_bytes=tracker.host_peak,
+        host_parts=_reported(tracker.host_peak_totals, host),
+        peak_phase=tracker.peak_phase,
+        phase_peaks=dict(tracker.phase_peaks),
+        gpus=gpus,
+        setup={
+            "model": cfg.model or cfg.model_dir or "debug",
+            "params": num_params(args),
+            "dtype": cfg.dtype or "bf16",
+            "seq_len": cfg.seq_len,
+            "batch_size": cfg.batch_size,
+            "grad_accum": cfg.grad_accum,
+            "loss": loss,
+            "ac": cfg.ac,
+            "offload_activations": cfg.offload_activations,
+            "optimizer": cfg.optimizer,
+            "optimizer_in_backward": cfg.optimizer_in_backward,
+            "fsdp": fsdp,
+            "sharding": cfg.sharding if fsdp else None,
+            "cpu_offload": cfg.cpu_offload,
+        },
+    )
+
+
+def run_step(
+    cfg: TrainConfig,
+    args: Any,
+    dtype: torch.dtype,
+    loss_kind: str,
+    world: int | None,
+    tracker: _Tracker | None,
+    fake: bool,
+    device: str = "cpu",
+) -> None:
+    """One training step as the trainer runs it (rank 0's share of the batch), on fake tensors
+    under `tracker` or, with fake=False, on real tensors on `device` (measuring the estimate).
+
+    world: FSDP2 over that many ranks (a process group must exist), or None for one process.
+    The step runs min(grad_accum, 2) micro-batches: from the second on, gradients are alive.
+    """
+    from compiletune import distributed as dist_
+    from compiletune.activation import apply_eager_checkpointing, parse_ac
+    from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
+    from compiletune.models import Transformer
+    from compiletune.optim import Optimizer, _local
+
+    policy = parse_ac(cfg.ac, cfg.ac_every)
+    if policy.kind == "budget":
+        raise ValueError("run_step takes --ac none|full|selective; estimate_memory interpolates")
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to(dtype)
+    head = LossHead(model.output, head_kind(loss_kind, False))
+    if policy.kind != "none":
+        apply_eager_checkpointing(model, policy)
+    if world is not None:
+        env = dist_.DistEnv(0, world, 0, min(world, GPUS_PER_NODE), torch.device(device), False)
+        if not fake:
+            import torch.distributed as dist
+
+            env.rank = env.local_rank = dist.get_rank()
+        mesh = dist_.build_mesh(env, cfg.sharding, cfg.shard_size)
+        dist_.apply_fsdp(
+            model,
+            mesh,
+            sharding=cfg.sharding,
+            param_dtype=torch.bfloat16 if cfg.dtype == "bf16-mixed" else None,
+            cpu_offload=cfg.cpu_offload,
+        )
+    mode = mi.fake_mode() if fake else contextlib.nullcontext()
+    track = tracker if tracker is not None else contextlib.nullcontext()
+    watch = contextlib.ExitStack()
+    if tracker is not None:
+        watch.enter_context(mi.watch_storage_resize(tracker.on_resize))
+        if world is not None:
+            watch.enter_context(mi.dtensor_shape_propagation(tracker.pause))
+    rows = cfg.batch_size
+    with mode, watch, track:
+        _phase(tracker, "setup", _SHARDED)
+        model.to_empty(device="cpu" if cfg.cpu_offload else device)
+        model.tie_weights()
+        if not fake:
+            with torch.no_grad():
+                model.init_weights()
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if tracker is not None:
+            for _, p in params:
+                p.register_post_accumulate_grad_hook(
+                    lambda p: p.grad is not None and tracker.retag(_local(p.grad), _GRAD)
+                )
+        _phase(tracker, "setup", _OPT)
+        optimizer = Optimizer(
+            params,
+            kind=cfg.optimizer,
+            lr=1e-4,
+            betas=(0.9, 0.95),
+            weight_decay=cfg.weight_decay,
+            in_backward=cfg.optimizer_in_backward,
+            bf16_compensation=cfg.bf16_compensation,
+            device=torch.device("cpu" if cfg.cpu_offload else device),
+            compile_step=False,  # eager in both, so a measurement compares like with like
+        )
+        offload = _offload_hooks(tracker, model) if cfg.offload_activations and tracker else None
+        micro = min(cfg.grad_accum, 2)
+        for _ in range(micro):
+            _phase(tracker, "forward", _ACT)
+            tokens = torch.randint(0, args.vocab_size, (rows, cfg.seq_len), device=device)
+            targets = torch.randint(0, args.vocab_size, (rows, cfg.seq_len), device=device)
+            targets[:, :1] = IGNORE_INDEX
+            with offload or contextlib.nullcontext():
+                hidden = model.hidden_states(tokens)  # [b, s, d]
+            loss = head(hidden, targets)
+            _phase(tracker, "backward", _TEMP)
+            (loss / (rows * cfg.seq_len)).backward()
+            del hidden, loss
+        _phase(tracker, "step", _TEMP)
+        if cfg.max_grad_norm and cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        optimizer.remove_hooks()
+
+
+def _phase(tracker: _Tracker | None, phase: str, category: str) -> None:
+    if tracker is not None:
+        tracker.set_phase(phase, category)
+
+
+def _offload_hooks(tracker: _Tracker, model: Any) -> Any:
+    """saved_tensors_hooks that move what a block saves to the host category (and back when
+    backward reads it): `--offload-activations` without the compiler."""
+    start = {"seq": 0}
+
+    def block_start(module: Any, inputs: Any) -> None:
+        start["seq"] = tracker.seq
+
+    for block in model.layers:
+        block.register_forward_pre_hook(block_start)
+
+    def pack(t: Tensor) -> Tensor:
+        got = tracker.category_of(t)
+        if got is not None and got[0] == _ACT and got[1] > start["seq"]:
+            tracker.retag(t, _ACT_HOST)
+        return t
+
+    def unpack(t: Tensor) -> Tensor:
+        got = tracker.category_of(t)
+        if got is not None and got[0] == _ACT_HOST:
+            tracker.retag(t, _ACT)
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def measure_cpu_step(cfg: TrainConfig, world: int | None = None) -> int:
+    """Peak bytes of the same step run for real on CPU tensors: the highest running total of
+    the CPU allocator's events (torch.profiler, profile_memory=True) from before the model is
+    materialised to after the optimizer step. How the estimate is checked (tests, bench).
+
+    world: FSDP2 over the process group the caller has set up (gloo), or None.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    args, dtype, loss = _setup(cfg)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step(cfg, args, dtype, loss, world, None, fake=False)
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def measure_cuda_step(cfg: TrainConfig) -> int:
+    """Peak bytes the same step allocates on the GPU, one process: torch.cuda's
+    max_memory_allocated over the step, less what was allocated before it."""
+    args, dtype, loss = _setup(cfg)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run_step(cfg, args, dtype, loss, None, None, fake=False, device="cuda")
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+# ---------------------------------------------------------------------------------------------
+# The ladder and the pre-flight check.
+
+# Each rung adds flags to the ones before (the cumulative memory ladder).
+LADDER: list[tuple[str, dict[str, Any]]] = [
+    ("baseline", {}),
+    ("+ activation checkpointing", {"ac": "full"}),
+    ("+ CPU offload", {"fsdp": True, "cpu_offload": True}),
+    ("+ fused loss", {"loss": "fused"}),
+    ("+ optimizer in backward", {"optimizer_in_backward": True, "max_grad_norm": 0.0}),
+    ("+ 8-bit states", {"optimizer": "adamw8bit"}),
+]
+_FLAG_TEXT = {
+    "ac": lambda v: f"--ac {v}",
+    "fsdp": lambda v: "--fsdp",
+    "cpu_offload": lambda v: "--cpu-offload",
+    "loss": lambda v: f"--loss {v}",
+    "optimizer_in_backward": lambda v: "--optimizer-in-backward",
+    "max_grad_norm": lambda v: "",
+    "optimizer": lambda v: f"--optimizer {v}",
+}
+_BASELINE = {
+    "ac": "none",
+    "offload_activations": False,
+    "cpu_offload": False,
+    "loss": "plain",
+    "optimizer_in_backward": False,
+    "optimizer": "adamw",
+}
+
+
+def flags_text(changes: dict[str, Any]) -> str:
+    return " ".join(t for k, v in changes.items() if (t := _FLAG_TEXT[k](v)))
+
+
+def _applies(cfg: TrainConfig, changes: dict[str, Any]) -> bool:
+    """Whether a rung's flags are valid for this run (in-backward cannot accumulate)."""
+    return not (changes.get("optimizer_in_backward") and cfg.grad_accum > 1)
+
+
+def ladder(cfg: TrainConfig, gpus: int) -> list[tuple[str, str, MemoryEstimate | None]]:
+    """(rung, flags added, estimate or None when the rung does not apply) from the plain
+    baseline of `cfg`'s model, shape, dtype and sharding up to every technique."""
+    current = dataclasses.replace(cfg, **_BASELINE)
+    rows = []
+    for name, changes in LADDER:
+        if not _applies(current, changes):
+            rows.append((name, flags_text(changes), None))
+            continue
+        current = dataclasses.replace(current, **changes)
+        rows.append((name, flags_text(changes), estimate_memory(current, gpus)))
+    return rows
+
+
+def fits(est: MemoryEstimate, capacity_bytes: int) -> bool:
+    """Whether the step's peak plus the reserve for what the estimate cannot see fits."""
+    return est.peak_bytes + RESERVE_BYTES <= capacity_bytes
+
+
+def suggest(cfg: TrainConfig, gpus: int, capacity_bytes: int) -> str | None:
+    """The flags that, added to `cfg` rung by rung (the ladder's order, skipping what `cfg`
+    already does), first make the step fit; None when even all of them do not."""
+    current = cfg
+    added: dict[str, Any] = {}
+    for _, changes in LADDER[1:]:
+        todo = {k: v for k, v in changes.items() if getattr(current, k) != v}
+        if changes == {"ac": "full"} and current.ac != "none":
+            todo = {}
+        if not todo or not _applies(current, todo):
+            continue
+        current = dataclasses.replace(current, **todo)
+        added.update(todo)
+        if fits(estimate_memory(current, gpus), capacity_bytes):
+            return flags_text(added)
+    return None
+
+
+def preflight(cfg: TrainConfig, gpus: int, capacity_bytes: int) -> MemoryEstimate:
+    """Refuse (UserError) a run whose step will not fit in `capacity_bytes` per GPU, naming the
+    flags that would make it fit; returns the estimate when it fits."""
+    est = estimate_memory(cfg, gpus)
+    if fits(est, capacity_bytes):
+        return est
+    gib = 2**30
+    fix = suggest(cfg, gpus, capacity_bytes)
+    advice = f"add {fix}" if fix else "use more GPUs (--fsdp), a shorter --seq-len or --batch-size"
+    raise UserError(
+        f"the step needs about {est.peak_bytes / gib:.1f} GiB per GPU (+{RESERVE_BYTES / gib:.0f} "
+        f"GiB reserve) but the GPU has {capacity_bytes / gib:.1f} GiB; {advice} "
+        "(`compiletune estimate-memory --ladder` shows each technique; --no-preflight skips "
+        "this check)"
+    )
+
+
+def parse_device_memory(text: str) -> int:
+    """'80' (GiB) or a GPU name from GPU_MEMORY_GIB ('h100', 'a100-40') -> bytes."""
+    key = text.strip().lower()
+    if key in GPU_MEMORY_GIB:
+        return GPU_MEMORY_GIB[key] * 2**30
+    try:
+        gib = float(key.removesuffix("gib").removesuffix("g"))
+    except ValueError:
+        gib = -1.0
+    if not gib > 0 or math.isinf(gib):
+        names = ", ".join(GPU_MEMORY_GIB)
+        raise UserError(f"--device-memory {text!r}: pass GiB (e.g. 80) or a GPU name ({names})")
+    return int(gib * 2**30)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+
+def format_estimate(est: MemoryEstimate, capacity_bytes: int | None = None) -> str:
+    gib = 2**30
+    s = est.setup
+    lines = [
+        f"{s['model']} ({s['params'] / 1e9:.2f}B parameters), {est.gpus} GPU(s)"
+        + (f", FSDP2 {s['sharding']}" if s["fsdp"] else "")
+        + (" + CPU offload" if s["cpu_offload"] else "")
+        + f"; {s['dtype']}, seq {s['seq_len']} x batch {s['batch_size']} per GPU, loss "
+        f"{s['loss']}, ac {s['ac']}, {s['optimizer']}"
+        + (" in backward" if s["optimizer_in_backward"] else ""),
+        f"peak per GPU: {est.peak_bytes / gib:.2f} GiB (in {est.peak_phase})",
+    ]
+    for k in CATEGORIES:
+        lines.append(f"  {k:<16} {est.parts[k] / gib:8.2f} GiB")
+    if est.host_bytes:
+        parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in est.host_parts.items() if v)
+        lines.append(f"host memory per GPU (offload): {est.host_bytes / gib:.2f} GiB ({parts})")
+    if capacity_bytes is not None:
+        verdict = "fits" if fits(est, capacity_bytes) else "does NOT fit"
+        lines.append(
+            f"{verdict} in {capacity_bytes / gib:.0f} GiB (with {RESERVE_BYTES / gib:.0f} GiB "
+            "kept for the CUDA context, workspaces and fragmentation)"
+        )
+    lines += [f"note: {n}" for n in est.notes]
+    lines.append(f"(estimated in {est.seconds:.1f}s on fake tensors)")
+    return "\n".join(lines)
+
+
+def format_ladder(
+    rows: list[tuple[str, str, MemoryEstimate | None]], capacity_bytes: int | None = None
+) -> str:
+    gib = 2**30
+    head = "| rung | flags added | peak GiB / GPU | host GiB / GPU |"
+    sep = "|---|---|---:|---:|"
+    if capacity_bytes is not None:
+        head += f" fits {capacity_bytes / gib:.0f} GiB |"
+        sep += "---|"
+    lines = [head, sep]
+    for name, flags, est in rows:
+        if est is None:
+            lines.append(f"| {name} | {flags} | n/a (needs --grad-accum 1) | |")
+            continue
+        row = (
+            f"| {name} | {flags or '—'} | {est.peak_bytes / gib:.2f} | {est.host_bytes / gib:.2f} |"
+        )
+        if capacity_bytes is not None:
+            row += f" {'yes' if fits(est, capacity_bytes) else 'no'} |"
+        lines.append(row)
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""The private PyTorch APIs the memory estimator (`estimate.py`) needs, in one place.
+
+Checked on torch 2.13 (CPU); each exists since torch 2.4 or earlier. A torch upgrade that moves
+one of them touches this file only, and a missing one is reported as a `UserError` naming it.
+
+    FakeTensorMode          tensors with shapes, dtypes and devices but no data: the whole step
+                            runs without allocating its memory
+    TorchDispatchMode       sees every aten op (and its output tensors) below autograd
+    fake process group      collectives that do nothing, so FSDP2 runs as rank 0 of N ranks in
+                            this one process (torch.testing._internal.distributed.fake_pg)
+    ShardingPropagator      DTensor computes output shapes by running each op on fake tensors
+                            of global shape, in the estimator's own fake mode: memory the step
+                            never holds, so the estimator pauses counting around it
+    UntypedStorage.resize_  FSDP2 frees and re-allocates gathered parameters by resizing their
+                            storage, which no dispatch mode sees; the estimator wraps it
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from compiletune.errors import UserError
+
+try:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError as e:  # pragma: no cover - depends on the torch build
+    raise ImportError(
+        f"compiletune estimate-memory needs torch's FakeTensorMode and TorchDispatchMode ({e}); "
+        "install torch >= 2.11"
+    ) from e
+
+__all__ = [
+    "TorchDispatchMode",
+    "dtensor_shape_propagation",
+    "fake_mode",
+    "fake_process_group",
+    "watch_storage_resize",
+]
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fake tensor mode that also accepts meta tensors (the model is built on meta and
+    materialised inside the mode; the meta tensors become fake ones)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int) -> Iterator[None]:
+    """The default process group as rank 0 of `world` ranks, without communication; torn down on
+    exit. Refuses to run beside a real process group (they would share the default group)."""
+    if dist.is_initialized():
+        raise UserError(
+            "the memory estimate simulates its own process group and cannot run inside a "
+            "distributed job; run `compiletune estimate-memory` as a single process"
+        )
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise UserError(
+            f"this torch build has no fake process group ({e}); estimate without --fsdp/--gpus "
+            "or install torch >= 2.11"
+        ) from e
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def watch_storage_resize(on_resize: Callable[[torch.UntypedStorage], Any]) -> Iterator[None]:
+    """Call `on_resize(storage)` after every `UntypedStorage.resize_` while inside."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        out = original(storage, size)
+        on_resize(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def dtensor_shape_propagation(paused: Callable[[], Any]) -> Iterator[None]:
+    """Run DTensor's output-shape propagation inside the context `paused()` while inside."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    name = "_propagate_tensor_meta_non_cached"
+    original = getattr(ShardingPropagator, name, None)
+    if original is None:
+        raise UserError(
+            f"this torch build has no ShardingPropagator.{name}, which the memory estimate "
+            "wraps; estimate without --fsdp/--gpus or use torch 2.11-2.13"
+        )
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with paused():
+            return original(self, *args, **kwargs)
+
+    setattr(ShardingPropagator, name, wrapped)
+    try:
+        yield
+    finally:
+        setattr(ShardingPropagator, name, original)
