@@ -47,7 +47,9 @@ def _port() -> int:
 
 
 def _losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    """Training losses of each step, then the held-out loss where the run evaluated."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return [r["loss"] for r in rows] + [r["eval_loss"] for r in rows if "eval_loss" in r]
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -194,6 +196,7 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
         "tied-model-dir": (from_dir, from_dir),
         "bf16-mixed": ({**base, "dtype": "bf16-mixed"}, base),
         "bf16": ({**base, "dtype": "bf16"}, {**base, "dtype": "bf16"}),
+        "eval": ({**base, "eval_data": corpus}, {**base, "eval_data": corpus}),
     }
 
 
@@ -220,7 +223,8 @@ def _variant_worker(rank: int, port: int, tmp: str, corpus: str, tied_dir: str) 
 @pytest.mark.slow
 def test_fsdp_variants_match_one_process(tmp_path: Path) -> None:
     """Sharding modes, CPU offload, compile + activation policy + fused loss, in-backward,
-    a tied model loaded by rank 0 from --model-dir, bf16 mixed precision and pure bf16: each 2-rank run
+    a tied model loaded by rank 0 from --model-dir, bf16 mixed precision and pure bf16, and a
+    held-out evaluation: each 2-rank run
     against a single process with the whole global batch."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
