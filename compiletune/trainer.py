@@ -23,11 +23,13 @@ import torch
 from tqdm import tqdm
 
 from compiletune import checkpoint as ckpt
+from compiletune import lora as lora_io
 from compiletune.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import TrainConfig, save_yaml
 from compiletune.data import Batches, load_examples, pack
 from compiletune.errors import UserError
+from compiletune.lora import MERGED_DIR
 from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import (
@@ -39,6 +41,7 @@ from compiletune.models import (
     load_hf_config,
     num_params,
 )
+from compiletune.models.lora import LoRASpec, apply_lora, nf4_unfit, parse_targets
 from compiletune.optim import Optimizer
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
@@ -75,6 +78,46 @@ def resolve_model_args(cfg: TrainConfig) -> ModelArgs:
                     f"{have}; drop --model or pass the matching preset"
                 )
     return args
+
+
+def args_name(cfg: TrainConfig) -> str:
+    return cfg.model or "debug"
+
+
+def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
+    """What the --lora-* flags ask for (None: full fine-tuning). Values were checked in config."""
+    if not cfg.lora_rank:
+        return None
+    return LoRASpec(
+        rank=cfg.lora_rank,
+        alpha=float(cfg.lora_alpha),
+        dropout=cfg.lora_dropout,
+        targets=parse_targets(cfg.lora_targets),
+    )
+
+
+def check_resume_kind(checkpoint: Path, spec: LoRASpec | None) -> None:
+    """A LoRA run resumes from an adapter checkpoint with the same adapters; a full run from
+    weights."""
+    if lora_io.is_adapter_folder(checkpoint) and spec is None:
+        raise UserError(
+            f"--resume: {checkpoint} is a LoRA checkpoint; pass the run's --lora-rank (and its "
+            "other --lora-* flags) to continue it"
+        )
+    if spec is None:
+        return
+    if not lora_io.is_adapter_folder(checkpoint):
+        raise UserError(
+            f"--resume: {checkpoint} holds full weights, not a LoRA adapter; drop --lora-rank "
+            "to continue that run, or start the LoRA run in another --output-dir"
+        )
+    saved = lora_io.read_adapter_spec(checkpoint)
+    if (saved.rank, saved.alpha, saved.targets) != (spec.rank, spec.alpha, spec.targets):
+        raise UserError(
+            f"--resume: {checkpoint} has rank {saved.rank}, alpha {saved.alpha:g} adapters on "
+            f"{','.join(saved.targets)}; pass --lora-rank {saved.rank} --lora-alpha "
+            f"{saved.alpha:g} --lora-targets {','.join(saved.targets)}"
+        )
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> Any:
@@ -161,22 +204,44 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.loss is None:
         # The fused head pays off once logits are large; a tiny vocabulary gains nothing from it.
         cfg.loss = "fused" if cfg.compile or args.vocab_size >= 32000 else "plain"
+    spec = lora_spec(cfg)
+    if spec is not None and cfg.quantize_base == "nf4" and (why := nf4_unfit(args)):
+        raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
     examples = load_examples(cfg.data, tokenizer)
     data = pack(examples, cfg.seq_len)
     resume_from = ckpt.latest_checkpoint(out) if cfg.resume else None
     state = ckpt.load_train_state(resume_from) if resume_from else None
-
     if resume_from is not None:
+        check_resume_kind(resume_from, spec)
+
+    # A LoRA run loads the base straight into the dtype its frozen weights are kept in.
+    base_dtype = pick_dtype(cfg.base_dtype, device) if cfg.base_dtype else dtype
+    load_dtype = base_dtype if spec is not None else dtype
+    if resume_from is not None and spec is None:
         model = from_hf(resume_from, dtype=dtype, device=device)
     elif cfg.model_dir is not None:
-        model = from_hf(cfg.model_dir, dtype=dtype, device=device)
+        model = from_hf(cfg.model_dir, dtype=load_dtype, device=device)
     else:
-        model = build_model(args, device=device, dtype=dtype, init=True, seed=cfg.seed)
+        model = build_model(args, device=device, dtype=load_dtype, init=True, seed=cfg.seed)
+    if spec is not None:
+        apply_lora(
+            model,
+            spec,
+            dtype=dtype,
+            base_dtype=base_dtype,
+            quantize=cfg.quantize_base,
+            seed=cfg.seed,
+        )
+        model.lora_base = str(Path(cfg.model_dir).resolve()) if cfg.model_dir else args_name(cfg)
+        if resume_from is not None:
+            lora_io.load_adapter(model, resume_from)
 
     # --- the run's folder --------------------------------------------------------------
     if cfg.overwrite and out.exists():
         for _, path in ckpt.list_checkpoints(out):
             shutil.rmtree(path)
+        if (out / MERGED_DIR).is_dir():
+            shutil.rmtree(out / MERGED_DIR)
         for stale in ("metrics.jsonl", "summary.json"):
             (out / stale).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,6 +290,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         + (f"; resuming from {resume_from.name}" if resume_from else ""),
         flush=True,
     )
+    n_trainable = sum(p.numel() for p in params)
+    if spec is not None:
+        stored = cfg.quantize_base or str(base_dtype).removeprefix("torch.")
+        print(
+            f"LoRA rank {spec.rank} (alpha {spec.alpha:g}) on {','.join(spec.targets)}: "
+            f"{n_trainable / 1e6:.2f}M trainable parameters ({n_trainable / n_params:.2%}), "
+            f"frozen projections stored as {stored}",
+            flush=True,
+        )
 
     def train_state(step: int) -> dict[str, Any]:
         return {
@@ -255,6 +329,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     first_loss = last_loss = float("nan")
     tokens_done, t_start = 0, time.perf_counter()
     last_saved: Path | None = resume_from
+    merged: Path | None = None
     step = start_step
     try:
         model.train()
@@ -327,6 +402,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 last_saved = ckpt.save_checkpoint(out, step, model, tokenizer, train_state(step))
         if step > start_step or resume_from is None:
             last_saved = ckpt.save_checkpoint(out, step, model, tokenizer, train_state(step))
+        if cfg.merge and step >= cfg.max_steps:
+            merged = lora_io.save_merged(model, out / MERGED_DIR, tokenizer=tokenizer)
     finally:
         bar.close()
         metrics.close()
@@ -347,6 +424,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0,
         "peak_mem_gib": peak_memory_gib(device),
         "checkpoint": str(last_saved) if last_saved else None,
+        "merged": str(merged) if merged else None,
+        "trainable_params": n_trainable,
         "optimizer": cfg.optimizer + (" in-backward" if cfg.optimizer_in_backward else ""),
         "optimizer_state_bytes": optimizer.state_bytes(),
         "output_dir": str(out),
@@ -365,7 +444,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if compile_stats
             else ""
         )
-        + f"checkpoint {last_saved}",
+        + f"checkpoint {last_saved}"
+        + (f", merged model {merged}" if merged else ""),
         flush=True,
     )
     return summary

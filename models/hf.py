@@ -13,8 +13,10 @@ plus the 5.x keys when the original config used them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from torch import Tensor, nn
 from compiletune.errors import UserError
 
 from .decoder import ModelArgs, RopeScaling, Transformer
+from .lora import dense_tensors
 
 # --- names -------------------------------------------------------------------------------
 
@@ -58,10 +61,16 @@ _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
-def to_hf_name(native: str) -> str:
-    """`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def strip_wrappers(native: str) -> str:
+    """A parameter or module name without the parts wrappers insert (`_orig_mod.`, ...)."""
     for part in _WRAPPER_PARTS:
         native = native.replace(part, "")
+    return native
+
+
+def to_hf_name(native: str) -> str:
+    """`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    native = strip_wrappers(native)
     if native in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[native]
     m = _NATIVE_BLOCK.fullmatch(native)
@@ -424,15 +433,16 @@ def from_hf(
     return model
 
 
-def _native_named_params(model: nn.Module) -> list[tuple[str, Tensor]]:
-    """(HF name, tensor) in model order; a tied head is left out (it is the embedding)."""
+def _hf_tensors(model: nn.Module, merge: bool) -> list[tuple[str, int, Callable[[], Tensor]]]:
+    """(HF name, numel, make) in model order; a tied head is left out (it is the embedding).
+    A LoRA model gives its base weights (dequantized if NF4), with adapters folded in if `merge`."""
     args: ModelArgs = model.args
     out = []
-    for name, p in model.named_parameters():  # de-duplicates shared tensors
+    for name, shape, make in dense_tensors(model, merge):
         hf = to_hf_name(name)
         if args.tie_embeddings and hf == "lm_head.weight":
             continue
-        out.append((hf, p))
+        out.append((hf, math.prod(shape), make))
     return out
 
 
@@ -443,9 +453,15 @@ def save_hf(
     dtype: torch.dtype | None = None,
     tokenizer: Any = None,
     max_shard_bytes: int = 5 * 2**30,
+    merge_lora: bool = False,
 ) -> None:
     """Write an HF checkpoint folder: config.json, safetensors (sharded with an index when
     larger than `max_shard_bytes`) and, if given, the tokenizer files.
+
+    A LoRA model (models/lora.py) is written as the plain model it stands for: its base weights
+    (NF4 ones dequantized) with, when `merge_lora`, each adapter folded into its weight
+    (W + alpha / r * B A, in fp32 before the cast to `dtype`). `dtype` defaults to the
+    embedding's dtype (the base dtype of a LoRA model).
 
     Shards are built one at a time from CPU copies of the parameters, so peak extra host memory
     is one shard. Files are written under temporary names and renamed at the end, and stale
@@ -453,20 +469,20 @@ def save_hf(
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    named = _native_named_params(model)
+    named = _hf_tensors(model, merge_lora)
     if dtype is None:
-        dtype = named[0][1].dtype
+        dtype = model.tok_embeddings.weight.dtype
     cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards: list[list[tuple[str, Tensor]]] = [[]]
     shard_bytes = 0
-    for name, p in named:
-        nbytes = p.numel() * itemsize
+    for name, numel, make in named:
+        nbytes = numel * itemsize
         if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append([])
             shard_bytes = 0
-        shards[-1].append((name, p))
+        shards[-1].append((name, make))
         shard_bytes += nbytes
     n = len(shards)
     file_names = (
@@ -479,7 +495,7 @@ def save_hf(
     weight_map: dict[str, str] = {}
     total = 0
     for file_name, shard in zip(file_names, shards, strict=True):
-        tensors = {name: p.detach().to(device="cpu", dtype=dtype).contiguous() for name, p in shard}
+        tensors = {name: make().to(device="cpu", dtype=dtype).contiguous() for name, make in shard}
         final = path / file_name
         tmp = path / (file_name + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
