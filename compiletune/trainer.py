@@ -41,7 +41,13 @@ from compiletune.models import (
     load_hf_config,
     num_params,
 )
-from compiletune.models.lora import LoRASpec, apply_lora, nf4_unfit, parse_targets
+from compiletune.models.lora import (
+    LoRASpec,
+    apply_lora,
+    block_adapter,
+    nf4_unfit,
+    parse_targets,
+)
 from compiletune.optim import Optimizer
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
@@ -217,21 +223,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # A LoRA run loads the base straight into the dtype its frozen weights are kept in.
     base_dtype = pick_dtype(cfg.base_dtype, device) if cfg.base_dtype else dtype
     load_dtype = base_dtype if spec is not None else dtype
+    lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.quantize_base}
+    # Each block becomes LoRA (NF4) as soon as it is loaded: the full-size base never exists.
+    adapt = block_adapter(spec, **lora_kw, seed=cfg.seed) if spec is not None else None
     if resume_from is not None and spec is None:
         model = from_hf(resume_from, dtype=dtype, device=device)
     elif cfg.model_dir is not None:
-        model = from_hf(cfg.model_dir, dtype=load_dtype, device=device)
+        model = from_hf(cfg.model_dir, dtype=load_dtype, device=device, on_block=adapt)
     else:
-        model = build_model(args, device=device, dtype=load_dtype, init=True, seed=cfg.seed)
+        model = build_model(args, device, load_dtype, init=True, seed=cfg.seed, on_block=adapt)
     if spec is not None:
-        apply_lora(
-            model,
-            spec,
-            dtype=dtype,
-            base_dtype=base_dtype,
-            quantize=cfg.quantize_base,
-            seed=cfg.seed,
-        )
+        apply_lora(model, spec, **lora_kw, blocks_adapted=True)
         model.lora_base = str(Path(cfg.model_dir).resolve()) if cfg.model_dir else args_name(cfg)
         if resume_from is not None:
             lora_io.load_adapter(model, resume_from)

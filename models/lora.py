@@ -225,6 +225,51 @@ def nf4_unfit(args: ModelArgs) -> str | None:
     return None
 
 
+def block_adapter(
+    spec: LoRASpec,
+    *,
+    dtype: torch.dtype,
+    base_dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+    seed: int = 0,
+) -> Callable[[nn.Module], None]:
+    """A function that turns one block into its LoRA form in place: the seven projections become
+    `LoRALinear` (targets) or `FrozenLinear` (the rest), norms and biases go to `dtype`, and
+    every base weight is frozen. Call it on the blocks in order: adapters are drawn from one CPU
+    generator seeded with `seed` (the same adapters on every device), block after block.
+
+    Handing it to `build_model` / `from_hf` as `on_block` converts each block as soon as it is
+    loaded, so a QLoRA model never exists at full size; `apply_lora` then finishes the model.
+    """
+    base_dtype = base_dtype or dtype
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"unknown base quantization {quantize!r}")
+    generator = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def adapt(block: nn.Module) -> None:
+        for p in block.parameters():
+            p.requires_grad_(False)
+        for short, (path, _) in TARGETS.items():
+            parent_path, attr = path.rsplit(".", 1)
+            parent = block.get_submodule(parent_path)
+            linear = getattr(parent, attr)
+            if isinstance(linear, FrozenLinear):
+                raise ValueError("this block has LoRA already")
+            if linear.bias is not None:
+                linear.bias.data = linear.bias.data.to(dtype)
+            if short in spec.targets:
+                new = LoRALinear(linear, spec, base_dtype, quantize, dtype, generator)
+            else:
+                new = FrozenLinear(linear, base_dtype, quantize)
+            setattr(parent, attr, new)  # the old weight goes with the old module
+        for module in block.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.to(dtype)
+
+    return adapt
+
+
 @torch.no_grad()
 def apply_lora(
     model: Transformer,
@@ -234,6 +279,7 @@ def apply_lora(
     base_dtype: torch.dtype | None = None,
     quantize: str | None = None,
     seed: int = 0,
+    blocks_adapted: bool = False,
 ) -> Transformer:
     """Turn `model` into a LoRA model in place (see the module docstring) and return it.
 
@@ -241,29 +287,19 @@ def apply_lora(
     base_dtype: storage of the frozen matrices (default `dtype`); with quantize="nf4" it still
     applies to the embedding and head, which are not quantized (as in QLoRA).
     The model may have been loaded in `base_dtype` already (cheapest) or in any other dtype.
-    Adapters are drawn from a CPU generator seeded with `seed`, block by block.
+    blocks_adapted: the blocks went through `block_adapter(...)` while loading; only the
+    embedding, final norm and head are left to do.
     """
     base_dtype = base_dtype or dtype
-    if quantize not in (None, *QUANTIZE):
-        raise ValueError(f"unknown base quantization {quantize!r}")
-    generator = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
+    if not blocks_adapted:
+        adapt = block_adapter(
+            spec, dtype=dtype, base_dtype=base_dtype, quantize=quantize, seed=seed
+        )
+        for block in model.layers:
+            adapt(block)
+    for p in (model.tok_embeddings.weight, model.norm.weight, model.output.weight):
         p.requires_grad_(False)
-    for block in model.layers:
-        for short, (path, _) in TARGETS.items():
-            parent_path, attr = path.rsplit(".", 1)
-            parent = block.get_submodule(parent_path)
-            linear = getattr(parent, attr)
-            if linear.bias is not None:
-                linear.bias.data = linear.bias.data.to(dtype)
-            if short in spec.targets:
-                new = LoRALinear(linear, spec, base_dtype, quantize, dtype, generator)
-            else:
-                new = FrozenLinear(linear, base_dtype, quantize)
-            setattr(parent, attr, new)  # the old weight goes with the old module
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.weight.data = module.weight.data.to(dtype)
+    model.norm.weight.data = model.norm.weight.data.to(dtype)
     # Embedding and head: assigning .data keeps a tied head the same Parameter as the embedding.
     for p in (model.tok_embeddings.weight, model.output.weight):
         p.data = p.data.to(base_dtype)
@@ -274,7 +310,6 @@ def apply_lora(
         cast.compute_dtype = dtype
         model.tok_embeddings = cast
     model.lora_spec = spec
-    model.compute_dtype = dtype
     return model
 
 
