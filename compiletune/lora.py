@@ -128,8 +128,11 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
         cfg = json.loads(config_file.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{config_file} is not valid JSON ({e}); re-export the adapter") from e
-    if cfg.get("peft_type") != "LORA":
-        raise UserError(f"{config_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA" or "r" not in cfg:
+        raise UserError(
+            f"{config_file} is not a LoRA adapter config (peft_type LORA with r and lora_alpha); "
+            "pass a folder written by a LoRA run or by PEFT's save_pretrained"
+        )
     unsupported = {
         "use_dora": bool(cfg.get("use_dora")),
         "use_rslora": bool(cfg.get("use_rslora")),
@@ -161,7 +164,7 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
     targets = tuple(t for t in TARGETS if t in next(iter(kinds)))
     return LoRASpec(
         rank=int(cfg["r"]),
-        alpha=float(cfg["lora_alpha"]),
+        alpha=float(cfg.get("lora_alpha", 8)),  # PEFT's default when absent
         dropout=float(cfg.get("lora_dropout") or 0.0),
         targets=targets,
     )

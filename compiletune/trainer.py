@@ -29,7 +29,6 @@ from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import TrainConfig, save_yaml
 from compiletune.data import Batches, load_examples, pack
 from compiletune.errors import UserError
-from compiletune.lora import MERGED_DIR
 from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import (
@@ -84,10 +83,6 @@ def resolve_model_args(cfg: TrainConfig) -> ModelArgs:
                     f"{have}; drop --model or pass the matching preset"
                 )
     return args
-
-
-def args_name(cfg: TrainConfig) -> str:
-    return cfg.model or "debug"
 
 
 def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
@@ -234,7 +229,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         model = build_model(args, device, load_dtype, init=True, seed=cfg.seed, on_block=adapt)
     if spec is not None:
         apply_lora(model, spec, **lora_kw, blocks_adapted=True)
-        model.lora_base = str(Path(cfg.model_dir).resolve()) if cfg.model_dir else args_name(cfg)
+        # What adapter_config.json names as the base: the folder, or the (seeded) preset.
+        model.lora_base = (
+            str(Path(cfg.model_dir).resolve()) if cfg.model_dir else cfg.model or "debug"
+        )
         if resume_from is not None:
             lora_io.load_adapter(model, resume_from)
 
@@ -242,8 +240,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.overwrite and out.exists():
         for _, path in ckpt.list_checkpoints(out):
             shutil.rmtree(path)
-        if (out / MERGED_DIR).is_dir():
-            shutil.rmtree(out / MERGED_DIR)
+        if (out / lora_io.MERGED_DIR).is_dir():
+            shutil.rmtree(out / lora_io.MERGED_DIR)
         for stale in ("metrics.jsonl", "summary.json"):
             (out / stale).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -405,7 +403,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if step > start_step or resume_from is None:
             last_saved = ckpt.save_checkpoint(out, step, model, tokenizer, train_state(step))
         if cfg.merge and step >= cfg.max_steps:
-            merged = lora_io.save_merged(model, out / MERGED_DIR, tokenizer=tokenizer)
+            merged = lora_io.save_merged(model, out / lora_io.MERGED_DIR, tokenizer=tokenizer)
     finally:
         bar.close()
         metrics.close()
