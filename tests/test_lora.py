@@ -471,3 +471,65 @@ def test_resume_refuses_the_other_kind_of_checkpoint(tmp_path, capsys):
     ]
     assert main([*argv, "--lora-rank", "4"]) == 2
     assert "holds full weights, not a LoRA adapter" in capsys.readouterr().err
+
+
+# --- FSDP2 (the sharded LoRA run itself comes with the trainer's --fsdp) -------------------------
+
+
+def _qlora_for_fsdp() -> torch.nn.Module:
+    args = tiny_args(2)
+    args.dim, args.ffn_dim = 128, 256
+    model = build_model(args, seed=1)
+    spec = LoRASpec(rank=4, alpha=8.0)
+    apply_lora(model, spec, dtype=torch.float32, base_dtype=torch.bfloat16, quantize="nf4")
+    randomize_adapters(model)
+    return model
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = _qlora_for_fsdp()
+        head = LossHead(model.output, "plain")
+        # One unit per block: its NF4 codes (uint8), scales and adapters (fp32) together.
+        for module in [model.tok_embeddings, *model.layers, model.norm, head]:
+            fully_shard(module)
+        t = tokens(vocab=300, seed=3)
+        loss = head(model.hidden_states(t), t)
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+        wq = model.layers[0].attention.wq
+        kinds = {n: type(p).__name__ for n, p in wq.named_parameters()}
+        if rank == 0:
+            torch.save((loss.detach(), grads, kinds), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_frozen_nf4_and_adapters_in_one_unit(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "rank0.pt")
+    mp.start_processes(_fsdp_worker, args=(2, port, out), nprocs=2, start_method="spawn")
+    loss, grads, kinds = torch.load(out)
+    assert set(kinds.values()) == {"DTensor"} and {"weight_codes", "lora_a"} <= kinds.keys()
+    model = _qlora_for_fsdp()
+    t = tokens(vocab=300, seed=3)
+    ref = LossHead(model.output, "plain")(model.hidden_states(t), t)
+    ref.backward()
+    assert rel_err(loss, ref) <= 1e-5
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert rel_err(grads[name], p.grad) <= 1e-5, name
