@@ -234,14 +234,19 @@ def save_merged(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write `path` as a plain HF model folder with every adapter folded in, atomically (a
-    temporary sibling renamed when complete). dtype defaults to the base dtype (for QLoRA: the
-    embedding's)."""
+    temporary sibling renamed when complete). dtype defaults to the run's --base-dtype."""
     from compiletune.checkpoint import write_folder_atomically
     from compiletune.models import save_hf
 
     return write_folder_atomically(
         Path(path),
-        lambda tmp: save_hf(model, tmp, dtype=dtype, tokenizer=tokenizer, merge_lora=True),
+        lambda tmp: save_hf(
+            model,
+            tmp,
+            dtype=dtype or getattr(model, "lora_base_dtype", None),
+            tokenizer=tokenizer,
+            merge_lora=True,
+        ),
     )
 
 

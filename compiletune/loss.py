@@ -37,11 +37,6 @@ class LossHead(nn.Module):
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         w, b = self.output.weight, self.output.bias
-        if w.dtype != h.dtype:
-            # A frozen head stored narrower than the activations (LoRA's --base-dtype): the
-            # matmul runs in the activations' dtype on a transient copy of the weight.
-            w = w.to(h.dtype)
-            b = None if b is None else b.to(h.dtype)
         if self.kind != "plain":
             from compiletune.fused_loss import chunked_cross_entropy, linear_cross_entropy
         if self.kind == "fused":
@@ -52,7 +47,7 @@ class LossHead(nn.Module):
             return chunked_cross_entropy(
                 h, w, targets, bias=b, ignore_index=IGNORE_INDEX, reduction="sum"
             )
-        logits = F.linear(h, w, b)  # [b, s, V]
+        logits = self.output(h)  # [b, s, V]
         return F.cross_entropy(
             logits.flatten(0, 1).float(),
             targets.flatten(),

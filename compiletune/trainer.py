@@ -215,18 +215,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if resume_from is not None:
         check_resume_kind(resume_from, spec)
 
-    # A LoRA run loads the base straight into the dtype its frozen weights are kept in.
     base_dtype = pick_dtype(cfg.base_dtype, device) if cfg.base_dtype else dtype
-    load_dtype = base_dtype if spec is not None else dtype
     lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.quantize_base}
     # Each block becomes LoRA (NF4) as soon as it is loaded: the full-size base never exists.
     adapt = block_adapter(spec, **lora_kw, seed=cfg.seed) if spec is not None else None
     if resume_from is not None and spec is None:
         model = from_hf(resume_from, dtype=dtype, device=device)
     elif cfg.model_dir is not None:
-        model = from_hf(cfg.model_dir, dtype=load_dtype, device=device, on_block=adapt)
+        model = from_hf(cfg.model_dir, dtype=dtype, device=device, on_block=adapt)
     else:
-        model = build_model(args, device, load_dtype, init=True, seed=cfg.seed, on_block=adapt)
+        model = build_model(args, device, dtype, init=True, seed=cfg.seed, on_block=adapt)
     if spec is not None:
         apply_lora(model, spec, **lora_kw, blocks_adapted=True)
         # What adapter_config.json names as the base: the folder, or the (seeded) preset.

@@ -15,10 +15,10 @@ so per-block compilation, activation policies, checkpoint names and FSDP2's per-
 module tree of ordinary parameters. Names stay HF-mappable: `layers.3.attention.wq.weight` is
 still the base weight, its adapter is `layers.3.attention.wq.lora_a` / `.lora_b`.
 
-Dtypes: the compute dtype is the activations' dtype (the run's --dtype); adapters, norms and
-biases are kept in it. Frozen matrices (projections, embedding, head) may be stored narrower
-(`base_dtype`, e.g. bf16 under fp32 compute) or in NF4; every matmul runs in the compute dtype, on
-the weight converted (or dequantized) just before it. A converted weight is never kept for
+Dtypes: the compute dtype is the activations' dtype (the run's --dtype); adapters, norms,
+biases and the output head are kept in it. The frozen projections (and an untied embedding) may
+be stored narrower (`base_dtype`, e.g. bf16 under fp32 compute) or, projections only, in NF4;
+every matmul runs in the compute dtype, on the weight converted (or dequantized) just before it. A converted weight is never kept for
 backward: `_FrozenMatmul` rebuilds it there from the stored form, so memory holds the stored
 form only (plus one layer's converted weight at a time).
 """
@@ -284,9 +284,9 @@ def apply_lora(
     """Turn `model` into a LoRA model in place (see the module docstring) and return it.
 
     dtype: the compute dtype (activations, adapters, norms, biases).
-    base_dtype: storage of the frozen matrices (default `dtype`); with quantize="nf4" it still
-    applies to the embedding and head, which are not quantized (as in QLoRA).
-    The model may have been loaded in `base_dtype` already (cheapest) or in any other dtype.
+    base_dtype: storage of the frozen projections (default `dtype`) and of an untied embedding;
+    with quantize="nf4" the projections are NF4 and base_dtype applies to the embedding only.
+    The head stays in `dtype`. The model may be in any dtype when this is called.
     blocks_adapted: the blocks went through `block_adapter(...)` while loading; only the
     embedding, final norm and head are left to do.
     """
@@ -300,16 +300,21 @@ def apply_lora(
     for p in (model.tok_embeddings.weight, model.norm.weight, model.output.weight):
         p.requires_grad_(False)
     model.norm.weight.data = model.norm.weight.data.to(dtype)
-    # Embedding and head: assigning .data keeps a tied head the same Parameter as the embedding.
-    for p in (model.tok_embeddings.weight, model.output.weight):
-        p.data = p.data.to(base_dtype)
-    if base_dtype != dtype:
+    # The head stays in the compute dtype: storing it narrower would need a full-size converted
+    # copy during the loss, which is where memory peaks. An untied embedding (a lookup) is
+    # stored in base_dtype; a tied one is the head. Assigning .data keeps a tie intact.
+    model.output.weight.data = model.output.weight.data.to(dtype)
+    if not model.args.tie_embeddings and base_dtype != dtype:
         emb = model.tok_embeddings
         cast = CastEmbedding(emb.num_embeddings, emb.embedding_dim, device="meta")
         cast.weight = emb.weight
+        cast.weight.data = cast.weight.data.to(base_dtype)
         cast.compute_dtype = dtype
         model.tok_embeddings = cast
+    else:
+        model.tok_embeddings.weight.data = model.tok_embeddings.weight.data.to(dtype)
     model.lora_spec = spec
+    model.lora_base_dtype = base_dtype  # what a merged export is saved in
     return model
 
 
