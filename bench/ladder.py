@@ -6,7 +6,8 @@
     python bench/ladder.py --n-layers 4 --steps 4   # fewer layers to fit CPU time
     python bench/ladder.py --rungs eager "+ compile"
 
-Rungs are cumulative (RUNGS below); a rung whose flags `compiletune train --help` does not list
+Rungs are cumulative (RUNGS below), followed by LoRA and QLoRA rows (LORA_ROWS) on the same
+stack; a rung whose flags `compiletune train --help` does not list
 is recorded as skipped with the reason, and a rung that runs out of memory is recorded as such.
 tokens/s is the median of the steps after the first (which compiles); peak memory is what the
 trainer reports after the last step: torch.cuda.max_memory_allocated on a GPU, the process's
@@ -57,6 +58,14 @@ RUNGS: list[tuple[str, list[str]]] = [
     ("+ optimizer in backward", _OIB),
     ("+ offload activations", _OFF),
     ("+ 8-bit AdamW", [*_OFF, "--optimizer", "adamw8bit"]),
+]
+# LoRA rows after the ladder: the stack up to offload, with the base frozen (only rank-16
+# adapters train, so 8-bit moments would save nothing). They change what is trained, so they
+# are not rungs: `full_stack` (what bench/peers.py compares with transformers) ignores them.
+_LORA = [*_OFF, "--lora-rank", "16"]
+LORA_ROWS: list[tuple[str, list[str]]] = [
+    ("LoRA r16", _LORA),
+    ("QLoRA r16 (nf4)", [*_LORA, "--quantize-base", "nf4", "--base-dtype", "bf16"]),
 ]
 
 
@@ -171,7 +180,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4 if gpu else 1)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16" if gpu else "fp32")
     p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one compiles")
-    p.add_argument("--rungs", nargs="+", default=[name for name, _ in RUNGS])
+    p.add_argument("--rungs", nargs="+", default=[name for name, _ in RUNGS + LORA_ROWS])
     p.add_argument(
         "--merge",
         action="store_true",
@@ -180,9 +189,10 @@ def main() -> None:
     p.add_argument("--out", default=None, help="default bench/results/ladder-<device>.json")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args()
-    unknown = set(a.rungs) - {name for name, _ in RUNGS}
+    rows_known = RUNGS + LORA_ROWS
+    unknown = set(a.rungs) - {name for name, _ in rows_known}
     if unknown:
-        p.error(f"unknown rungs {sorted(unknown)}; choose from {[n for n, _ in RUNGS]}")
+        p.error(f"unknown rungs {sorted(unknown)}; choose from {[n for n, _ in rows_known]}")
 
     path = bench_out("ladder", a.out)
     shape = {
@@ -230,7 +240,7 @@ def main() -> None:
         flops = model_flops_per_token(args, a.seq_len)
         cache = tempfile.mkdtemp(prefix="inductor-cache-", dir=work)
         by_name = {r["rung"]: r for r in previous.get(model, [])}
-        for name, flags in RUNGS:
+        for name, flags in rows_known:
             if model not in a.models or name not in a.rungs:
                 continue
             row: dict[str, Any] = {"rung": name, "flags": flags, "commit": result["commit"]}
@@ -245,7 +255,7 @@ def main() -> None:
             row["load_1m"] = os.getloadavg()[0]
             by_name[name] = row
             print({k: v for k, v in row.items() if k not in ("flags", "step_times")}, flush=True)
-        rows = [by_name[name] for name, _ in RUNGS if name in by_name]
+        rows = [by_name[name] for name, _ in rows_known if name in by_name]
         add_ratios(rows)
         result["models"].append(
             {

@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,24 +72,38 @@ def save_checkpoint(
     tokenizer: Any,
     train_state: dict[str, Any],
 ) -> Path:
-    """Write `output_dir/step_{step}` atomically and return its path."""
+    """Write `output_dir/step_{step}` atomically and return its path. A LoRA model's checkpoint
+    holds its adapter folder (compiletune/lora.py) instead of the weights."""
     from compiletune.models import save_hf
+    from compiletune.models.lora import is_lora
 
-    final = output_dir / f"step_{step}"
-    tmp = output_dir / f".tmp-step_{step}"
+    def write(tmp: Path) -> None:
+        if is_lora(model):
+            from compiletune.lora import save_adapter
+
+            save_adapter(model, tmp, tokenizer=tokenizer)
+        else:
+            save_hf(model, tmp, tokenizer=tokenizer)
+        torch.save(train_state, tmp / STATE_FILE)
+
+    return write_folder_atomically(output_dir / f"step_{step}", write)
+
+
+def write_folder_atomically(final: Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` fills a temporary sibling `.tmp-<name>`, which then replaces `final`."""
+    tmp = final.parent / f".tmp-{final.name}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_hf(model, tmp, tokenizer=tokenizer)
-    torch.save(train_state, tmp / STATE_FILE)
+    write(tmp)
     _fsync_tree(tmp)
-    _publish(tmp, final, output_dir, step)
+    _publish(tmp, final)
     return final
 
 
-def _publish(tmp: Path, final: Path, output_dir: Path, step: int) -> None:
+def _publish(tmp: Path, final: Path) -> None:
     """Rename the finished `tmp` to `final` (atomic within one folder)."""
     if final.exists():  # re-saving a step (e.g. after a resume): swap, never delete first
-        old = output_dir / f".old-step_{step}"
+        old = final.parent / f".old-{final.name}"
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
@@ -165,7 +180,7 @@ def save_sharded_checkpoint(
     if is_main:
         torch.save(train_state, tmp / STATE_FILE)
         _fsync_tree(tmp)
-        _publish(tmp, final, output_dir, step)
+        _publish(tmp, final)
     dist.barrier()
     return final
 

@@ -101,6 +101,24 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cpu-offload", action="store_true", default=S, help="parameters and step on the host"
     )
+    g = p.add_argument_group("LoRA / QLoRA")
+    g.add_argument(
+        "--lora-rank", type=int, default=S, help="train rank-R adapters, freeze the rest (0 = off)"
+    )
+    g.add_argument("--lora-alpha", type=float, default=S, help="adapter scale alpha/R (default 2R)")
+    g.add_argument("--lora-dropout", type=float, default=S, help="dropout on adapter inputs (0)")
+    g.add_argument(
+        "--lora-targets", default=S, help="q,k,v,o,gate,up,down (any of them) or all-linear"
+    )
+    g.add_argument(
+        "--base-dtype", choices=("bf16", "fp32"), default=S, help="frozen weights' storage dtype"
+    )
+    g.add_argument(
+        "--quantize-base", choices=("nf4",), default=S, help="frozen projections in NF4 (QLoRA)"
+    )
+    g.add_argument(
+        "--merge", action="store_true", default=S, help="also write OUTPUT_DIR/merged at the end"
+    )
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", default=S, help="run folder (default runs/<model>-<time>)")
     g.add_argument("--save-every", type=int, default=S, help="checkpoint every N steps (0 = end)")
@@ -207,6 +225,11 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(ns).items() if k not in own}
     if ns.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {ns.gpus}")
+    if flags.get("lora_rank"):
+        raise UserError(
+            "estimate-memory does not model LoRA/QLoRA yet; estimate full fine-tuning (drop the "
+            "--lora-* flags) as an upper bound"
+        )
     if ns.gpus > 1:
         flags["fsdp"] = True  # several GPUs train under torchrun with --fsdp
     yaml_values = load_yaml(ns.config) if ns.config else {}

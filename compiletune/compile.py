@@ -102,6 +102,23 @@ class CompiledRegions:
         return summary
 
 
+def _inputs_require_grad(model: torch.nn.Module) -> None:
+    """With a frozen embedding (LoRA), block 0's input would not require grad while every other
+    block's does; dynamo guards on that, so block 0 would compile a second graph. A forward hook
+    marks the embedding output as requiring grad, which keeps one graph for all blocks at the
+    cost of block 0's input gradient (one block's dx matmuls) in every backward."""
+    emb = model.tok_embeddings
+    if emb.weight.requires_grad or not any(p.requires_grad for p in model.layers.parameters()):
+        return
+
+    def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and not output.requires_grad:
+            output = output.detach().requires_grad_()
+        return output
+
+    emb.register_forward_hook(hook)
+
+
 def compile_regions(
     model: torch.nn.Module, head: LossHead, opts: CompileOptions
 ) -> CompiledRegions:
@@ -109,6 +126,7 @@ def compile_regions(
     if opts.backend not in BACKENDS:
         raise ValueError(f"unknown compile backend {opts.backend!r}")
     backends: dict[str, CompiletuneBackend] = {}
+    _inputs_require_grad(model)
     for index, block in enumerate(model.layers):
         # Blocks under the policy and blocks outside it are two regions (two compiles); within a
         # region one backend object serves every block, so each region compiles once.

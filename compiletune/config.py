@@ -67,6 +67,14 @@ class TrainConfig:
     sharding: str = "full"  # full | grad-op | hybrid | none (FULL_SHARD, SHARD_GRAD_OP, ...)
     shard_size: int | None = None  # hybrid: processes per shard group; None -> per node
     cpu_offload: bool = False  # parameters, gradients and the optimizer step on the host
+    # LoRA / QLoRA (models/lora.py, compiletune/lora.py)
+    lora_rank: int = 0  # 0 -> full fine-tuning; R -> rank-R adapters, every other weight frozen
+    lora_alpha: float | None = None  # None -> 2 * lora_rank; the update is scaled by alpha / rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "all-linear"  # comma list of q,k,v,o,gate,up,down, or all-linear
+    base_dtype: str | None = None  # storage of the frozen matrices; None -> --dtype
+    quantize_base: str | None = None  # nf4: frozen projections in 4-bit NormalFloat (QLoRA)
+    merge: bool = False  # at the end also write OUTPUT_DIR/merged, adapters folded in
     # output
     output_dir: str | None = None  # None -> runs/<model>-<time>
     save_every: int = 0  # 0 -> only at the end
@@ -125,6 +133,10 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
         "eval_every": int,
         "val_split": float,
         "preflight": bool,
+        "lora_rank": int,
+        "lora_dropout": float,
+        "lora_targets": str,
+        "merge": bool,
     }
     for name, typ in expected.items():
         value = getattr(cfg, name)
@@ -235,19 +247,71 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
     from compiletune.loggers import parse_loggers
 
     parse_loggers(cfg.log)
+    _check_lora(cfg)
+    if cfg.lora_rank and cfg.fsdp:
+        raise UserError(
+            "--lora-rank with --fsdp is not supported yet (LoRA runs are single-process); drop "
+            "--fsdp, or fine-tune fully with --fsdp"
+        )
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume and --overwrite contradict each other; pass one of them")
     if cfg.resume and cfg.output_dir is None:
         raise UserError("--resume needs the --output-dir of the run to continue")
     # Defaults that depend on other choices are fixed here, once, so config.yaml shows them.
     if cfg.lr is None:
-        cfg.lr = 2e-5 if cfg.model_dir else 1e-3
+        # Adapters start at zero and are few: LoRA wants a ~10x larger lr than full fine-tuning.
+        cfg.lr = (2e-4 if cfg.lora_rank else 2e-5) if cfg.model_dir else 1e-3
     if cfg.warmup_steps is None:
         cfg.warmup_steps = max(1, round(0.05 * cfg.max_steps)) if cfg.max_steps > 1 else 0
     if cfg.output_dir is None:
         name = cfg.model or (Path(cfg.model_dir).name if cfg.model_dir else "debug")
         cfg.output_dir = str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     return cfg
+
+
+def _check_lora(cfg: TrainConfig) -> None:
+    """LoRA flags: values in range, and none of them without --lora-rank."""
+    from compiletune.models.lora import QUANTIZE, parse_targets
+
+    if cfg.lora_rank < 0:
+        raise UserError(f"--lora-rank must be positive (0 = full fine-tuning), got {cfg.lora_rank}")
+    if not cfg.lora_rank:
+        given = [
+            flag
+            for flag, value, default in (
+                ("--lora-alpha", cfg.lora_alpha, None),
+                ("--lora-dropout", cfg.lora_dropout, 0.0),
+                ("--lora-targets", cfg.lora_targets, "all-linear"),
+                ("--base-dtype", cfg.base_dtype, None),
+                ("--quantize-base", cfg.quantize_base, None),
+                ("--merge", cfg.merge, False),
+            )
+            if value != default
+        ]
+        if given:
+            raise UserError(
+                f"{given[0]} applies to LoRA runs; add --lora-rank R (e.g. 16) or drop {given[0]}"
+            )
+        return
+    if cfg.lora_alpha is None:
+        cfg.lora_alpha = 2.0 * cfg.lora_rank
+    if isinstance(cfg.lora_alpha, bool) or not isinstance(cfg.lora_alpha, (int, float)):
+        raise UserError(f"--lora-alpha must be a number, got {cfg.lora_alpha!r}")
+    cfg.lora_alpha = float(cfg.lora_alpha)
+    if not cfg.lora_alpha > 0:
+        raise UserError(f"--lora-alpha must be positive, got {cfg.lora_alpha}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise UserError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
+    try:
+        parse_targets(cfg.lora_targets)
+    except ValueError as e:
+        raise UserError(f"--lora-targets {cfg.lora_targets}: {e}") from e
+    if cfg.base_dtype is not None and cfg.base_dtype not in DTYPES:
+        raise UserError(f"--base-dtype must be one of {', '.join(DTYPES)}, got {cfg.base_dtype!r}")
+    if cfg.quantize_base is not None and cfg.quantize_base not in QUANTIZE:
+        raise UserError(
+            f"--quantize-base must be one of {', '.join(QUANTIZE)}, got {cfg.quantize_base!r}"
+        )
 
 
 def save_yaml(cfg: TrainConfig, path: Path) -> None:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from compiletune import checkpoint as ckpt
 from compiletune import distributed as dist_
+from compiletune import lora as lora_io
 from compiletune.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import TrainConfig, save_yaml
@@ -49,6 +50,13 @@ from compiletune.models import (
     from_name,
     load_hf_config,
     num_params,
+)
+from compiletune.models.lora import (
+    LoRASpec,
+    apply_lora,
+    block_adapter,
+    nf4_unfit,
+    parse_targets,
 )
 from compiletune.optim import Optimizer
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
@@ -87,6 +95,42 @@ def resolve_model_args(cfg: TrainConfig) -> ModelArgs:
                     f"{have}; drop --model or pass the matching preset"
                 )
     return args
+
+
+def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
+    """What the --lora-* flags ask for (None: full fine-tuning). Values were checked in config."""
+    if not cfg.lora_rank:
+        return None
+    return LoRASpec(
+        rank=cfg.lora_rank,
+        alpha=float(cfg.lora_alpha),
+        dropout=cfg.lora_dropout,
+        targets=parse_targets(cfg.lora_targets),
+    )
+
+
+def check_resume_kind(checkpoint: Path, spec: LoRASpec | None) -> None:
+    """A LoRA run resumes from an adapter checkpoint with the same adapters; a full run from
+    weights."""
+    if lora_io.is_adapter_folder(checkpoint) and spec is None:
+        raise UserError(
+            f"--resume: {checkpoint} is a LoRA checkpoint; pass the run's --lora-rank (and its "
+            "other --lora-* flags) to continue it"
+        )
+    if spec is None:
+        return
+    if not lora_io.is_adapter_folder(checkpoint):
+        raise UserError(
+            f"--resume: {checkpoint} holds full weights, not a LoRA adapter; drop --lora-rank "
+            "to continue that run, or start the LoRA run in another --output-dir"
+        )
+    saved = lora_io.read_adapter_spec(checkpoint)
+    if (saved.rank, saved.alpha, saved.targets) != (spec.rank, spec.alpha, spec.targets):
+        raise UserError(
+            f"--resume: {checkpoint} has rank {saved.rank}, alpha {saved.alpha:g} adapters on "
+            f"{','.join(saved.targets)}; pass --lora-rank {saved.rank} --lora-alpha "
+            f"{saved.alpha:g} --lora-targets {','.join(saved.targets)}"
+        )
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> Any:
@@ -294,6 +338,9 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         cfg.loss = "fused" if cfg.compile or args.vocab_size >= 32000 else "plain"
     log_names = parse_loggers(cfg.log)
     check_available(log_names)
+    spec = lora_spec(cfg)
+    if spec is not None and cfg.quantize_base == "nf4" and (why := nf4_unfit(args)):
+        raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
     examples = load_examples(cfg.data, tokenizer)
     held_out, held_out_name = None, None
     if cfg.val_split > 0:
@@ -317,14 +364,36 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     state = ckpt.load_train_state(resume_from) if resume_from else None
     if state is not None:
         ckpt.check_resumable(resume_from, state, world if env is not None else None)
+    if resume_from is not None:
+        check_resume_kind(resume_from, spec)
 
-    model, full_sd = _build_model(cfg, args, dtype, device, resume_from, env)
+    base_dtype = pick_dtype(cfg.base_dtype, device) if cfg.base_dtype else dtype
+    lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.quantize_base}
+    if spec is None:
+        model, full_sd = _build_model(cfg, args, dtype, device, resume_from, env)
+    else:  # LoRA runs are single-process (config.py refuses --fsdp with --lora-rank)
+        full_sd = None
+        # Each block becomes LoRA (NF4) as soon as it is loaded: the full-size base never exists.
+        adapt = block_adapter(spec, **lora_kw, seed=cfg.seed)
+        if cfg.model_dir is not None:
+            model = from_hf(cfg.model_dir, dtype=dtype, device=device, on_block=adapt)
+        else:
+            model = build_model(args, device, dtype, init=True, seed=cfg.seed, on_block=adapt)
+        apply_lora(model, spec, **lora_kw, blocks_adapted=True)
+        # What adapter_config.json names as the base: the folder, or the (seeded) preset.
+        model.lora_base = (
+            str(Path(cfg.model_dir).resolve()) if cfg.model_dir else cfg.model or "debug"
+        )
+        if resume_from is not None:
+            lora_io.load_adapter(model, resume_from)
 
     # --- the run's folder --------------------------------------------------------------
     if main:
         if cfg.overwrite and out.exists():
             for _, path in ckpt.list_checkpoints(out):
                 shutil.rmtree(path)
+            if (out / lora_io.MERGED_DIR).is_dir():
+                shutil.rmtree(out / lora_io.MERGED_DIR)
             for stale in ("metrics.jsonl", "summary.json"):
                 (out / stale).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
@@ -410,6 +479,15 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         + (f"; resuming from {resume_from.name}" if resume_from else ""),
         flush=True,
     )
+    n_trainable = sum(p.numel() for p in params)
+    if spec is not None:
+        stored = cfg.quantize_base or str(base_dtype).removeprefix("torch.")
+        print(
+            f"LoRA rank {spec.rank} (alpha {spec.alpha:g}) on {','.join(spec.targets)}: "
+            f"{n_trainable / 1e6:.2f}M trainable parameters ({n_trainable / n_params:.2%}), "
+            f"frozen projections stored as {stored}",
+            flush=True,
+        )
 
     def train_state(step: int) -> dict[str, Any]:
         state = {
@@ -467,6 +545,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     eval_seconds = 0.0
     tokens_done, t_start = 0, time.perf_counter()
     last_saved: Path | None = resume_from
+    merged: Path | None = None
     step = start_step
     try:
         model.train()
@@ -577,6 +656,8 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         train_peaks = [train_peak] if env is None else dist_.gather_floats(train_peak, device)
         if step > start_step or resume_from is None:
             last_saved = save(step, final=True)
+        if cfg.merge and step >= cfg.max_steps:
+            merged = lora_io.save_merged(model, out / lora_io.MERGED_DIR, tokenizer=tokenizer)
     finally:
         bar.close()
         if metrics is not None:
@@ -605,6 +686,8 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         "peak_mem_gib_per_rank": rank_peaks,
         "train_peak_mem_gib_per_rank": train_peaks,
         "checkpoint": str(last_saved) if last_saved else None,
+        "merged": str(merged) if merged else None,
+        "trainable_params": n_trainable,
         "optimizer": cfg.optimizer + (" in-backward" if cfg.optimizer_in_backward else ""),
         "optimizer_state_bytes": optimizer.state_bytes(),
         "output_dir": str(out),
@@ -634,7 +717,8 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
             if compile_stats
             else ""
         )
-        + f"checkpoint {last_saved}",
+        + f"checkpoint {last_saved}"
+        + (f", merged model {merged}" if merged else ""),
         flush=True,
     )
     return summary

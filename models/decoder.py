@@ -14,6 +14,7 @@ module with the same inputs (one compiled graph serves all of them).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -273,12 +274,19 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+    def init_weights(
+        self,
+        std: float = 0.02,
+        generator: torch.Generator | None = None,
+        modules: list[nn.Module] | None = None,
+    ) -> None:
         """Normal(0, std) for linear and embedding weights, zeros for biases, ones for norms.
 
         Modules are visited in a fixed order and a tied tensor is drawn once, so a seeded
         `generator` gives the same weights every time. When the generator lives on another
         device than the weights, values are drawn there in fp32 and copied over.
+        `modules`: only these (and their children); calling it on consecutive parts of the model
+        in order with one generator draws the same values as one call on the whole.
         """
         seen: set[int] = set()
 
@@ -292,7 +300,8 @@ class Transformer(nn.Module):
                 draw = torch.empty(p.shape, dtype=torch.float32, device=generator.device)
                 p.copy_(draw.normal_(0.0, std, generator=generator))
 
-        for module in self.modules():
+        roots = [self] if modules is None else modules
+        for module in (m for root in roots for m in root.modules()):
             if isinstance(module, nn.Embedding):
                 normal_(module.weight)
             elif isinstance(module, nn.Linear):
@@ -350,17 +359,31 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     init: bool = True,
     seed: int = 0,
+    on_block: Callable[[TransformerBlock], None] | None = None,
 ) -> Transformer:
     """Build on the meta device, allocate on `device` in `dtype`, tie, and (if `init`) draw
     weights from a generator seeded with `seed`. Without `init` the weights are uninitialised
-    memory, for callers that load a checkpoint next."""
+    memory, for callers that load a checkpoint next.
+
+    `on_block(block)` is called on each block as soon as its weights exist, before the next one
+    is allocated: a caller that shrinks blocks (QLoRA quantizes them) never holds the whole model
+    at full size. The weights drawn are the same with or without it."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)  # free on meta; avoids allocating fp32 then casting
-    model.to_empty(device=device)
-    model.tie_weights()
-    if init and torch.device(device).type != "meta":
+    draw = init and torch.device(device).type != "meta"
+    generator = None
+    if draw:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-        model.init_weights(generator=generator)
+    # Parts in init_weights' visiting order: embedding, blocks, final norm and head.
+    head = [model.norm] if args.tie_embeddings else [model.norm, model.output]
+    for part in [[model.tok_embeddings], *[[b] for b in model.layers], head]:
+        for module in part:
+            module.to_empty(device=device)
+        model.tie_weights()
+        if draw:
+            model.init_weights(generator=generator, modules=part)
+        if on_block is not None and isinstance(part[0], TransformerBlock):
+            on_block(part[0])
     return model

@@ -12,6 +12,7 @@ plus the 5.x keys when the original config used them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -27,7 +28,8 @@ from torch import Tensor, nn
 
 from compiletune.errors import UserError
 
-from .decoder import ModelArgs, RopeScaling, Transformer
+from .decoder import ModelArgs, RopeScaling, Transformer, TransformerBlock
+from .lora import dense_tensors
 
 # --- names -------------------------------------------------------------------------------
 
@@ -60,10 +62,16 @@ _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
-def to_hf_name(native: str) -> str:
-    """`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def strip_wrappers(native: str) -> str:
+    """A parameter or module name without the parts wrappers insert (`_orig_mod.`, ...)."""
     for part in _WRAPPER_PARTS:
         native = native.replace(part, "")
+    return native
+
+
+def to_hf_name(native: str) -> str:
+    """`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    native = strip_wrappers(native)
     if native in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[native]
     m = _NATIVE_BLOCK.fullmatch(native)
@@ -367,12 +375,18 @@ def _checkpoint_files(path: Path) -> list[Path]:
 
 
 def from_hf(
-    path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    on_block: Callable[[TransformerBlock], None] | None = None,
 ) -> Transformer:
     """Load an HF Llama/Qwen2/Mistral checkpoint folder as a native `Transformer`.
 
-    dtype defaults to the config's torch_dtype/dtype, else fp32. Weights are read one tensor at
-    a time straight into the model's (single) allocation on `device`.
+    dtype defaults to the config's torch_dtype/dtype, else fp32. Every tensor name and shape is
+    checked before anything is allocated; then the model is allocated a part at a time
+    (embedding, each block, final norm and head) and each part read tensor by tensor straight
+    into it. `on_block(block)` is called on each block once loaded, before the next one is
+    allocated (see `build_model`).
     """
     path = Path(path)
     if not path.is_dir():
@@ -388,53 +402,69 @@ def from_hf(
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
-    expected = {to_hf_name(n): p for n, p in model.named_parameters()}  # tied: no lm_head
-    loaded: set[str] = set()
-    with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name.endswith("rotary_emb.inv_freq"):  # old exports saved the rope buffer
-                        continue
-                    if args.tie_embeddings and name == "lm_head.weight":
-                        continue  # a tied checkpoint may carry the shared tensor twice
-                    if name not in expected:
-                        to_native_name(name)  # raises for names foreign to the architecture
-                        raise UserError(
-                            f"{file.name}: unexpected tensor {name!r} (config.json describes a model "
-                            "without it); use the config.json that came with these weights"
-                        )
-                    param = expected[name]
-                    shape = f.get_slice(name).get_shape()
-                    if list(shape) != list(param.shape):
-                        raise UserError(
-                            f"{name}: checkpoint has {_shape(shape)}, model expects "
-                            f"{_shape(param.shape)}; config.json does not match the weights in {file.name}"
-                        )
-                    param.copy_(f.get_tensor(name))
-                    loaded.add(name)
-    missing = [n for n in expected if n not in loaded]
+    expected = {to_hf_name(n): p.shape for n, p in model.named_parameters()}  # tied: no lm_head
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith("rotary_emb.inv_freq"):  # old exports saved the rope buffer
+                    continue
+                if args.tie_embeddings and name == "lm_head.weight":
+                    continue  # a tied checkpoint may carry the shared tensor twice
+                if name not in expected:
+                    to_native_name(name)  # raises for names foreign to the architecture
+                    raise UserError(
+                        f"{file.name}: unexpected tensor {name!r} (config.json describes a model "
+                        "without it); use the config.json that came with these weights"
+                    )
+                shape = f.get_slice(name).get_shape()
+                if list(shape) != list(expected[name]):
+                    raise UserError(
+                        f"{name}: checkpoint has {_shape(shape)}, model expects "
+                        f"{_shape(expected[name])}; config.json does not match the weights in "
+                        f"{file.name}"
+                    )
+                where[name] = file
+    missing = [n for n in expected if n not in where]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UserError(
             f"{path}: checkpoint is missing tensor {missing[0]!r}{more}; copy the complete "
             "checkpoint (all shards) or fix config.json"
         )
+
+    parts: list[tuple[str, nn.Module]] = [("tok_embeddings", model.tok_embeddings)]
+    parts += [(f"layers.{i}", block) for i, block in enumerate(model.layers)]
+    parts += [("norm", model.norm)] + [("output", model.output)] * (not args.tie_embeddings)
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        readers = {
+            file: stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            for file in files
+        }
+        for prefix, module in parts:
+            module.to_empty(device=device)
+            model.tie_weights()
+            for name, param in module.named_parameters(prefix=prefix):
+                hf = to_hf_name(name)
+                param.copy_(readers[where[hf]].get_tensor(hf))
+            if on_block is not None and prefix.startswith("layers."):
+                on_block(module)
     model.hf_config = cfg
     return model
 
 
-def _native_named_params(model: nn.Module) -> list[tuple[str, Tensor]]:
-    """(HF name, tensor) in model order; a tied head is left out (it is the embedding)."""
+def _hf_tensors(
+    model: nn.Module, merge: bool
+) -> list[tuple[str, tuple[int, ...], Callable[[], Tensor]]]:
+    """(HF name, shape, make) in model order; a tied head is left out (it is the embedding).
+    A LoRA model gives its base weights (dequantized if NF4), with adapters folded in if `merge`."""
     args: ModelArgs = model.args
     out = []
-    for name, p in model.named_parameters():  # de-duplicates shared tensors
+    for name, shape, make in dense_tensors(model, merge):
         hf = to_hf_name(name)
         if args.tie_embeddings and hf == "lm_head.weight":
             continue
-        out.append((hf, p))
+        out.append((hf, shape, make))
     return out
 
 
@@ -446,9 +476,15 @@ def save_hf(
     tokenizer: Any = None,
     max_shard_bytes: int = 5 * 2**30,
     writer: bool = True,
+    merge_lora: bool = False,
 ) -> None:
     """Write an HF checkpoint folder: config.json, safetensors (sharded with an index when
     larger than `max_shard_bytes`) and, if given, the tokenizer files.
+
+    A LoRA model (models/lora.py) is written as the plain model it stands for: its base weights
+    (NF4 ones dequantized) with, when `merge_lora`, each adapter folded into its weight
+    (W + alpha / r * B A, in fp32 before the cast to `dtype`). `dtype` defaults to the
+    embedding's dtype (the base dtype of a LoRA model).
 
     A sharded (FSDP2) model is exported tensor by tensor: every rank calls this (each whole
     tensor is gathered, a collective), and only the rank with `writer=True` keeps the CPU copy
@@ -456,10 +492,12 @@ def save_hf(
     """
     from compiletune.distributed import full_tensor
 
-    named = _native_named_params(model)
     if dtype is None:
-        dtype = named[0][1].dtype
-    entries = [(name, tuple(p.shape), lambda p=p: full_tensor(p.detach())) for name, p in named]
+        dtype = model.tok_embeddings.weight.dtype
+    entries = [
+        (name, shape, lambda make=make: full_tensor(make()))
+        for name, shape, make in _hf_tensors(model, merge_lora)
+    ]
     cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
     write_hf_folder(
         path,

@@ -149,6 +149,16 @@ def test_ladder_skips_rungs_the_trainer_lacks():
     assert ladder.full_stack(everything) == ladder.RUNGS[-1]
 
 
+def test_ladder_lora_rows_run_with_this_trainer_and_are_not_the_full_stack():
+    from compiletune.cli import build_parser
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    known = {s for action in train._actions for s in action.option_strings}
+    for name, flags in ladder.LORA_ROWS:
+        assert not ladder.missing_flags(flags, known), name
+    assert ladder.full_stack(known) == ladder.RUNGS[-1]
+
+
 def test_ladder_ratios_skip_over_missing_rungs():
     rows = [
         {"rung": "eager", "tokens_per_s": 100.0, "peak_mem_gib": 4.0},

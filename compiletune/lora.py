@@ -1,0 +1,254 @@
+"""LoRA runs on disk: PEFT-format adapter folders (checkpoints, export, import) and merged export.
+
+The model side (adapters, frozen and NF4 weights, merging math) is `models/lora.py`; this module
+is every file format a LoRA run reads or writes, so a sharded (FSDP2) export can plug in here.
+
+An adapter folder is what `peft.PeftModel.from_pretrained(base, folder)` loads:
+
+    adapter_config.json        PEFT LoraConfig: r, lora_alpha, lora_dropout, target_modules
+                               (HF module names, e.g. q_proj), base_model_name_or_path
+    adapter_model.safetensors  base_model.model.<HF module>.lora_A.weight  [r, in]
+                               base_model.model.<HF module>.lora_B.weight  [out, r]
+                               in the adapters' dtype
+
+A LoRA run's checkpoint `step_N/` is such a folder plus the tokenizer files and
+`trainer_state.pt`; it holds no base weights (the run's --model-dir, or the seeded preset, is the
+base). `--merge` writes `OUTPUT_DIR/merged/`, a plain HF model folder with every adapter folded
+into its weight (for a QLoRA run: into the dequantized NF4 weight the adapters were trained
+against).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from compiletune.errors import UserError
+from compiletune.models.hf import to_hf_name, to_native_name
+from compiletune.models.lora import TARGETS, LoRASpec, lora_modules
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MERGED_DIR = "merged"  # OUTPUT_DIR/merged: the --merge export
+PEFT_PREFIX = "base_model.model."
+_HF_TO_SHORT = {hf: short for short, (_, hf) in TARGETS.items()}
+_PATH_TO_SHORT = {path: short for short, (path, _) in TARGETS.items()}
+
+
+def peft_module_name(native_module: str) -> str:
+    """`layers.3.attention.wq` -> `base_model.model.model.layers.3.self_attn.q_proj`."""
+    return PEFT_PREFIX + to_hf_name(native_module + ".weight").removesuffix(".weight")
+
+
+def native_module_name(peft_module: str) -> str:
+    """The inverse of `peft_module_name`."""
+    hf = peft_module.removeprefix(PEFT_PREFIX)
+    return to_native_name(hf + ".weight").removesuffix(".weight")
+
+
+def adapter_config(spec: LoRASpec, base_model: str | None) -> dict[str, Any]:
+    """The adapter_config.json of a run (PEFT's LoraConfig fields; defaults written out)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(TARGETS[t][1] for t in spec.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """PEFT name -> adapter tensor (detached; the model's own storage)."""
+    out = {}
+    for name, m in lora_modules(model):
+        peft = peft_module_name(name)
+        out[f"{peft}.lora_A.weight"] = m.lora_a.detach()
+        out[f"{peft}.lora_B.weight"] = m.lora_b.detach()
+    return out
+
+
+def save_adapter(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    base_model: str | None = None,
+    tokenizer: Any = None,
+) -> None:
+    """Write the adapter folder of a LoRA model (see the module docstring)."""
+    spec: LoRASpec = model.lora_spec
+    if base_model is None:
+        base_model = getattr(model, "lora_base", None)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to("cpu").contiguous() for k, v in adapter_state_dict(model).items()}
+    save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = adapter_config(spec, base_model)
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+
+
+def is_adapter_folder(path: Path) -> bool:
+    return (path / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
+    """The LoRASpec an adapter folder (ours or PEFT's) describes. Targets come from the tensors
+    present, which must cover the same projections in every block; PEFT features the native
+    LoRA model does not have (DoRA, rsLoRA, per-module ranks, biases, extra trained modules) are
+    refused by name."""
+    path = Path(path)
+    config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not config_file.is_file() or not weights.is_file():
+        raise UserError(
+            f"{path} is not a LoRA adapter folder ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} are "
+            "needed); pass a folder written by a LoRA run or by PEFT's save_pretrained"
+        )
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{config_file} is not valid JSON ({e}); re-export the adapter") from e
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA" or "r" not in cfg:
+        raise UserError(
+            f"{config_file} is not a LoRA adapter config (peft_type LORA with r and lora_alpha); "
+            "pass a folder written by a LoRA run or by PEFT's save_pretrained"
+        )
+    unsupported = {
+        "use_dora": bool(cfg.get("use_dora")),
+        "use_rslora": bool(cfg.get("use_rslora")),
+        "rank_pattern": bool(cfg.get("rank_pattern")),
+        "alpha_pattern": bool(cfg.get("alpha_pattern")),
+        "bias": cfg.get("bias", "none") != "none",
+        "modules_to_save": bool(cfg.get("modules_to_save")),
+        "lora_bias": bool(cfg.get("lora_bias")),
+    }
+    for key, used in unsupported.items():
+        if used:
+            raise UserError(
+                f"{config_file} sets {key}={cfg.get(key)!r}, which compiletune's LoRA does not "
+                "support; export the adapter without it"
+            )
+    with safe_open(str(weights), framework="pt") as f:
+        names = list(f.keys())
+    per_block: dict[str, set[str]] = {}
+    for name in names:
+        module, _ = _split_key(name, weights)
+        _, block, inside = module.split(".", 2)  # "layers", "3", "attention.wq"
+        per_block.setdefault(block, set()).add(_PATH_TO_SHORT[inside])
+    kinds = {frozenset(v) for v in per_block.values()}
+    if len(kinds) != 1:
+        raise UserError(
+            f"{weights}: the blocks carry adapters on different projections; compiletune "
+            "applies the same targets to every block"
+        )
+    targets = tuple(t for t in TARGETS if t in next(iter(kinds)))
+    return LoRASpec(
+        rank=int(cfg["r"]),
+        alpha=float(cfg.get("lora_alpha", 8)),  # PEFT's default when absent
+        dropout=float(cfg.get("lora_dropout") or 0.0),
+        targets=targets,
+    )
+
+
+def _split_key(name: str, file: Path) -> tuple[str, str]:
+    """`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ->
+    (`layers.0.attention.wq`, `A`)."""
+    for kind in ("A", "B"):
+        suffix = f".lora_{kind}.weight"
+        if name.startswith(PEFT_PREFIX) and name.endswith(suffix):
+            module = name.removesuffix(suffix)
+            hf_short = module.rsplit(".", 1)[-1]
+            if hf_short in _HF_TO_SHORT:
+                try:
+                    return native_module_name(module), kind
+                except UserError:
+                    break
+    raise UserError(
+        f"{file}: tensor {name!r} is not a LoRA A/B weight of a decoder projection; export "
+        "adapters on q/k/v/o/gate/up/down only"
+    )
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy an adapter folder's weights into a LoRA model built with the same spec."""
+    path = Path(path)
+    saved = read_adapter_spec(path)
+    spec: LoRASpec = model.lora_spec
+    if (saved.rank, saved.alpha, saved.targets) != (spec.rank, spec.alpha, spec.targets):
+        raise UserError(
+            f"{path} holds a rank {saved.rank}, alpha {saved.alpha:g} adapter on "
+            f"{','.join(saved.targets)}, but this run asks for rank {spec.rank}, alpha "
+            f"{spec.alpha:g} on {','.join(spec.targets)}; pass the adapter's --lora-rank, "
+            "--lora-alpha and --lora-targets"
+        )
+    modules = dict(lora_modules(model))
+    loaded = set()
+    with safe_open(str(path / ADAPTER_WEIGHTS), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            module, kind = _split_key(name, path / ADAPTER_WEIGHTS)
+            if module not in modules:
+                raise UserError(
+                    f"{path}: adapter {name!r} has no place in this model (it has "
+                    f"{model.args.n_layers} layers); use the adapter's base model"
+                )
+            param = modules[module].lora_a if kind == "A" else modules[module].lora_b
+            tensor = f.get_tensor(name)
+            if tensor.shape != param.shape:
+                raise UserError(
+                    f"{path}: {name} has shape {list(tensor.shape)}, the model expects "
+                    f"{list(param.shape)}; use the adapter's base model"
+                )
+            param.copy_(tensor)
+            loaded.add((module, kind))
+    missing = [f"{m}.lora_{k}" for m in modules for k in "AB" if (m, k) not in loaded]
+    if missing:
+        raise UserError(f"{path} lacks adapter weights for {missing[0]}; re-export the adapter")
+
+
+def save_merged(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write `path` as a plain HF model folder with every adapter folded in, atomically (a
+    temporary sibling renamed when complete). dtype defaults to the run's --base-dtype."""
+    from compiletune.checkpoint import write_folder_atomically
+    from compiletune.models import save_hf
+
+    return write_folder_atomically(
+        Path(path),
+        lambda tmp: save_hf(
+            model,
+            tmp,
+            dtype=dtype or getattr(model, "lora_base_dtype", None),
+            tokenizer=tokenizer,
+            merge_lora=True,
+        ),
+    )
+
+
+def trainable_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,360 @@
+"""LoRA on the native decoder: frozen base projections plus trainable low-rank updates.
+
+`apply_lora(model, spec, ...)` replaces the seven projections of every block in place:
+
+    target projection      LoRALinear     y = x W^T + b + (alpha / r) * (dropout(x) A^T) B^T
+    other projection       FrozenLinear   y = x W^T + b
+                           W frozen, stored in the base dtype or as NF4 codes + scales;
+                           A [r, in] and B [out, r] trainable, in the compute dtype
+
+and freezes every other weight (embedding, norms, head). The adapters are ordinary
+`nn.Parameter`s living in the same block modules as the weights they adapt, and NF4 storage is
+two plain tensors (`weight_codes` uint8, `weight_scales` fp32) registered as frozen parameters,
+so per-block compilation, activation policies, checkpoint names and FSDP2's per-block
+`fully_shard` (which shards frozen and trainable parameters of one block in one unit) see a
+module tree of ordinary parameters. Names stay HF-mappable: `layers.3.attention.wq.weight` is
+still the base weight, its adapter is `layers.3.attention.wq.lora_a` / `.lora_b`.
+
+Dtypes: the compute dtype is the activations' dtype (the run's --dtype); adapters, norms,
+biases and the output head are kept in it. The frozen projections (and an untied embedding) may
+be stored narrower (`base_dtype`, e.g. bf16 under fp32 compute) or, projections only, in NF4;
+every matmul runs in the compute dtype, on the weight converted (or dequantized) just before it. A converted weight is never kept for
+backward: `_FrozenMatmul` rebuilds it there from the stored form, so memory holds the stored
+form only (plus one layer's converted weight at a time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .decoder import ModelArgs, RMSNorm, Transformer
+from .nf4 import BLOCK, dequantize_nf4, quantize_nf4
+
+# short name -> (attribute path inside a block, HF module name)
+TARGETS: dict[str, tuple[str, str]] = {
+    "q": ("attention.wq", "q_proj"),
+    "k": ("attention.wk", "k_proj"),
+    "v": ("attention.wv", "v_proj"),
+    "o": ("attention.wo", "o_proj"),
+    "gate": ("feed_forward.w1", "gate_proj"),
+    "up": ("feed_forward.w3", "up_proj"),
+    "down": ("feed_forward.w2", "down_proj"),
+}
+QUANTIZE = ("nf4",)
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """What `--lora-*` asks for. targets: short names from `TARGETS`, in that order."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = tuple(TARGETS)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """'q,k,v,o,gate,up,down' (any subset) or 'all-linear' -> short names in `TARGETS` order.
+
+    Raises ValueError naming the unknown entry."""
+    if text.strip() == "all-linear":
+        return tuple(TARGETS)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown LoRA target {unknown[0] if unknown else text!r}; use a comma list of "
+            f"{','.join(TARGETS)} or all-linear"
+        )
+    return tuple(t for t in TARGETS if t in names)
+
+
+class _FrozenMatmul(torch.autograd.Function):
+    """x [..., in] @ W^T -> [..., out] for a frozen W stored in another form: a float tensor of
+    another dtype (`scales` None) or NF4 codes + scales. W is rebuilt in x's dtype in forward
+    and again in backward rather than saved, so no full-precision copy of it outlives the
+    matmul; under compile the rebuild fuses into one elementwise kernel."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, stored: Tensor, scales: Tensor | None) -> Tensor:
+        ctx.quantized = scales is not None
+        if ctx.quantized:
+            ctx.save_for_backward(stored, scales)
+        else:
+            ctx.save_for_backward(stored)
+        return F.linear(x, _materialise(stored, scales, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        if ctx.quantized:
+            stored, scales = ctx.saved_tensors
+        else:
+            (stored,), scales = ctx.saved_tensors, None
+        return grad @ _materialise(stored, scales, grad.dtype), None, None
+
+
+def _materialise(stored: Tensor, scales: Tensor | None, dtype: torch.dtype) -> Tensor:
+    if scales is not None:
+        return dequantize_nf4(stored, scales, dtype)
+    return stored.to(dtype)
+
+
+class FrozenLinear(nn.Module):
+    """A frozen projection whose weight is stored as `weight` [out, in] (any float dtype) or, for
+    NF4, as `weight_codes` uint8 [out, in // 2] + `weight_scales` fp32 [out, in // 64]; the
+    output is in the input's dtype."""
+
+    def __init__(self, linear: nn.Linear, base_dtype: torch.dtype, quantize: str | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        if quantize == "nf4":
+            codes, scales = quantize_nf4(w)
+            self.weight = None
+            self.weight_codes = nn.Parameter(codes, requires_grad=False)
+            self.weight_scales = nn.Parameter(scales, requires_grad=False)
+        else:
+            self.weight = nn.Parameter(w.to(base_dtype), requires_grad=False)
+            self.weight_codes = self.weight_scales = None
+        # Biases (Qwen2's q/k/v) are tiny: kept with the activations, never quantized.
+        self.bias = linear.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight_codes is not None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        if self.quantized:
+            y = _FrozenMatmul.apply(x, self.weight_codes, self.weight_scales)
+        elif self.weight.dtype != x.dtype:
+            y = _FrozenMatmul.apply(x, self.weight, None)
+        else:
+            y = F.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    @torch.no_grad()
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight as a float tensor [out, in] (dequantized for NF4)."""
+        if self.quantized:
+            return dequantize_nf4(self.weight_codes, self.weight_scales, dtype)
+        return self.weight.to(dtype)
+
+    def extra_repr(self) -> str:
+        stored = "nf4" if self.quantized else str(self.weight.dtype).removeprefix("torch.")
+        return f"in={self.in_features}, out={self.out_features}, stored={stored}"
+
+
+class LoRALinear(FrozenLinear):
+    """A `FrozenLinear` plus a trainable low-rank update (dropout on the adapter's input only,
+    as PEFT does): y = frozen(x) + scale * (dropout(x) A^T) B^T, A [r, in], B [out, r]."""
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        spec: LoRASpec,
+        base_dtype: torch.dtype,
+        quantize: str | None,
+        dtype: torch.dtype,
+        generator: torch.Generator,
+    ) -> None:
+        super().__init__(linear, base_dtype, quantize)
+        self.scale = spec.scale
+        self.dropout = spec.dropout
+        device = linear.weight.device
+        # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)),
+        # B = 0, so the adapted model starts equal to the base. Drawn on the CPU so a seed gives
+        # the same adapters on every device.
+        bound = 1.0 / math.sqrt(self.in_features)
+        a = torch.empty(spec.rank, self.in_features).uniform_(-bound, bound, generator=generator)
+        self.lora_a = nn.Parameter(a.to(device=device, dtype=dtype))
+        self.lora_b = nn.Parameter(
+            torch.zeros(self.out_features, spec.rank, device=device, dtype=dtype)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., in] -> [..., out]; the adapter's hidden is [..., r]."""
+        y = super().forward(x)
+        a_in = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+        return y + F.linear(F.linear(a_in, self.lora_a), self.lora_b) * self.scale
+
+    @torch.no_grad()
+    def merged_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W + scale * B A [out, in], computed in fp32, returned in `dtype`."""
+        delta = self.lora_b.float() @ self.lora_a.float()
+        return (self.dense_weight(torch.float32) + self.scale * delta).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.lora_a.shape[0]}, scale={self.scale:g}"
+
+
+class CastEmbedding(nn.Embedding):
+    """An embedding stored in one dtype whose output is in the compute dtype."""
+
+    compute_dtype: torch.dtype = torch.float32
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return super().forward(tokens).to(self.compute_dtype)
+
+
+def nf4_unfit(args: ModelArgs) -> str | None:
+    """Why the projections of `args` cannot be stored in NF4 (an input size that does not split
+    into blocks of 64), or None when they can."""
+    inputs = {
+        "dim": args.dim,
+        "n_heads * head_dim": args.n_heads * args.hd,
+        "ffn_dim": args.ffn_dim,
+    }
+    for name, size in inputs.items():
+        if size % BLOCK:
+            return f"{name} = {size} is not a multiple of the NF4 block of {BLOCK}"
+    return None
+
+
+def block_adapter(
+    spec: LoRASpec,
+    *,
+    dtype: torch.dtype,
+    base_dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+    seed: int = 0,
+) -> Callable[[nn.Module], None]:
+    """A function that turns one block into its LoRA form in place: the seven projections become
+    `LoRALinear` (targets) or `FrozenLinear` (the rest), norms and biases go to `dtype`, and
+    every base weight is frozen. Call it on the blocks in order: adapters are drawn from one CPU
+    generator seeded with `seed` (the same adapters on every device), block after block.
+
+    Handing it to `build_model` / `from_hf` as `on_block` converts each block as soon as it is
+    loaded, so a QLoRA model never exists at full size; `apply_lora` then finishes the model.
+    """
+    base_dtype = base_dtype or dtype
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"unknown base quantization {quantize!r}")
+    generator = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def adapt(block: nn.Module) -> None:
+        for p in block.parameters():
+            p.requires_grad_(False)
+        for short, (path, _) in TARGETS.items():
+            parent_path, attr = path.rsplit(".", 1)
+            parent = block.get_submodule(parent_path)
+            linear = getattr(parent, attr)
+            if isinstance(linear, FrozenLinear):
+                raise ValueError("this block has LoRA already")
+            if linear.bias is not None:
+                linear.bias.data = linear.bias.data.to(dtype)
+            if short in spec.targets:
+                new = LoRALinear(linear, spec, base_dtype, quantize, dtype, generator)
+            else:
+                new = FrozenLinear(linear, base_dtype, quantize)
+            setattr(parent, attr, new)  # the old weight goes with the old module
+        for module in block.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.to(dtype)
+
+    return adapt
+
+
+@torch.no_grad()
+def apply_lora(
+    model: Transformer,
+    spec: LoRASpec,
+    *,
+    dtype: torch.dtype,
+    base_dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+    seed: int = 0,
+    blocks_adapted: bool = False,
+) -> Transformer:
+    """Turn `model` into a LoRA model in place (see the module docstring) and return it.
+
+    dtype: the compute dtype (activations, adapters, norms, biases).
+    base_dtype: storage of the frozen projections (default `dtype`) and of an untied embedding;
+    with quantize="nf4" the projections are NF4 and base_dtype applies to the embedding only.
+    The head stays in `dtype`. The model may be in any dtype when this is called.
+    blocks_adapted: the blocks went through `block_adapter(...)` while loading; only the
+    embedding, final norm and head are left to do.
+    """
+    base_dtype = base_dtype or dtype
+    if not blocks_adapted:
+        adapt = block_adapter(
+            spec, dtype=dtype, base_dtype=base_dtype, quantize=quantize, seed=seed
+        )
+        for block in model.layers:
+            adapt(block)
+    for p in (model.tok_embeddings.weight, model.norm.weight, model.output.weight):
+        p.requires_grad_(False)
+    model.norm.weight.data = model.norm.weight.data.to(dtype)
+    # The head stays in the compute dtype: storing it narrower would need a full-size converted
+    # copy during the loss, which is where memory peaks. An untied embedding (a lookup) is
+    # stored in base_dtype; a tied one is the head. Assigning .data keeps a tie intact.
+    model.output.weight.data = model.output.weight.data.to(dtype)
+    if not model.args.tie_embeddings and base_dtype != dtype:
+        emb = model.tok_embeddings
+        cast = CastEmbedding(emb.num_embeddings, emb.embedding_dim, device="meta")
+        cast.weight = emb.weight
+        cast.weight.data = cast.weight.data.to(base_dtype)
+        cast.compute_dtype = dtype
+        model.tok_embeddings = cast
+    else:
+        model.tok_embeddings.weight.data = model.tok_embeddings.weight.data.to(dtype)
+    model.lora_spec = spec
+    model.lora_base_dtype = base_dtype  # what a merged export is saved in
+    return model
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """(native module name, module) of every adapted projection, in model order; names have
+    compile/checkpoint wrapper parts removed."""
+    from .hf import strip_wrappers
+
+    return [(strip_wrappers(n), m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def is_lora(model: nn.Module) -> bool:
+    return getattr(model, "lora_spec", None) is not None
+
+
+def dense_tensors(
+    model: nn.Module, merge: bool = False
+) -> list[tuple[str, tuple[int, ...], Callable[[], Tensor]]]:
+    """(native name, shape, make) for every tensor of the plain model this one stands for: NF4
+    weights dequantized, adapters folded into their weights when `merge` and left out otherwise.
+    A plain `Transformer` gives its own parameters. `make()` builds one tensor at a time (fp32 for
+    a rebuilt weight), so an exporter never holds two copies of the model. A tied head is listed
+    once, as the embedding. Names keep compile/checkpoint wrapper parts (callers map them)."""
+    out: list[tuple[str, tuple[int, ...], Callable[[], Tensor]]] = []
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(module, FrozenLinear):
+            make = (
+                module.merged_weight
+                if merge and isinstance(module, LoRALinear)
+                else module.dense_weight
+            )
+            out.append((prefix + "weight", (module.out_features, module.in_features), make))
+            if module.bias is not None:
+                bias = module.bias
+                out.append((prefix + "bias", tuple(bias.shape), lambda b=bias: b.detach()))
+            continue
+        for p_name, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((prefix + p_name, tuple(p.shape), lambda p=p: p.detach()))
+    return out
