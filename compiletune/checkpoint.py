@@ -119,7 +119,9 @@ def is_sharded(ckpt: Path) -> bool:
     return (ckpt / SHARDED_DIR).is_dir()
 
 
-def check_resumable(ckpt: Path, state: dict[str, Any], world: int | None) -> None:
+def check_resumable(
+    ckpt: Path, state: dict[str, Any], world: int | None, sharding: str | None = None
+) -> None:
     """A single-process checkpoint resumes in a single process, a sharded one under FSDP with
     the same number of ranks (each rank's optimizer state is its own). world None: no FSDP."""
     if is_sharded(ckpt):
@@ -129,6 +131,12 @@ def check_resumable(ckpt: Path, state: dict[str, Any], world: int | None) -> Non
                 f"{ckpt} is a sharded (FSDP) checkpoint of {saved} processes; resume it with "
                 f"torchrun --nproc-per-node {saved} ... --fsdp, or turn it into an HF folder with "
                 "`compiletune convert` and start a new run from it with --model-dir"
+            )
+        config = state.get("config", {})
+        if sharding is not None and config.get("sharding", sharding) != sharding:
+            raise UserError(
+                f"{ckpt} was written with --sharding {config.get('sharding')}; resume with the "
+                "same --sharding (each rank's optimizer state has that layout)"
             )
         if saved != world:
             raise UserError(
@@ -255,6 +263,9 @@ def convert_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | N
     out_dtype = out_dtype or next(iter(saved.values()))[1]
     write_hf_folder(dst, hf_config_from_args(args, out_dtype, base=hf_cfg), entries, out_dtype)
     for extra in src.iterdir():  # tokenizer files and anything else beside the weights
-        if extra.is_file() and extra.name not in ("config.json", STATE_FILE):
-            shutil.copy2(extra, dst / extra.name)
+        if not extra.is_file() or extra.name in ("config.json", STATE_FILE):
+            continue
+        if extra.name.startswith("model") and extra.name.endswith((".safetensors", ".json")):
+            continue  # the run's own export (last checkpoint): ours replaces it
+        shutil.copy2(extra, dst / extra.name)
     return dst

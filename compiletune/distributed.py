@@ -64,14 +64,17 @@ def launched_world_size() -> int:
 def init_distributed(device_type: str) -> DistEnv:
     """Join (or, for a single process with --fsdp, create) the default process group."""
     owns = False
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)  # also when the caller made the group
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # one process without torchrun: a group of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # On GPUs, gloo serves the collectives on CPU tensors that --cpu-offload creates
+        # (gradient clipping's norm over host-side gradient shards); NCCL does the rest.
+        backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend)
         owns = True
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -126,11 +129,13 @@ def apply_fsdp(
     sharding: str = "full",
     param_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
+    grad_hooks: bool = False,
 ) -> None:
     """`fully_shard` the blocks, the embedding, the head (norm + output) and then the root.
 
     param_dtype: the compute dtype of gathered parameters (bf16 mixed precision keeps fp32
     master weights and reduces gradients in fp32); None computes in the storage dtype.
+    grad_hooks: parameters carry post-accumulate-grad hooks (--optimizer-in-backward).
     """
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -145,7 +150,11 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
     )
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else None
+    # Pinned host memory makes FSDP's gradient copy to the host asynchronous; a per-parameter
+    # gradient hook (--optimizer-in-backward) would then read a gradient still in transit on
+    # torch versions that do not wait for it, so with hooks the copy stays synchronous.
+    pin = torch.cuda.is_available() and not grad_hooks
+    offload = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else None
     common = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload or OffloadPolicy()}
     # grad-op (SHARD_GRAD_OP) keeps gathered parameters from forward to backward: less
     # communication, more memory. With one shard per rank ("none") there is nothing to free.
@@ -154,12 +163,24 @@ def apply_fsdp(
         fully_shard(block, reshard_after_forward=reshard, **common)
     if not model.args.tie_embeddings:
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **common)
-        # The head is needed again right at the start of backward: no point freeing it.
-        fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
+        if _completes_partial_groups():
+            # Gathered at the final norm's forward rather than at the start of the model's, and
+            # kept for backward, which starts right there. The output module's own forward never
+            # runs (the head reads its weight), so the group is never "complete": torch versions
+            # that cannot finish such a group leave norm and output in the root instead.
+            fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
     fully_shard(model, **common)
     # The trainer calls `hidden_states` (the loss head follows outside the model), so the root's
     # hooks (lazy init, gathering the root's own parameters) must run for that method too.
     register_fsdp_forward_method(model, "hidden_states")
+
+
+def _completes_partial_groups() -> bool:
+    """Whether FSDP2 finishes a multi-module unit some of whose modules never run forward
+    (torch 2.13 does; 2.11 leaves it half-open and breaks after an eval plus a state_dict)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # our one private use
+
+    return hasattr(FSDPState, "_force_complete_incomplete_states")
 
 
 def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -> None:
@@ -175,8 +196,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly sharded) parameter; a collective: every rank calls it."""
     if not hasattr(t, "full_tensor"):
         return t
-    if t.device.type == "cpu" and dist.get_backend() == "nccl":  # --cpu-offload shards
-        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    if t.device.type == "cpu" and torch.cuda.is_available():  # --cpu-offload shards: gather
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))  # on the GPU, via NCCL
     return t.full_tensor()
 
 

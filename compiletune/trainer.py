@@ -225,9 +225,19 @@ def evaluate(
 
 @dataclass
 class _Stop:
-    """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints, and returns."""
+    """Set by SIGINT/SIGTERM: the loop finishes its step, checkpoints, and returns.
+
+    `requested` is this process's signal, set at any moment; `agreed` is what the loop acts on.
+    In one process they are the same; under FSDP `agreed` changes only through the per-step
+    all-reduce, so every rank leaves the loop after the same step whenever each saw the signal.
+    """
 
     requested: bool = False
+    agreed: bool = False
+    distributed: bool = False
+
+    def should_stop(self) -> bool:
+        return self.agreed if self.distributed else self.requested
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -363,7 +373,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     resume_from = ckpt.latest_checkpoint(out) if cfg.resume else None
     state = ckpt.load_train_state(resume_from) if resume_from else None
     if state is not None:
-        ckpt.check_resumable(resume_from, state, world if env is not None else None)
+        ckpt.check_resumable(resume_from, state, world if env is not None else None, cfg.sharding)
     if resume_from is not None:
         check_resume_kind(resume_from, spec)
 
@@ -424,6 +434,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
             sharding=cfg.sharding,
             param_dtype=torch.bfloat16 if cfg.dtype == "bf16-mixed" else None,
             cpu_offload=cfg.cpu_offload,
+            grad_hooks=cfg.optimizer_in_backward,
         )
         model.to_empty(device="cpu" if cfg.cpu_offload else device)
         model.tie_weights()
@@ -524,7 +535,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     loggers = (
         open_loggers(log_names, out, cfg.to_dict(), start_step if state else None) if main else []
     )
-    stop = _Stop()
+    stop = _Stop(distributed=env is not None)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def request_stop(signum: int, frame: Any) -> None:
@@ -549,7 +560,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     step = start_step
     try:
         model.train()
-        while step < cfg.max_steps and not stop.requested:
+        while step < cfg.max_steps and not stop.should_stop():
             t0 = time.perf_counter()
             micro = [batches.next() for _ in range(cfg.grad_accum)]  # global batches
             # The lr is a function of the step alone (so a resume needs no schedule state); it is
@@ -582,7 +593,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
                 # One collective per step: the global loss, and a stop request seen by any
                 # rank (so every rank leaves the loop after the same step).
                 loss_sum, stop_votes = dist_.all_reduce_sum([loss_sum, stop.requested], device)
-                stop.requested = stop_votes > 0
+                stop.agreed = stop_votes > 0
             loss_value = loss_sum / n_targets
             if not math.isfinite(loss_value):
                 raise UserError(
@@ -606,7 +617,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
                 "peak_mem_gib": peak_memory_gib(device),
                 "epoch": batches.epoch,
             }
-            at_end = step == cfg.max_steps or stop.requested
+            at_end = step == cfg.max_steps or stop.should_stop()
             if eval_set is not None and (at_end or (cfg.eval_every and step % cfg.eval_every == 0)):
                 t_eval = time.perf_counter()
                 last_eval = evaluate(

@@ -98,6 +98,10 @@ def test_checkpoint_kind_must_match_the_launch(tmp_path: Path) -> None:
         check_resumable(sharded, {"world_size": 2}, world=None)
     with pytest.raises(UserError, match="written by 2 processes and this run has 4"):
         check_resumable(sharded, {"world_size": 2}, world=4)
+    state = {"world_size": 2, "config": {"sharding": "full"}}
+    with pytest.raises(UserError, match="resume with the same --sharding"):
+        check_resumable(sharded, state, world=2, sharding="hybrid")
+    check_resumable(sharded, state, world=2, sharding="full")
 
 
 def test_convert_refuses_what_it_cannot_convert(tmp_path: Path) -> None:
@@ -171,6 +175,22 @@ def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> Non
     got = dict(converted.named_parameters())
     assert all(torch.equal(got[k], v) for k, v in saved.items())
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "converted") is not None
+    # The last checkpoint holds its own fp32 export; a bf16 conversion must not mix it in.
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "fsdp" / "step_4"),
+                str(tmp_path / "bf16"),
+                "--dtype",
+                "bf16",
+            ]
+        )
+        == 0
+    )
+    half = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {t.dtype for t in half.values()} == {torch.bfloat16}
+    assert sorted(p.name for p in (tmp_path / "bf16").glob("model*")) == ["model.safetensors"]
 
 
 # ----------------------------------------------------------------------------- variants in one spawn
