@@ -87,20 +87,9 @@ def peak_bytes(fn, h, w, t, device: str) -> int:
         step(fn, h, w, t)
         sync(device)
         return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
+    from compiletune.memory_internals import cpu_allocation_peak
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(fn, h, w, t)
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return cpu_allocation_peak(lambda: step(fn, h, w, t))
 
 
 def seconds(fn, h, w, t, device: str, iters: int) -> float:

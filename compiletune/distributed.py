@@ -28,13 +28,16 @@ import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from compiletune.errors import UserError
+
+if TYPE_CHECKING:
+    from compiletune.config import TrainConfig
 
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SHARDED_DIR = "sharded"
@@ -173,6 +176,18 @@ def apply_fsdp(
     # The trainer calls `hidden_states` (the loss head follows outside the model), so the root's
     # hooks (lazy init, gathering the root's own parameters) must run for that method too.
     register_fsdp_forward_method(model, "hidden_states")
+
+
+def shard_model(model: nn.Module, env: DistEnv, cfg: TrainConfig) -> None:
+    """`apply_fsdp` with the run's choices (--sharding, --shard-size, --dtype, --cpu-offload)."""
+    apply_fsdp(
+        model,
+        build_mesh(env, cfg.sharding, cfg.shard_size),
+        sharding=cfg.sharding,
+        param_dtype=torch.bfloat16 if cfg.dtype == "bf16-mixed" else None,
+        cpu_offload=cfg.cpu_offload,
+        grad_hooks=cfg.optimizer_in_backward,
+    )
 
 
 def _completes_partial_groups() -> bool:

@@ -473,14 +473,7 @@ def run_step(
             import torch.distributed as dist
 
             env.rank = env.local_rank = dist.get_rank()
-        mesh = dist_.build_mesh(env, cfg.sharding, cfg.shard_size)
-        dist_.apply_fsdp(
-            model,
-            mesh,
-            sharding=cfg.sharding,
-            param_dtype=torch.bfloat16 if cfg.dtype == "bf16-mixed" else None,
-            cpu_offload=cfg.cpu_offload,
-        )
+        dist_.shard_model(model, env, cfg)
     mode = mi.fake_mode() if fake else contextlib.nullcontext()
     track = tracker if tracker is not None else contextlib.nullcontext()
     watch = contextlib.ExitStack()
@@ -573,21 +566,8 @@ def measure_cpu_step(cfg: TrainConfig, world: int | None = None) -> int:
 
     world: FSDP2 over the process group the caller has set up (gloo), or None.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     args, dtype, loss = _setup(cfg)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_step(cfg, args, dtype, loss, world, None, fake=False)
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return mi.cpu_allocation_peak(lambda: run_step(cfg, args, dtype, loss, world, None, fake=False))
 
 
 def measure_cuda_step(cfg: TrainConfig) -> int:

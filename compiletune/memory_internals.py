@@ -112,3 +112,23 @@ def dtensor_shape_propagation(paused: Callable[[], Any]) -> Iterator[None]:
         yield
     finally:
         setattr(ShardingPropagator, name, original)
+
+
+def cpu_allocation_peak(fn: Callable[[], Any]) -> int:
+    """Run `fn` and return the highest running total of the CPU allocator's events during it
+    (bytes above what was live before): torch.profiler with profile_memory=True, read through
+    the profiler's kineto results (not a documented field)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak

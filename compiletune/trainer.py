@@ -427,15 +427,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     if env is not None:
         # After compile (FSDP's hooks stay outside the compiled blocks), then materialise the
         # shards and fill them from rank 0.
-        mesh = dist_.build_mesh(env, cfg.sharding, cfg.shard_size)
-        dist_.apply_fsdp(
-            model,
-            mesh,
-            sharding=cfg.sharding,
-            param_dtype=torch.bfloat16 if cfg.dtype == "bf16-mixed" else None,
-            cpu_offload=cfg.cpu_offload,
-            grad_hooks=cfg.optimizer_in_backward,
-        )
+        dist_.shard_model(model, env, cfg)
         model.to_empty(device="cpu" if cfg.cpu_offload else device)
         model.tie_weights()
         if resume_from is None:
