@@ -19,6 +19,8 @@ one big batch, exactly as a single process with N x --batch-size rows would.
 Checkpoints (`step_N/sharded/`, torch.distributed.checkpoint): every rank writes its shards of
 the model (resharding on load is possible: `compiletune convert` reads them without a process
 group) and its optimizer state under its own key (a resume needs the same number of ranks).
+A LoRA run saves the optimizer state alone there: its adapters go to the PEFT adapter folder
+beside it and its frozen base is rebuilt from the run's source.
 """
 
 from __future__ import annotations
