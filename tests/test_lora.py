@@ -544,6 +544,7 @@ def _fsdp_runs(tmp: str, corpus: str, model_dir: str) -> dict[str, dict]:
     return {
         "lora": {**common, "model_dir": model_dir, "max_steps": 4, "save_every": 2, "merge": True},
         "qlora": {**common, "n_layers": 2, "quantize_base": "nf4", "max_steps": 3},
+        "bf16-base": {**common, "n_layers": 2, "base_dtype": "bf16", "max_steps": 2},
     }
 
 
@@ -582,7 +583,8 @@ def _lora_fsdp_worker(rank: int, port: int, tmp: str, corpus: str, model_dir: st
 @pytest.mark.slow
 def test_fsdp_lora_and_qlora_match_one_process_resume_and_export(tmp_path, corpus, model_dir):
     """2 ranks x 2 rows against one process with 4 rows: LoRA from --model-dir (with --merge
-    and a mid-run checkpoint) and QLoRA on a seeded preset give the same losses; the sharded
+    and a mid-run checkpoint), QLoRA and a bf16 base (projections and embedding) on a seeded
+    preset give the same losses; the sharded
     run's adapter folder is the single-process one (and loads in peft); the merged folder
     matches; a resume from the sharded step_2 reproduces the run."""
     import socket
