@@ -584,9 +584,9 @@ def _lora_fsdp_worker(rank: int, port: int, tmp: str, corpus: str, model_dir: st
 def test_fsdp_lora_and_qlora_match_one_process_resume_and_export(tmp_path, corpus, model_dir):
     """2 ranks x 2 rows against one process with 4 rows: LoRA from --model-dir (with --merge
     and a mid-run checkpoint), QLoRA and a bf16 base (projections and embedding) on a seeded
-    preset give the same losses; the sharded
-    run's adapter folder is the single-process one (and loads in peft); the merged folder
-    matches; a resume from the sharded step_2 reproduces the run."""
+    preset give the same losses; the sharded run's adapter folder is the single-process one
+    (and loads in peft); the merged folder matches; a resume from the sharded step_2
+    reproduces the run."""
     import socket
 
     import torch.multiprocessing as mp
