@@ -11,6 +11,10 @@ Under FSDP (`--fsdp`) a checkpoint is sharded instead:
     model*.safetensors        only at the end of the run: exported tensor by tensor
     trainer_state.pt          step, data position, RNG, config, number of ranks
 
+A LoRA run under FSDP writes the same adapter folder as one process (adapter_config.json,
+adapter_model.safetensors: rank 0 writes the adapters gathered whole) plus `sharded/` with each
+rank's optimizer state only; the frozen base is rebuilt from the run's source on resume.
+
 A checkpoint is written under a temporary name and renamed when complete. A rename within one
 folder is atomic, so a crash mid-save leaves only a `.tmp-step_N` folder that `--resume` ignores.
 """
@@ -126,6 +130,12 @@ def check_resumable(
     the same number of ranks (each rank's optimizer state is its own). world None: no FSDP."""
     if is_sharded(ckpt):
         saved = state.get("world_size")
+        if world is None and (ckpt / "adapter_config.json").is_file():
+            raise UserError(
+                f"{ckpt} is a LoRA checkpoint of an FSDP run of {saved} processes; resume it "
+                f"with torchrun --nproc-per-node {saved} ... --fsdp (its adapter folder loads "
+                "in peft as is)"
+            )
         if world is None:
             raise UserError(
                 f"{ckpt} is a sharded (FSDP) checkpoint of {saved} processes; resume it with "
@@ -166,7 +176,9 @@ def save_sharded_checkpoint(
     import torch.distributed as dist
 
     from compiletune.distributed import SHARDED_DIR, save_sharded
+    from compiletune.lora import save_adapter
     from compiletune.models import hf_config_from_args, save_hf
+    from compiletune.models.lora import is_lora
 
     final = output_dir / f"step_{step}"
     tmp = output_dir / f".tmp-step_{step}"
@@ -175,8 +187,12 @@ def save_sharded_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    save_sharded(tmp / SHARDED_DIR, model, optimizer_state)
-    if export_hf:
+    lora = is_lora(model)
+    # A LoRA run's sharded/ holds the optimizer state alone; its base is the run's source.
+    save_sharded(tmp / SHARDED_DIR, None if lora else model, optimizer_state)
+    if lora:  # the adapter folder a single process writes
+        save_adapter(model, tmp, tokenizer=tokenizer, writer=is_main)
+    elif export_hf:
         save_hf(model, tmp, tokenizer=tokenizer, writer=is_main)
     elif is_main:
         dtype = next(model.parameters()).dtype
@@ -231,6 +247,11 @@ def convert_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | N
         raise UserError(
             f"{src} holds no sharded checkpoint ({SHARDED_DIR}/){hint}; pass a step_N folder "
             "of an --fsdp run"
+        )
+    if (src / "adapter_config.json").is_file():
+        raise UserError(
+            f"{src} is a LoRA checkpoint: its adapter folder loads in peft as is, and "
+            "`--merge` writes the merged model; there is nothing to convert"
         )
     if dst.exists() and any(dst.iterdir()):
         raise UserError(f"{dst} exists and is not empty; pass a new folder")

@@ -248,10 +248,11 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
 
     parse_loggers(cfg.log)
     _check_lora(cfg)
-    if cfg.lora_rank and cfg.fsdp:
+    if cfg.lora_rank and cfg.dtype == "bf16-mixed":
+        # FSDP's mixed precision would cast the NF4 codes too; LoRA has its own storage dtypes.
         raise UserError(
-            "--lora-rank with --fsdp is not supported yet (LoRA runs are single-process); drop "
-            "--fsdp, or fine-tune fully with --fsdp"
+            "--dtype bf16-mixed does not apply to LoRA runs (the frozen base has its own "
+            "storage); pass --dtype bf16, or --dtype fp32 with --base-dtype bf16"
         )
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume and --overwrite contradict each other; pass one of them")

@@ -19,6 +19,8 @@ one big batch, exactly as a single process with N x --batch-size rows would.
 Checkpoints (`step_N/sharded/`, torch.distributed.checkpoint): every rank writes its shards of
 the model (resharding on load is possible: `compiletune convert` reads them without a process
 group) and its optimizer state under its own key (a resume needs the same number of ranks).
+A LoRA run saves the optimizer state alone there: its adapters go to the PEFT adapter folder
+beside it and its frozen base is rebuilt from the run's source.
 """
 
 from __future__ import annotations
@@ -230,29 +232,35 @@ def gather_floats(value: float, device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def save_sharded(folder: Path, model: nn.Module, optimizer_sd: dict[str, Any]) -> None:
-    """Every rank writes its shards of the model and its own optimizer state into `folder`."""
+def save_sharded(folder: Path, model: nn.Module | None, optimizer_sd: dict[str, Any]) -> None:
+    """Every rank writes its shards of the model and its own optimizer state into `folder`.
+    model None: the optimizer state alone (a LoRA run keeps its adapters in the adapter folder
+    and rebuilds its frozen base from the run's source)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = {
-        "model": get_model_state_dict(model),
-        "optimizer": {f"rank{dist.get_rank()}": optimizer_sd},
-    }
+    state: dict[str, Any] = {"optimizer": {f"rank{dist.get_rank()}": optimizer_sd}}
+    if model is not None:
+        state["model"] = get_model_state_dict(model)
     dcp.save(state, checkpoint_id=str(folder))
 
 
-def load_sharded(folder: Path, model: nn.Module, optimizer_sd: dict[str, Any]) -> dict[str, Any]:
-    """Read `folder` into the sharded model (in place) and into `optimizer_sd` (a template of
-    this rank's optimizer state, filled in place and returned)."""
+def load_sharded(
+    folder: Path, model: nn.Module | None, optimizer_sd: dict[str, Any]
+) -> dict[str, Any]:
+    """Read `folder` into the sharded model (in place; None: no model, see `save_sharded`) and
+    into `optimizer_sd` (a template of this rank's optimizer state, filled in place and
+    returned)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    model_sd = get_model_state_dict(model)
     key = f"rank{dist.get_rank()}"
-    state = {"model": model_sd, "optimizer": {key: optimizer_sd}}
+    state: dict[str, Any] = {"optimizer": {key: optimizer_sd}}
+    if model is not None:
+        state["model"] = get_model_state_dict(model)
     dcp.load(state, checkpoint_id=str(folder))
-    set_model_state_dict(model, model_sd)
+    if model is not None:
+        set_model_state_dict(model, state["model"])
     return state["optimizer"][key]
 
 

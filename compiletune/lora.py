@@ -93,14 +93,24 @@ def save_adapter(
     *,
     base_model: str | None = None,
     tokenizer: Any = None,
+    writer: bool = True,
 ) -> None:
-    """Write the adapter folder of a LoRA model (see the module docstring)."""
+    """Write the adapter folder of a LoRA model (see the module docstring).
+
+    A sharded (FSDP2) model: every rank calls this (each adapter is gathered whole, a
+    collective) and only the rank with `writer=True` writes, the same files as one process."""
+    from compiletune.distributed import full_tensor
+
     spec: LoRASpec = model.lora_spec
     if base_model is None:
         base_model = getattr(model, "lora_base", None)
+    tensors = {
+        k: full_tensor(v).to("cpu").contiguous() for k, v in adapter_state_dict(model).items()
+    }
+    if not writer:
+        return
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.to("cpu").contiguous() for k, v in adapter_state_dict(model).items()}
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = adapter_config(spec, base_model)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -232,22 +242,33 @@ def save_merged(
     *,
     tokenizer: Any = None,
     dtype: torch.dtype | None = None,
+    writer: bool = True,
 ) -> Path:
     """Write `path` as a plain HF model folder with every adapter folded in, atomically (a
-    temporary sibling renamed when complete). dtype defaults to the run's --base-dtype."""
+    temporary sibling renamed when complete). dtype defaults to the run's --base-dtype.
+
+    A sharded (FSDP2) model: every rank calls this and joins the gathers, one tensor at a time
+    (each merged weight is built from its gathered base and adapters); only the rank with
+    `writer=True` writes."""
     from compiletune.checkpoint import write_folder_atomically
     from compiletune.models import save_hf
 
-    return write_folder_atomically(
-        Path(path),
-        lambda tmp: save_hf(
+    path = Path(path)
+
+    def write(folder: Path) -> None:
+        save_hf(
             model,
-            tmp,
+            folder,
             dtype=dtype or getattr(model, "lora_base_dtype", None),
             tokenizer=tokenizer,
             merge_lora=True,
-        ),
-    )
+            writer=writer,
+        )
+
+    if not writer:
+        write(path.parent / f".tmp-{path.name}")  # gathers only; nothing is written
+        return path
+    return write_folder_atomically(path, write)
 
 
 def trainable_params(model: nn.Module) -> int:

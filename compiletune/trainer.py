@@ -315,6 +315,43 @@ def _build_model(
     return model, full_sd
 
 
+def _build_lora_model_fsdp(
+    cfg: TrainConfig,
+    args: ModelArgs,
+    spec: LoRASpec,
+    lora_kw: dict[str, Any],
+    resume_from: Path | None,
+    env: dist_.DistEnv,
+) -> tuple[Transformer, dict[str, Tensor] | None]:
+    """Under FSDP: the LoRA model on the meta device (every rank), plus rank 0's full state dict
+    of the real one, built on the host exactly as a single CPU process builds it (blocks
+    converted, NF4 quantized, as they load; adapters drawn from the seed) and, on resume, with
+    the checkpoint's adapters loaded. Frozen and trainable parameters of a block are one module
+    tree, so each block's `fully_shard` unit holds both."""
+    base = str(Path(cfg.model_dir).resolve()) if cfg.model_dir else cfg.model or "debug"
+    full_sd = None
+    if env.is_main:
+        adapt = block_adapter(spec, **lora_kw, seed=cfg.seed)
+        if cfg.model_dir is not None:
+            source = from_hf(cfg.model_dir, dtype=lora_kw["dtype"], device="cpu", on_block=adapt)
+        else:
+            source = build_model(
+                args, "cpu", lora_kw["dtype"], init=True, seed=cfg.seed, on_block=adapt
+            )
+        apply_lora(source, spec, **lora_kw, blocks_adapted=True)
+        if resume_from is not None:
+            lora_io.load_adapter(source, resume_from)
+        full_sd = source.state_dict()
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to(lora_kw["dtype"])
+    apply_lora(model, spec, **lora_kw, seed=cfg.seed)  # the same structure, on meta
+    model.lora_base = base
+    if cfg.model_dir is not None:
+        model.hf_config = load_hf_config(cfg.model_dir)
+    return model, full_sd
+
+
 def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     device = env.device if env is not None else pick_device()
@@ -381,7 +418,9 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.quantize_base}
     if spec is None:
         model, full_sd = _build_model(cfg, args, dtype, device, resume_from, env)
-    else:  # LoRA runs are single-process (config.py refuses --fsdp with --lora-rank)
+    elif env is not None:
+        model, full_sd = _build_lora_model_fsdp(cfg, args, spec, lora_kw, resume_from, env)
+    else:
         full_sd = None
         # Each block becomes LoRA (NF4) as soon as it is loaded: the full-size base never exists.
         adapt = block_adapter(spec, **lora_kw, seed=cfg.seed)
@@ -430,7 +469,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         dist_.shard_model(model, env, cfg)
         model.to_empty(device="cpu" if cfg.cpu_offload else device)
         model.tie_weights()
-        if resume_from is None:
+        if resume_from is None or spec is not None:  # a LoRA checkpoint holds no base
             dist_.load_full_state(model, full_sd)
         del full_sd
 
@@ -453,7 +492,9 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     if state is not None:
         if env is not None:
             opt_sd = dist_.load_sharded(
-                resume_from / dist_.SHARDED_DIR, model, optimizer.state_dict()
+                resume_from / dist_.SHARDED_DIR,
+                model if spec is None else None,  # LoRA: adapters came with rank 0's state
+                optimizer.state_dict(),
             )
         else:
             opt_sd = state["optimizer"]
@@ -485,7 +526,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     n_trainable = sum(p.numel() for p in params)
     if spec is not None:
         stored = cfg.quantize_base or str(base_dtype).removeprefix("torch.")
-        print(
+        say(
             f"LoRA rank {spec.rank} (alpha {spec.alpha:g}) on {','.join(spec.targets)}: "
             f"{n_trainable / 1e6:.2f}M trainable parameters ({n_trainable / n_params:.2%}), "
             f"frozen projections stored as {stored}",
@@ -660,7 +701,11 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         if step > start_step or resume_from is None:
             last_saved = save(step, final=True)
         if cfg.merge and step >= cfg.max_steps:
-            merged = lora_io.save_merged(model, out / lora_io.MERGED_DIR, tokenizer=tokenizer)
+            merged = lora_io.save_merged(
+                model, out / lora_io.MERGED_DIR, tokenizer=tokenizer, writer=main
+            )
+            if env is not None:
+                torch.distributed.barrier()  # the folder is complete before any rank returns
     finally:
         bar.close()
         if metrics is not None:

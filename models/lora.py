@@ -149,14 +149,24 @@ class FrozenLinear(nn.Module):
 
     @torch.no_grad()
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight as a float tensor [out, in] (dequantized for NF4)."""
+        """The weight as a float tensor [out, in] (dequantized for NF4). Under FSDP2 the stored
+        form is gathered whole first (a collective: every rank calls this)."""
         if self.quantized:
-            return dequantize_nf4(self.weight_codes, self.weight_scales, dtype)
-        return self.weight.to(dtype)
+            return dequantize_nf4(_whole(self.weight_codes), _whole(self.weight_scales), dtype)
+        return _whole(self.weight).to(dtype)
 
     def extra_repr(self) -> str:
         stored = "nf4" if self.quantized else str(self.weight.dtype).removeprefix("torch.")
         return f"in={self.in_features}, out={self.out_features}, stored={stored}"
+
+
+def _whole(t: Tensor) -> Tensor:
+    """A parameter's whole tensor: gathered if FSDP2 sharded it (a collective), else itself."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    from compiletune.distributed import full_tensor
+
+    return full_tensor(t)
 
 
 class LoRALinear(FrozenLinear):
@@ -195,7 +205,7 @@ class LoRALinear(FrozenLinear):
     @torch.no_grad()
     def merged_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W + scale * B A [out, in], computed in fp32, returned in `dtype`."""
-        delta = self.lora_b.float() @ self.lora_a.float()
+        delta = _whole(self.lora_b).float() @ _whole(self.lora_a).float()
         return (self.dense_weight(torch.float32) + self.scale * delta).to(dtype)
 
     def extra_repr(self) -> str:

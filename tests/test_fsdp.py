@@ -104,6 +104,20 @@ def test_checkpoint_kind_must_match_the_launch(tmp_path: Path) -> None:
     check_resumable(sharded, state, world=2, sharding="full")
 
 
+def test_lora_under_fsdp_flags_and_checkpoint_kind(tmp_path: Path) -> None:
+    resolve({}, {"fsdp": True, "lora_rank": 4, "quantize_base": "nf4"})  # allowed
+    with pytest.raises(UserError, match="bf16-mixed does not apply to LoRA runs"):
+        resolve({}, {"fsdp": True, "lora_rank": 4, "dtype": "bf16-mixed"})
+    step = tmp_path / "step_2"
+    (step / "sharded").mkdir(parents=True)
+    (step / "adapter_config.json").write_text("{}")
+    with pytest.raises(UserError, match="LoRA checkpoint of an FSDP run of 2 processes"):
+        check_resumable(step, {"world_size": 2}, world=None)
+    check_resumable(step, {"world_size": 2}, world=2)
+    with pytest.raises(UserError, match="loads in peft as is"):
+        convert_to_hf(step, tmp_path / "out")
+
+
 def test_convert_refuses_what_it_cannot_convert(tmp_path: Path) -> None:
     hf = tmp_path / "hf"
     save_hf(build_model(from_name("debug")), hf)

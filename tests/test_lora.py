@@ -533,3 +533,107 @@ def test_fsdp2_shards_frozen_nf4_and_adapters_in_one_unit(tmp_path):
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert rel_err(grads[name], p.grad) <= 1e-5, name
+
+
+# --- the trainer under FSDP2 (2 processes, gloo) -------------------------------------------------
+
+
+def _fsdp_runs(tmp: str, corpus: str, model_dir: str) -> dict[str, dict]:
+    """name -> flags of the 2-rank run (the single-process reference has batch_size 4)."""
+    common = {"data": corpus, "seq_len": 32, "batch_size": 2, "lora_rank": 4, "lr": 3e-3}
+    return {
+        "lora": {**common, "model_dir": model_dir, "max_steps": 4, "save_every": 2, "merge": True},
+        "qlora": {**common, "n_layers": 2, "quantize_base": "nf4", "max_steps": 3},
+        "bf16-base": {**common, "n_layers": 2, "base_dtype": "bf16", "max_steps": 2},
+    }
+
+
+def _lora_fsdp_worker(rank: int, port: int, tmp: str, corpus: str, model_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        runs = _fsdp_runs(tmp, corpus, model_dir)
+        for name, flags in runs.items():
+            train(resolve({}, {**flags, "fsdp": True, "output_dir": f"{tmp}/fsdp-{name}"}))
+        # A run that died after step 2, resumed from its sharded LoRA checkpoint.
+        part = Path(tmp) / "part"
+        if rank == 0:
+            part.mkdir()
+            shutil.copytree(Path(tmp) / "fsdp-lora" / "step_2", part / "step_2")
+            rows = read_metrics(Path(tmp) / "fsdp-lora" / "metrics.jsonl")[:2]
+            (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        dist.barrier()
+        train(resolve({}, {**runs["lora"], "fsdp": True, "resume": True, "output_dir": str(part)}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_lora_and_qlora_match_one_process_resume_and_export(tmp_path, corpus, model_dir):
+    """2 ranks x 2 rows against one process with 4 rows: LoRA from --model-dir (with --merge
+    and a mid-run checkpoint), QLoRA and a bf16 base (projections and embedding) on a seeded
+    preset give the same losses; the sharded run's adapter folder is the single-process one
+    (and loads in peft); the merged folder matches; a resume from the sharded step_2
+    reproduces the run."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_lora_fsdp_worker, args=(port, str(tmp_path), corpus, model_dir), nprocs=2)
+    for name, flags in _fsdp_runs(str(tmp_path), corpus, model_dir).items():
+        flags = {k: v for k, v in flags.items() if k != "save_every"}
+        train(resolve({}, {**flags, "batch_size": 4, "output_dir": str(tmp_path / name)}))
+        want = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]
+        got = [r["loss"] for r in read_metrics(tmp_path / f"fsdp-{name}" / "metrics.jsonl")]
+        assert got == pytest.approx(want, rel=1e-5), name
+        last = f"step_{flags['max_steps']}"
+        single, sharded = tmp_path / name / last, tmp_path / f"fsdp-{name}" / last
+        files = {p.name for p in single.iterdir()}
+        assert {p.name for p in sharded.iterdir()} == files | {"sharded"}
+        assert (sharded / lora_io.ADAPTER_CONFIG).read_text() == (
+            single / lora_io.ADAPTER_CONFIG
+        ).read_text()
+        a, b = (
+            load_file(sharded / lora_io.ADAPTER_WEIGHTS),
+            load_file(single / lora_io.ADAPTER_WEIGHTS),
+        )
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+    # The merged export of the sharded run: the single-process one, and base + adapter in peft.
+    merged = load_file(tmp_path / "fsdp-lora" / "merged" / "model.safetensors")
+    ref = load_file(tmp_path / "lora" / "merged" / "model.safetensors")
+    assert merged.keys() == ref.keys()
+    for k in merged:
+        torch.testing.assert_close(merged[k], ref[k], rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(
+            load_hf(Path(model_dir)), tmp_path / "fsdp-lora" / "step_4"
+        ).eval()
+        t = tokens(vocab=300)
+        got = load_hf(tmp_path / "fsdp-lora" / "merged")(t).logits
+        assert rel_err(got, adapted(t).logits) <= 1e-5
+
+    # The resume: the same losses and adapters, bit for bit.
+    full = read_metrics(tmp_path / "fsdp-lora" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "part" / "metrics.jsonl")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    a = load_file(tmp_path / "fsdp-lora" / "step_4" / lora_io.ADAPTER_WEIGHTS)
+    b = load_file(tmp_path / "part" / "step_4" / lora_io.ADAPTER_WEIGHTS)
+    assert all(torch.equal(a[k], b[k]) for k in a)
