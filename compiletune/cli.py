@@ -225,11 +225,6 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(ns).items() if k not in own}
     if ns.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {ns.gpus}")
-    if flags.get("lora_rank"):
-        raise UserError(
-            "estimate-memory does not model LoRA/QLoRA yet; estimate full fine-tuning (drop the "
-            "--lora-* flags) as an upper bound"
-        )
     if ns.gpus > 1:
         flags["fsdp"] = True  # several GPUs train under torchrun with --fsdp
     yaml_values = load_yaml(ns.config) if ns.config else {}

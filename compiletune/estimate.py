@@ -464,6 +464,15 @@ def run_step(
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)
+    if cfg.lora_rank:
+        # The run's LoRA structure (adapters, frozen projections in --base-dtype or NF4 codes),
+        # built on meta as every FSDP rank builds it; only the adapters train.
+        from compiletune.models.lora import apply_lora
+        from compiletune.trainer import lora_spec, pick_dtype
+
+        base = pick_dtype(cfg.base_dtype, torch.device(device)) if cfg.base_dtype else dtype
+        kw = {"dtype": dtype, "base_dtype": base, "quantize": cfg.quantize_base}
+        apply_lora(model, lora_spec(cfg), **kw, seed=cfg.seed)
     head = LossHead(model.output, head_kind(loss_kind, False))
     if policy.kind != "none":
         apply_eager_checkpointing(model, policy)
@@ -594,7 +603,16 @@ LADDER: list[tuple[str, dict[str, Any]]] = [
     ("+ optimizer in backward", {"optimizer_in_backward": True, "max_grad_norm": 0.0}),
     ("+ 8-bit states", {"optimizer": "adamw8bit"}),
 ]
+# Rungs that change what is trained (only the adapters): shown by --ladder, never suggested by
+# the pre-flight check, which keeps the run a full fine-tune.
+LORA_RUNGS: list[tuple[str, dict[str, Any]]] = [
+    ("+ LoRA r16 (adapters only)", {"lora_rank": 16, "lora_alpha": 32.0}),
+    ("+ QLoRA (NF4 base)", {"quantize_base": "nf4"}),
+]
 _FLAG_TEXT = {
+    "lora_rank": lambda v: f"--lora-rank {v}",
+    "lora_alpha": lambda v: "",
+    "quantize_base": lambda v: f"--quantize-base {v}",
     "ac": lambda v: f"--ac {v}",
     "fsdp": lambda v: "--fsdp",
     "cpu_offload": lambda v: "--cpu-offload",
@@ -610,6 +628,8 @@ _BASELINE = {
     "loss": "plain",
     "optimizer_in_backward": False,
     "optimizer": "adamw",
+    "lora_rank": 0,
+    "quantize_base": None,
 }
 
 
@@ -618,7 +638,10 @@ def flags_text(changes: dict[str, Any]) -> str:
 
 
 def _applies(cfg: TrainConfig, changes: dict[str, Any]) -> bool:
-    """Whether a rung's flags are valid for this run (in-backward cannot accumulate)."""
+    """Whether a rung's flags are valid for this run (in-backward cannot accumulate; LoRA does
+    not take FSDP's bf16-mixed precision)."""
+    if changes.get("lora_rank") and cfg.dtype == "bf16-mixed":
+        return False
     return not (changes.get("optimizer_in_backward") and cfg.grad_accum > 1)
 
 
@@ -627,12 +650,18 @@ def ladder(cfg: TrainConfig, gpus: int) -> list[tuple[str, str, MemoryEstimate |
     baseline of `cfg`'s model, shape, dtype and sharding up to every technique."""
     current = dataclasses.replace(cfg, **_BASELINE)
     rows = []
-    for name, changes in LADDER:
+    for name, changes in LADDER + LORA_RUNGS:
         if not _applies(current, changes):
             rows.append((name, flags_text(changes), None))
             continue
-        current = dataclasses.replace(current, **changes)
-        rows.append((name, flags_text(changes), estimate_memory(current, gpus)))
+        candidate = dataclasses.replace(current, **changes)
+        try:
+            est = estimate_memory(candidate, gpus)
+        except UserError:  # e.g. NF4 blocks that do not divide this model's rows
+            rows.append((name, flags_text(changes), None))
+            continue
+        current = candidate
+        rows.append((name, flags_text(changes), est))
     return rows
 
 

@@ -246,9 +246,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     With --fsdp every process of the job runs this function; rank 0 alone writes the metrics,
     the config and the summary, and prints.
     """
-    # LoRA is not modelled by the estimate (it would count a full fine-tune and could refuse a
-    # run that fits), so LoRA runs skip the pre-flight.
-    if cfg.preflight and not cfg.lora_rank and pick_device().type == "cuda":
+    if cfg.preflight and pick_device().type == "cuda":
         preflight_check(cfg)
     env = dist_.init_distributed(pick_device().type) if cfg.fsdp else None
     try:

@@ -46,8 +46,19 @@ def _cfg(**flags) -> object:
         {"loss": "fused", "optimizer": "adamw8bit"},
         {"optimizer_in_backward": True},
         {"grad_accum": 2, "dtype": "bf16"},
+        {"lora_rank": 8},
+        {"lora_rank": 8, "quantize_base": "nf4", "ac": "full"},
     ],
-    ids=["plain", "ac-full", "selective-chunked", "fused-8bit", "in-backward", "accum-bf16"],
+    ids=[
+        "plain",
+        "ac-full",
+        "selective-chunked",
+        "fused-8bit",
+        "in-backward",
+        "accum-bf16",
+        "lora",
+        "qlora-ac-full",
+    ],
 )
 def test_estimate_matches_the_real_cpu_step(flags: dict) -> None:
     cfg = _cfg(**flags)
@@ -137,6 +148,10 @@ def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
     table = capsys.readouterr().out
     assert table.startswith("| rung |") and "+ 8-bit states" in table
     assert "--optimizer-in-backward" in table
+    assert "--lora-rank 16" in table and "--quantize-base nf4" in table
+    rows = {name: est for name, _, est in estimate.ladder(_cfg(seq_len=64, batch_size=2), 1)}
+    peak = {name: est.peak_bytes for name, est in rows.items() if est is not None}
+    assert peak["+ QLoRA (NF4 base)"] < peak["+ LoRA r16 (adapters only)"] < peak["+ 8-bit states"]
     assert main(["estimate-memory", *small, "--gpus", "0"]) == 2
     assert "--gpus must be at least 1" in capsys.readouterr().err
     assert main(["estimate-memory", *small, "--device-memory", "lots"]) == 2
