@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from compiletune.errors import UserError
+from compiletune.torch_internals import fsdp_completes_partial_groups
 
 if TYPE_CHECKING:
     from compiletune.config import TrainConfig
@@ -168,7 +169,7 @@ def apply_fsdp(
         fully_shard(block, reshard_after_forward=reshard, **common)
     if not model.args.tie_embeddings:
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **common)
-        if _completes_partial_groups():
+        if fsdp_completes_partial_groups():
             # Gathered at the final norm's forward rather than at the start of the model's, and
             # kept for backward, which starts right there. The output module's own forward never
             # runs (the head reads its weight), so the group is never "complete": torch versions
@@ -190,14 +191,6 @@ def shard_model(model: nn.Module, env: DistEnv, cfg: TrainConfig) -> None:
         cpu_offload=cfg.cpu_offload,
         grad_hooks=cfg.optimizer_in_backward,
     )
-
-
-def _completes_partial_groups() -> bool:
-    """Whether FSDP2 finishes a multi-module unit some of whose modules never run forward
-    (torch 2.13 does; 2.11 leaves it half-open and breaks after an eval plus a state_dict)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # our one private use
-
-    return hasattr(FSDPState, "_force_complete_incomplete_states")
 
 
 def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -> None:

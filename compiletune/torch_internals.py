@@ -138,3 +138,11 @@ def fake_call(op: Any, *args: Any) -> Any:
     fake_mode = next(a.fake_mode for a in args if hasattr(a, "fake_mode"))
     with fake_mode:
         return op(*args)
+
+
+def fsdp_completes_partial_groups() -> bool:
+    """Whether FSDP2 finishes a multi-module unit some of whose modules never run forward
+    (torch 2.13 does; 2.11 leaves it half-open, which breaks after an eval plus a state_dict)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return hasattr(FSDPState, "_force_complete_incomplete_states")
