@@ -102,6 +102,7 @@ def _gloo_rank(rank: int, port: int, flags: dict, queue) -> None:
         peak = estimate.measure_cpu_step(resolve({}, flags), 2)
         if rank == 0:
             queue.put(peak)
+        dist.barrier()  # no collective in flight when the group is torn down
     finally:
         dist.destroy_process_group()
 

@@ -493,6 +493,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = _qlora_for_fsdp()
@@ -508,6 +509,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         kinds = {n: type(p).__name__ for n, p in wq.named_parameters()}
         if rank == 0:
             torch.save((loss.detach(), grads, kinds), out)
+        # Every rank's queued collectives (FSDP's asynchronous reduce-scatters) finish before the
+        # group is torn down: destroying gloo with work in flight aborts the process.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
