@@ -199,6 +199,7 @@ def evaluate(
     batch_size: int,
     device: torch.device,
     doc_mask: bool,
+    env: dist_.DistEnv | None = None,
 ) -> dict[str, float]:
     """Mean loss per target token (and its perplexity) over every row of `data`.
 
@@ -206,20 +207,34 @@ def evaluate(
     gradients on, so calling them under no_grad would compile them a second time, and a short
     last batch a third. Eager gives the same loss (the numerics contract), and without autograd
     nothing is kept for a backward.
+
+    Under FSDP the rows are split over the ranks as training batches are (each global batch of
+    world x batch_size rows, each rank its slice), and the sums are added up at the end. Every
+    rank runs the same number of forwards (FSDP's gathers are collectives): a rank whose slice
+    of the last global batch is empty runs one row with no targets.
     """
+    rank, world = (env.rank, env.world) if env is not None else (0, 1)
     head = LossHead(model.output, loss_kind)  # shares the weight; the eager form of the head
     total = torch.zeros((), device=device, dtype=torch.float32)
     n_targets = 0
     model.eval()
     try:
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            for batch in eval_batches(data, batch_size):
-                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                total += head(forward_hidden(model, batch, doc_mask), batch["targets"])
-                n_targets += int((batch["targets"] != IGNORE_INDEX).sum())
+            for batch in eval_batches(data, batch_size * world):
+                mine = {k: v[rank * batch_size : (rank + 1) * batch_size] for k, v in batch.items()}
+                if mine["inputs"].shape[0] == 0:
+                    mine = {k: v[:1] for k, v in batch.items()}
+                    mine["targets"] = torch.full_like(mine["targets"], IGNORE_INDEX)
+                mine = {k: v.to(device, non_blocking=True) for k, v in mine.items()}
+                total += head(forward_hidden(model, mine, doc_mask), mine["targets"])
+                n_targets += int((mine["targets"] != IGNORE_INDEX).sum())
     finally:
         model.train()
-    loss = total.item() / n_targets
+    loss_sum = total.item()
+    if env is not None:
+        loss_sum, n_targets = dist_.all_reduce_sum([loss_sum, n_targets], device)
+        n_targets = int(n_targets)
+    loss = loss_sum / n_targets
     return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_targets": n_targets}
 
 
@@ -654,7 +669,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
             if eval_set is not None and (at_end or (cfg.eval_every and step % cfg.eval_every == 0)):
                 t_eval = time.perf_counter()
                 last_eval = evaluate(
-                    model, eval_set, cfg.loss, cfg.batch_size, device, cfg.doc_mask
+                    model, eval_set, cfg.loss, cfg.batch_size, device, cfg.doc_mask, env
                 )
                 eval_seconds += time.perf_counter() - t_eval
                 record.update(last_eval)  # eval_loss, eval_ppl, eval_targets on this step's line
