@@ -66,6 +66,7 @@ def run_train(
     allow_failure: bool = False,
     remove_output: bool = False,
     processes: int = 0,
+    doc_mask: bool = False,
 ) -> dict[str, Any]:
     """One `compiletune train` process with its own Inductor cache folder; returns the run's
     summary.json plus `step_times`, `tokens_per_step`, `step_peak_mem_gib` (the peak after
@@ -78,6 +79,9 @@ def run_train(
     `remove_output` deletes the run folder once read: the final checkpoint of a large model
     (weights and optimizer state) would otherwise fill the disk over a bench's runs.
     `processes` > 0 launches that many ranks with torchrun (add --fsdp to `args`).
+    `doc_mask`: keep the trainer's default document masking; off (plain causal attention over
+    the packed rows), the benches measure what their committed baselines measured before
+    document masking became the default, and what transformers trains in bench/peers.py.
     """
     out = workdir / f"run{len(list(workdir.iterdir()))}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
@@ -88,7 +92,8 @@ def run_train(
             port = s.getsockname()[1]
         launch += ["torch.distributed.run", f"--nproc-per-node={processes}"]
         launch += [f"--master-port={port}", "-m"]
-    cmd = [*launch, "compiletune", "train", *args, "--output-dir", str(out)]
+    mask = [] if doc_mask else ["--no-doc-mask"]
+    cmd = [*launch, "compiletune", "train", *args, *mask, "--output-dir", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         if not allow_failure:

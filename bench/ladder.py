@@ -85,7 +85,7 @@ def run_rung(
     args += ["--max-steps", str(a.steps), "--dtype", a.dtype, *flags]
     if a.n_layers:
         args += ["--n-layers", str(a.n_layers)]
-    s = run_train(args, cache, work, allow_failure=True, remove_output=True)
+    s = run_train(args, cache, work, allow_failure=True, remove_output=True, doc_mask=True)
     if "error" in s:
         return s
     row = steady_state(s["step_times"], s["tokens_per_step"])

@@ -135,9 +135,9 @@ def run_hf(peer: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def run_compiletune(flags: list[str], a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    # The transformers side trains plain causal attention over packed rows; compiletune masks
-    # documents by default, a different objective: off here, so both train the same thing.
-    args = [*shape_args(a), "--max-steps", str(a.steps), "--no-doc-mask", *flags]
+    # run_train turns document masking off: the transformers side trains plain causal
+    # attention over the packed rows, so both train the same thing.
+    args = [*shape_args(a), "--max-steps", str(a.steps), *flags]
     cache = tempfile.mkdtemp(prefix="inductor-", dir=work)
     s = run_train(args, cache, work, allow_failure=True, remove_output=True)
     if "error" in s:
