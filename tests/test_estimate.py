@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo import free_port, join_gloo
 
 from compiletune import estimate
 from compiletune.cli import main
@@ -95,9 +95,8 @@ def test_sharding_divides_the_state_and_leaves_no_process_group() -> None:
 
 
 def _gloo_rank(rank: int, port: int, flags: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["COMPILETUNE_LCE_EAGER"] = "1"
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, 2, port)
     try:
         peak = estimate.measure_cpu_step(resolve({}, flags), 2)
         if rank == 0:
@@ -111,9 +110,7 @@ def _gloo_rank(rank: int, port: int, flags: dict, queue) -> None:
 def test_fake_world_of_two_matches_gloo_world_of_two() -> None:
     flags = {**SMALL, "fsdp": True, "loss": "fused"}
     est = estimate.estimate_memory(resolve({}, flags), 2, round_bytes=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_gloo_rank, args=(port, flags, queue), nprocs=2, start_method="spawn")
     real = queue.get()

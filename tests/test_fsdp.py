@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
+from gloo import free_port, join_gloo
 from safetensors.torch import load_file
 
 from compiletune.checkpoint import check_resumable, convert_to_hf
@@ -38,12 +38,6 @@ TEXT = "\n".join(
     f"Row {i}: a packed line of text about sharding, number {i * 11 % 17}." for i in range(300)
 )
 BASE = {"seq_len": 32, "batch_size": 2, "max_steps": 3, "n_layers": 2, "lr": 3e-3}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -144,7 +138,7 @@ def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> Non
 
     def torchrun(out: Path, *extra: str) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-        cmd += ["--master-port", str(_port()), "-m", "compiletune", "train", "--fsdp"]
+        cmd += ["--master-port", str(free_port()), "-m", "compiletune", "train", "--fsdp"]
         for key, value in flags.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         cmd += ["--save-every", "2", "--output-dir", str(out), *extra]
@@ -235,16 +229,8 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
 
 
 def _variant_worker(rank: int, port: int, tmp: str, corpus: str, tied_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-    )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_gloo(rank, 2, port)
     try:
         for name, (flags, _) in _variants(Path(tmp), corpus, tied_dir).items():
             cfg = resolve({}, {**flags, "fsdp": True, "output_dir": f"{tmp}/{name}"})
@@ -269,7 +255,7 @@ def test_fsdp_variants_match_one_process(tmp_path: Path) -> None:
 
     mp.spawn(
         _variant_worker,
-        args=(_port(), str(tmp_path), str(corpus), str(tied_dir)),
+        args=(free_port(), str(tmp_path), str(corpus), str(tied_dir)),
         nprocs=2,
     )
     references: dict[str, list[float]] = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from gloo import free_port, join_gloo
 from safetensors.torch import load_file
 
 from compiletune import lora as lora_io
@@ -487,14 +488,12 @@ def _qlora_for_fsdp() -> torch.nn.Module:
 
 
 def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
-    import os
 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     try:
         model = _qlora_for_fsdp()
         head = LossHead(model.output, "plain")
@@ -518,13 +517,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_shards_frozen_nf4_and_adapters_in_one_unit(tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "rank0.pt")
     mp.start_processes(_fsdp_worker, args=(2, port, out), nprocs=2, start_method="spawn")
     loss, grads, kinds = torch.load(out)
@@ -553,20 +548,11 @@ def _fsdp_runs(tmp: str, corpus: str, model_dir: str) -> dict[str, dict]:
 
 
 def _lora_fsdp_worker(rank: int, port: int, tmp: str, corpus: str, model_dir: str) -> None:
-    import os
 
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-    )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_gloo(rank, 2, port)
     try:
         runs = _fsdp_runs(tmp, corpus, model_dir)
         for name, flags in runs.items():
@@ -591,13 +577,9 @@ def test_fsdp_lora_and_qlora_match_one_process_resume_and_export(tmp_path, corpu
     preset give the same losses; the sharded run's adapter folder is the single-process one
     (and loads in peft); the merged folder matches; a resume from the sharded step_2
     reproduces the run."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_lora_fsdp_worker, args=(port, str(tmp_path), corpus, model_dir), nprocs=2)
     for name, flags in _fsdp_runs(str(tmp_path), corpus, model_dir).items():
         flags = {k: v for k, v in flags.items() if k != "save_every"}

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import os
-import socket
 from collections.abc import Callable
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo import free_port, join_gloo
 
 from compiletune.data import Batches, load_examples, pack
 from compiletune.errors import UserError
@@ -355,8 +354,7 @@ def test_adamw8bit_follows_adamw_on_debug_preset() -> None:
 
 
 def _fsdp_worker(rank: int, world: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     torch.set_num_threads(1)
     from torch.distributed.fsdp import fully_shard
 
@@ -407,9 +405,7 @@ def test_fsdp2_in_backward() -> None:
     saved in backward resumes in the ordinary step with identical weights."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_fsdp_worker, args=(2, port, results), nprocs=2)
