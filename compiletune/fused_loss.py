@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from compiletune import torch_internals
 from compiletune.errors import UserError
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk of fp32 logits
@@ -111,7 +112,9 @@ def _maybe_compiled(fn: Callable) -> Callable:
     if _compile_failed or os.environ.get("COMPILETUNE_LCE_EAGER") == "1":
         return fn
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        # Chunks vary in size (the last is short): the CPU kernels thread by the size they get.
+        options = torch_internals.dynamic_cpu_kernel_options() or None
+        _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
     compiled = _compiled[fn]
 
     def run(*args):

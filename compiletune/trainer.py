@@ -468,12 +468,21 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     regions = None
     policy = parse_ac(cfg.ac, cfg.ac_every)
     if cfg.compile:
+        # On a CPU the device memory is host memory: offloading would copy every saved
+        # activation into a second buffer of the same memory and back, for nothing.
+        offload = cfg.offload_activations and device.type != "cpu"
+        if cfg.offload_activations and not offload and main:
+            print(
+                "--offload-activations: training on the CPU, where activations already live in "
+                "host memory; nothing to offload, the flag is ignored",
+                flush=True,
+            )
         opts = CompileOptions(
             backend=cfg.compile_backend,
             loss=cfg.loss,
             dump=cfg.dump_graphs is not None,
             ac=policy,
-            offload=cfg.offload_activations,
+            offload=offload,
         )
         regions = compile_regions(model, head, opts)
     elif policy.kind != "none":

@@ -21,6 +21,7 @@ from compiletune.models import ModelArgs, Transformer, build_model, from_name
 from compiletune.optim import (
     BLOCK,
     Optimizer,
+    adamw8bit_update_,
     adamw_update_,
     check_optimizer_flags,
     dequantize_exp_avg,
@@ -312,6 +313,58 @@ def test_compiled_step_matches_eager() -> None:
         assert opt._update.compiled is not None, "compiling fell back to eager"
         for p, q in zip(model.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p, q, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,compensation", [(torch.float32, "none"), (torch.bfloat16, "kahan")])
+def test_adamw8bit_chunks_and_partial_block_match_one_padded_step(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, compensation: str
+) -> None:
+    """The own 8-bit step cuts a parameter into chunks of whole blocks and pads only its last
+    partial block: the result equals one step over the whole parameter zero-padded to blocks."""
+    monkeypatch.setattr("compiletune.optim._CHUNK_BLOCKS", 2)  # chunks of 512: 512 + 256 + 37
+    n = 3 * BLOCK + 37
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n, generator=g).to(dtype))
+    opt = Optimizer(
+        [("w", p)],
+        kind="adamw8bit",
+        lr=1e-2,
+        weight_decay=0.1,
+        device=CPU,
+        compile_step=False,
+        bf16_compensation=compensation,
+    )
+    ref = torch.nn.functional.pad(p.detach().clone(), (0, BLOCK - 37)).view(4, BLOCK)
+    state = [torch.zeros(4, BLOCK, dtype=torch.int8), torch.zeros(4)]
+    state += [torch.zeros(4, BLOCK, dtype=torch.uint8), torch.zeros(4)]
+    comp = torch.zeros_like(ref) if compensation == "kahan" else None
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=g).to(dtype)
+        p.grad = grad.clone()
+        opt.step()
+        opt.zero_grad()
+        padded = torch.nn.functional.pad(grad, (0, BLOCK - 37)).view(4, BLOCK)
+        adamw8bit_update_(
+            ref,
+            padded,
+            *state,
+            torch.tensor(float(step)),
+            torch.tensor(1e-2),
+            comp,
+            None,
+            0.9,
+            0.95,
+            1e-8,
+            0.1,
+        )
+        assert torch.equal(p.detach(), ref.view(-1)[:n]), f"step {step}"
+    st = opt._state[0]
+    assert torch.equal(st["exp_avg_codes"], state[0]) and torch.equal(
+        st["exp_avg_scales"], state[1]
+    )
+    assert torch.equal(st["exp_avg_sq_codes"], state[2])
+    if comp is not None:
+        assert torch.equal(st["kahan"], comp.view(-1)[:n])
 
 
 @pytest.mark.slow
