@@ -1,7 +1,7 @@
 """The technique ladder: one model, compiletune's techniques added one at a time, each rung a
 `compiletune train` run in its own process; steady-state tokens/s and peak memory per rung.
 
-    python bench/ladder.py                          # CPU: llama3_150m, seq 1024, fp32
+    python bench/ladder.py                          # CPU: llama3_150m, seq 1024, bf16 (--dtype fp32)
     python bench/ladder.py                          # GPU: llama3_2_1b and llama3_1_8b, seq 2048, bf16
     python bench/ladder.py --n-layers 4 --steps 4   # fewer layers to fit CPU time
     python bench/ladder.py --rungs eager "+ compile"
@@ -178,7 +178,7 @@ def main() -> None:
     p.add_argument("--n-layers", type=int, default=None, help="fewer layers to fit CPU time")
     p.add_argument("--seq-len", type=int, default=2048 if gpu else 1024)
     p.add_argument("--batch-size", type=int, default=4 if gpu else 1)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16" if gpu else "fp32")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one compiles")
     p.add_argument("--rungs", nargs="+", default=[name for name, _ in RUNGS + LORA_ROWS])
     p.add_argument(

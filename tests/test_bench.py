@@ -28,6 +28,7 @@ def _load(name: str):
 regress = _load("regress")
 ladder = _load("ladder")
 peers = _load("peers")
+common = _load("common")
 
 
 def ladder_result(**overrides) -> dict:
@@ -200,3 +201,38 @@ def test_peers_headline_against_the_best_transformers_row_per_measure():
     assert h["memory_vs_best_transformers"] == pytest.approx(0.5)
     assert h["speed_vs_fastest_transformers"] == pytest.approx(1.6)
     assert h["targets_met"] == {"memory": True, "speed": True}
+    assert "speed_vs_transformers_compile" not in h  # the compile row failed
+
+
+def test_peers_compile_row_is_shown_beside_the_targets_not_in_them():
+    rows = [
+        {"framework": "transformers", "config": "eager", "tokens_per_s": 100.0, "peak_mem_gib": 6},
+        {
+            "framework": "transformers",
+            "config": "compile",
+            "tokens_per_s": 200.0,
+            "peak_mem_gib": 4,
+        },
+        {"framework": "compiletune", "config": "full", "tokens_per_s": 160.0, "peak_mem_gib": 3},
+    ]
+    h = peers.add_ratios(rows)
+    assert h["fastest_transformers"] == h["leanest_transformers"] == "eager"
+    assert h["speed_vs_fastest_transformers"] == pytest.approx(1.6)
+    assert h["speed_vs_transformers_compile"] == pytest.approx(0.8)
+    assert h["memory_vs_transformers_compile"] == pytest.approx(0.75)
+    assert rows[1]["speed_vs_fastest_transformers"] == pytest.approx(2.0)
+
+
+def test_best_of_repeats_keeps_the_fastest_run_and_the_median_peak():
+    runs = [
+        {"tokens_per_s": 90.0, "peak_mem_gib": 2.0, "step_spread": 0.3},
+        {"tokens_per_s": 120.0, "peak_mem_gib": 2.6, "step_spread": 0.1},
+        {"error": "out of memory"},
+        {"tokens_per_s": 100.0, "peak_mem_gib": 2.2, "step_spread": 0.2},
+    ]
+    row = common.best_of_repeats(runs)
+    assert row["tokens_per_s"] == 120.0 and row["step_spread"] == 0.1
+    assert row["peak_mem_gib"] == pytest.approx(2.2)
+    assert row["repeat_tokens_per_s"] == [90.0, 120.0, None, 100.0]
+    assert common.best_of_repeats([{"error": "x"}]) == {"error": "x"}
+    assert "repeat_tokens_per_s" not in common.best_of_repeats(runs[:1])
