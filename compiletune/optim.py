@@ -14,8 +14,10 @@ Kinds and how a step runs:
                 kernel cannot round the parameter update our way), the step is our own
                 compiled function (`adamw_update_`), one fused kernel per parameter.
     adamw8bit   AdamW whose two moments live in 8 bits with one fp32 scale per block of
-                `BLOCK` values (see `quantize_exp_avg`); our own compiled step, per parameter:
-                decode, update, re-encode and write the weight in one pass over memory.
+                `BLOCK` values (see `quantize_exp_avg`); our own compiled step, per parameter
+                chunk of whole blocks: decode, update, re-encode and write the weight in two
+                passes over memory (block maxima, then codes and weights). On a 2-core CPU it
+                costs ~3 ns per value in bf16, against ~0.9 for torch's fused AdamW.
 
 `in_backward=True` registers a post-accumulate-grad hook on every parameter (under FSDP2: on
 every sharded parameter, which FSDP2 calls after its reduce-scatter) that steps that parameter
