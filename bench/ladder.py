@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     bench_out,
+    best_of_repeats,
     device_name,
     mfu,
     model_flops_per_token,
@@ -182,6 +183,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one compiles")
     p.add_argument("--rungs", nargs="+", default=[name for name, _ in RUNGS + LORA_ROWS])
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per rung, taken in turn; each row keeps its fastest (the median peak)",
+    )
+    p.add_argument(
         "--merge",
         action="store_true",
         help="keep the other rungs of the result at --out (same shape) and replace these",
@@ -218,7 +225,7 @@ def main() -> None:
     models = [*previous.keys() - set(a.models), *a.models]
     # The arguments that reproduce the whole result (bench/regress.py reruns with them).
     argv = ["--models", *models, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size)]
-    argv += ["--dtype", a.dtype, "--steps", str(a.steps)]
+    argv += ["--dtype", a.dtype, "--steps", str(a.steps), "--repeats", str(a.repeats)]
     argv += ["--n-layers", str(a.n_layers)] if a.n_layers else []
     result = {
         **result_header(),
@@ -230,7 +237,8 @@ def main() -> None:
             if gpu
             else "process peak RSS after the last step (Python, libraries and data included)"
         ),
-        "tokens_per_s": "median over the steps after the first",
+        "tokens_per_s": "median over the steps after the first (the fastest of --repeats runs)",
+        "repeats": a.repeats,
         "models": [],
     }
     for model in models:
@@ -240,21 +248,29 @@ def main() -> None:
         flops = model_flops_per_token(args, a.seq_len)
         cache = tempfile.mkdtemp(prefix="inductor-cache-", dir=work)
         by_name = {r["rung"]: r for r in previous.get(model, [])}
-        for name, flags in rows_known:
-            if model not in a.models or name not in a.rungs:
-                continue
-            row: dict[str, Any] = {"rung": name, "flags": flags, "commit": result["commit"]}
-            missing = missing_flags(flags, known)
-            if missing:
-                row["skipped"] = f"compiletune train has no {' '.join(missing)} yet"
-            else:
-                row.update(run_rung(model, flags, a, cache, work))
-                if "tokens_per_s" in row:
-                    row["mfu"] = mfu(row["tokens_per_s"], flops)
-            # Other work on the machine shows up as noise; the load says how much there was.
-            row["load_1m"] = os.getloadavg()[0]
+        todo = [(n, f) for n, f in rows_known if model in a.models and n in a.rungs]
+        # Repeats take the rungs in turn, so a slow spell of the machine hits them alike.
+        runs_of: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in todo}
+        for repeat in range(a.repeats):
+            for name, flags in todo:
+                row: dict[str, Any] = {"rung": name, "flags": flags, "commit": result["commit"]}
+                missing = missing_flags(flags, known)
+                if missing:
+                    row["skipped"] = f"compiletune train has no {' '.join(missing)} yet"
+                elif repeat == 0 or any("tokens_per_s" in r for r in runs_of[name]):
+                    row.update(run_rung(model, flags, a, cache, work))
+                else:
+                    continue  # failed (e.g. out of memory) the first time: not again
+                # Other work on the machine shows up as noise; the load says how much there was.
+                row["load_1m"] = os.getloadavg()[0]
+                runs_of[name].append(row)
+                shown = {k: v for k, v in row.items() if k not in ("flags", "step_times")}
+                print(f"repeat {repeat + 1}/{a.repeats}", shown, flush=True)
+        for name, _ in todo:
+            row = best_of_repeats(runs_of[name])
+            if "tokens_per_s" in row:
+                row["mfu"] = mfu(row["tokens_per_s"], flops)
             by_name[name] = row
-            print({k: v for k, v in row.items() if k not in ("flags", "step_times")}, flush=True)
         rows = [by_name[name] for name, _ in rows_known if name in by_name]
         add_ratios(rows)
         result["models"].append(
