@@ -290,8 +290,10 @@ def linear_cross_entropy_backward_op(
     dev, f32 = h.device, torch.float32
     need_dbias = need_dweight and bias is not None
     dh = torch.zeros(h.shape, dtype=h.dtype, device=dev) if need_dh else h.new_empty(0)
+    # Not zeroed here: chunks over vocabulary columns write every row of it; the paths that
+    # accumulate into it or skip the chunks zero it first.
     dw = (
-        torch.zeros(weight.shape, dtype=weight.dtype, device=dev)
+        torch.empty(weight.shape, dtype=weight.dtype, device=dev)
         if need_dweight
         else h.new_empty(0)
     )
@@ -299,7 +301,7 @@ def linear_cross_entropy_backward_op(
     rows = _valid_rows(targets, ignore_index)
     n = rows.numel()
     if n == 0 or not (need_dh or need_dweight):
-        return dh, dw, db
+        return dh, dw.zero_(), db
     all_valid = n == n_tokens
     hv = h if all_valid else h.index_select(0, rows)  # [n, d]
     tv = (targets if all_valid else targets.index_select(0, rows)).contiguous()
@@ -322,7 +324,7 @@ def linear_cross_entropy_backward_op(
     if not _chunk_vocab(n, vocab, d_model, weight.dtype, need_dh, need_dweight):
         # Chunks of tokens: logits [c, V]; dh rows are final per chunk, dweight accumulates.
         dw_acc = (
-            (dw if wide else torch.zeros(weight.shape, dtype=f32, device=dev))
+            (dw.zero_() if wide else torch.zeros(weight.shape, dtype=f32, device=dev))
             if need_dweight
             else None
         )
