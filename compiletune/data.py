@@ -346,19 +346,28 @@ def eval_batches(data: PackedData, batch_size: int) -> Iterator[dict[str, torch.
 # ----------------------------------------------------------------------------- packing
 
 
-def pack(examples: list[Example], seq_len: int, source: str = "the data") -> PackedData:
+def pack(
+    examples: list[Example], seq_len: int, source: str = "the data", keep_tail: bool = False
+) -> PackedData:
     """Concatenate `examples` into one token stream and cut it into training rows.
 
     Row r covers stream tokens [r*L, r*L + L] (L + 1 tokens, L = seq_len): inputs are the first
     L, targets the last L where they are targets of the same document and IGNORE_INDEX
-    elsewhere, so consecutive rows share one token and no token is lost. The tail that does not fill a row is dropped, and so
-    is any row without a single target. `source` names the data in error messages.
+    elsewhere, so consecutive rows share one token and no token is lost. The tail that does not
+    fill a row is dropped (training), or with `keep_tail` (evaluation: every held-out target
+    counts) padded to a last row with token 0 in a document of its own, never a target; causal
+    attention keeps the padding out of every real token's logits. Any row without a single
+    target is dropped. `source` names the data in error messages.
     """
     if seq_len < 1:
         raise UserError(f"seq-len must be at least 1, got {seq_len}; pass a positive --seq-len")
     lengths = [len(e.ids) for e in examples]
     n = sum(lengths)
     rows = (n - 1) // seq_len if n > 0 else 0
+    pad = 0
+    if keep_tail and n > 1 and (n - 1) % seq_len:
+        rows += 1
+        pad = rows * seq_len + 1 - n
     if rows == 0:
         raise UserError(
             f"{source} has {n} tokens; seq-len {seq_len} needs at least {seq_len + 1}; "
@@ -369,11 +378,13 @@ def pack(examples: list[Example], seq_len: int, source: str = "the data") -> Pac
     for e in examples:
         ids_buffer.fromlist(e.ids)
         target_buffer.fromlist(e.is_target)
-    stream = torch.frombuffer(ids_buffer, dtype=torch.int64).clone()  # [n]
-    stream_is_target = torch.frombuffer(target_buffer, dtype=torch.int8).bool()  # [n]
-    # Document index of every stream token: [n]
+    ids_buffer.fromlist([0] * pad)
+    target_buffer.fromlist([0] * pad)
+    stream = torch.frombuffer(ids_buffer, dtype=torch.int64).clone()  # [n + pad]
+    stream_is_target = torch.frombuffer(target_buffer, dtype=torch.int8).bool()  # [n + pad]
+    # Document index of every stream token (the padding is a document of its own): [n + pad]
     stream_doc = torch.repeat_interleave(
-        torch.arange(len(examples)), torch.tensor(lengths, dtype=torch.long)
+        torch.arange(len(examples) + 1), torch.tensor([*lengths, pad], dtype=torch.long)
     )
     end = rows * seq_len
     inputs = stream[:end].view(rows, seq_len)

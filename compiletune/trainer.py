@@ -413,7 +413,9 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         held_out = load_examples(cfg.eval_data, tokenizer)
         held_out_name = f"--eval-data {cfg.eval_data}"
     data = pack(examples, cfg.seq_len, source=cfg.data)
-    eval_set = pack(held_out, cfg.seq_len, source=held_out_name) if held_out else None
+    eval_set = (
+        pack(held_out, cfg.seq_len, source=held_out_name, keep_tail=True) if held_out else None
+    )
     if cfg.doc_mask is None:
         # Document masking is the default wherever a row holds more than one example: without
         # it an example attends to the unrelated text packed before it, which it never sees at

@@ -273,6 +273,27 @@ def test_pack_small_by_hand():
     assert data.doc_ids.dtype == torch.int32
 
 
+def test_pack_keep_tail_pads_a_last_row_and_loses_no_target():
+    examples = [
+        Example([1, 2, 3], [False, True, True]),
+        Example([4, 5], [False, True]),
+        Example([6, 7, 8, 9], [False, True, True, True]),
+    ]
+    # 9 tokens, seq 3: 2 full rows, the tail 7 8 9 padded with one token into a third.
+    data = pack(examples, 3, keep_tail=True)
+    assert data.inputs.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert data.targets.tolist()[2] == [8, 9, IGNORE_INDEX]
+    assert int((data.targets != IGNORE_INDEX).sum()) == 6  # every target: 2 + 1 + 3
+    assert int((pack(examples, 3).targets != IGNORE_INDEX).sum()) == 4  # without: 8, 9 lost
+    # A stream that fills its rows exactly gets no padded row.
+    assert pack(examples, 4, keep_tail=True).inputs.tolist() == pack(examples, 4).inputs.tolist()
+    # 7 tokens, seq 5: the padding is a document of its own and never a target.
+    data = pack(examples[:1] + examples[2:], 5, keep_tail=True)
+    assert data.inputs.tolist() == [[1, 2, 3, 6, 7], [8, 9, 0, 0, 0]]
+    assert data.targets.tolist()[1] == [9] + [IGNORE_INDEX] * 4
+    assert data.doc_ids.tolist()[1] == [0, 0, 1, 1, 1]
+
+
 def test_pack_drops_rows_without_targets():
     examples = [
         Example([1, 2, 3, 4, 5], [False, True, True, False, False]),
