@@ -196,6 +196,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="default bench/results/ladder-<device>.json")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args()
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
     rows_known = RUNGS + LORA_ROWS
     unknown = set(a.rungs) - {name for name, _ in rows_known}
     if unknown:
@@ -255,6 +257,8 @@ def main() -> None:
             for name, flags in todo:
                 row: dict[str, Any] = {"rung": name, "flags": flags, "commit": result["commit"]}
                 missing = missing_flags(flags, known)
+                if missing and repeat > 0:
+                    continue
                 if missing:
                     row["skipped"] = f"compiletune train has no {' '.join(missing)} yet"
                 elif repeat == 0 or any("tokens_per_s" in r for r in runs_of[name]):

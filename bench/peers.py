@@ -171,19 +171,21 @@ def add_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     checkpointing: the peers the targets name) per measure, and against transformers +
     torch.compile where that row ran; returns the headline ratios."""
     hf = [r for r in rows if r["framework"] == "transformers" and "tokens_per_s" in r]
-    own = [r for r in hf if r["config"] in TARGET_PEERS]
-    if not own:
-        return {}
-    leanest = min(own, key=lambda r: r["peak_mem_gib"])
-    fastest = max(own, key=lambda r: r["tokens_per_s"])
     compiled = next((r for r in hf if r["config"] == "compile"), None)
+    own = [r for r in hf if r["config"] in TARGET_PEERS]
+    leanest = min(own, key=lambda r: r["peak_mem_gib"]) if own else None
+    fastest = max(own, key=lambda r: r["tokens_per_s"]) if own else None
     for r in rows:
-        if "tokens_per_s" in r:
+        if "tokens_per_s" not in r:
+            continue
+        if compiled is not None:
+            r["mem_vs_transformers_compile"] = r["peak_mem_gib"] / compiled["peak_mem_gib"]
+            r["speed_vs_transformers_compile"] = r["tokens_per_s"] / compiled["tokens_per_s"]
+        if leanest is not None and fastest is not None:
             r["mem_vs_best_transformers"] = r["peak_mem_gib"] / leanest["peak_mem_gib"]
             r["speed_vs_fastest_transformers"] = r["tokens_per_s"] / fastest["tokens_per_s"]
-            if compiled is not None:
-                r["mem_vs_transformers_compile"] = r["peak_mem_gib"] / compiled["peak_mem_gib"]
-                r["speed_vs_transformers_compile"] = r["tokens_per_s"] / compiled["tokens_per_s"]
+    if leanest is None or fastest is None:  # neither eager nor checkpointing ran
+        return {}
     full = rows[-1]
     if full["framework"] != "compiletune" or "tokens_per_s" not in full:
         return {}
@@ -208,6 +210,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return headline
 
 
+def _ratio(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else ""
+
+
 def markdown(result: dict[str, Any]) -> str:
     gpu = result["device"] != "cpu"
     head = ["framework", "configuration", "tokens/s", "vs fastest transformers", "peak GiB"]
@@ -229,9 +235,9 @@ def markdown(result: dict[str, Any]) -> str:
             r["framework"],
             r["config"],
             f"{r['tokens_per_s']:.0f}",
-            f"{r['speed_vs_fastest_transformers']:.2f}x",
+            _ratio(r, "speed_vs_fastest_transformers"),
             f"{r['peak_mem_gib']:.2f}",
-            f"{r['mem_vs_best_transformers']:.2f}x",
+            _ratio(r, "mem_vs_best_transformers"),
             f"{r['best_tokens_per_s']:.0f}",
             f"{r['step_spread']:.0%}",
             f"{r['load_1m']:.1f}",
@@ -282,6 +288,8 @@ def main() -> None:
     p.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
     if a.child:
         Path(a.child_out).write_text(json.dumps(hf_train(a.child, a)))
         return
@@ -304,6 +312,8 @@ def main() -> None:
     runs_of: list[list[dict[str, Any]]] = [[] for _ in runs]
     for repeat in range(a.repeats):
         for (framework, config, run), done in zip(runs, runs_of, strict=True):
+            if done and not any("tokens_per_s" in r for r in done):
+                continue  # failed (e.g. out of memory) the first time: not again
             row = {"framework": framework, "config": config, **run()}
             row["load_1m"] = os.getloadavg()[0]  # other work on the machine shows up as noise
             done.append(row)

@@ -223,6 +223,44 @@ def test_peers_compile_row_is_shown_beside_the_targets_not_in_them():
     assert rows[1]["speed_vs_fastest_transformers"] == pytest.approx(2.0)
 
 
+def test_peers_without_eager_or_checkpointing_still_reports():
+    """Only the compile row ran (asked so, or the others ran out of memory): no headline, the
+    compile ratios, and a table that renders."""
+    rows = [
+        {"framework": "transformers", "config": "eager", "error": "out of memory"},
+        {
+            "framework": "transformers",
+            "config": "compile",
+            "tokens_per_s": 200.0,
+            "peak_mem_gib": 4,
+        },
+        {"framework": "compiletune", "config": "full", "tokens_per_s": 160.0, "peak_mem_gib": 3},
+    ]
+    assert peers.add_ratios(rows) == {}
+    assert rows[2]["speed_vs_transformers_compile"] == pytest.approx(0.8)
+    result = {
+        "device": "cpu",
+        "model": "m",
+        "params_m": 1.0,
+        "n_layers": 1,
+        "seq_len": 8,
+        "batch_size": 1,
+        "dtype": "bf16",
+        "torch": "t",
+        "transformers": "t",
+        "commit": "c",
+        "rows": [
+            {**r, "best_tokens_per_s": 1.0, "step_spread": 0.1, "load_1m": 1.0}
+            if "tokens_per_s" in r
+            else r
+            for r in rows
+        ],
+        "headline": {},
+    }
+    table = peers.markdown(result)
+    assert "out of memory" in table and "| compiletune | full | 160 |" in table
+
+
 def test_best_of_repeats_keeps_the_fastest_run_and_the_median_peak():
     runs = [
         {"tokens_per_s": 90.0, "peak_mem_gib": 2.0, "step_spread": 0.3},
