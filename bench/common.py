@@ -134,6 +134,11 @@ def steady_state(step_times: list[float], tokens_per_step: int) -> dict[str, Any
     }
 
 
+def ratio_cell(row: dict[str, Any], key: str) -> str:
+    """A ratio of a row as a markdown table cell ("0.84x"), empty where the row has none."""
+    return f"{row[key]:.2f}x" if key in row else ""
+
+
 def best_of_repeats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One configuration run several times (`--repeats`, the runs of all configurations taken in
     turn) -> one row: the repeat with the highest steady-state tokens/s, since work from outside

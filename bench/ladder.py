@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     device_name,
     mfu,
     model_flops_per_token,
+    ratio_cell,
     result_header,
     run_train,
     steady_state,
@@ -113,10 +114,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r["mem_vs_eager"] = r["peak_mem_gib"] / base["peak_mem_gib"]
 
 
-def _ratio(row: dict[str, Any], key: str) -> str:
-    return f"{row[key]:.2f}x" if key in row else ""
-
-
 def markdown(result: dict[str, Any]) -> str:
     gpu = result["device"] != "cpu"
     head = ["rung", "tokens/s", "vs prev", "vs eager", "peak GiB", "vs prev", "vs eager"]
@@ -137,11 +134,11 @@ def markdown(result: dict[str, Any]) -> str:
             cells = [
                 r["rung"],
                 f"{r['tokens_per_s']:.0f}",
-                _ratio(r, "speed_vs_prev"),
-                _ratio(r, "speed_vs_eager"),
+                ratio_cell(r, "speed_vs_prev"),
+                ratio_cell(r, "speed_vs_eager"),
                 f"{r['peak_mem_gib']:.2f}",
-                _ratio(r, "mem_vs_prev"),
-                _ratio(r, "mem_vs_eager"),
+                ratio_cell(r, "mem_vs_prev"),
+                ratio_cell(r, "mem_vs_eager"),
                 f"{r['best_tokens_per_s']:.0f}",
                 f"{r['step_spread']:.0%}",
                 f"{r['load_1m']:.1f}",

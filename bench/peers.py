@@ -53,6 +53,7 @@ from common import (  # noqa: E402
     failure_reason,
     mfu,
     model_flops_per_token,
+    ratio_cell,
     result_header,
     run_train,
     steady_state,
@@ -210,10 +211,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return headline
 
 
-def _ratio(row: dict[str, Any], key: str) -> str:
-    return f"{row[key]:.2f}x" if key in row else ""
-
-
 def markdown(result: dict[str, Any]) -> str:
     gpu = result["device"] != "cpu"
     head = ["framework", "configuration", "tokens/s", "vs fastest transformers", "peak GiB"]
@@ -235,9 +232,9 @@ def markdown(result: dict[str, Any]) -> str:
             r["framework"],
             r["config"],
             f"{r['tokens_per_s']:.0f}",
-            _ratio(r, "speed_vs_fastest_transformers"),
+            ratio_cell(r, "speed_vs_fastest_transformers"),
             f"{r['peak_mem_gib']:.2f}",
-            _ratio(r, "mem_vs_best_transformers"),
+            ratio_cell(r, "mem_vs_best_transformers"),
             f"{r['best_tokens_per_s']:.0f}",
             f"{r['step_spread']:.0%}",
             f"{r['load_1m']:.1f}",

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import torch
+from tiny_run import tiny_run
 
 from compiletune.activation import parse_ac
 from compiletune.cli import main
 from compiletune.compile import CompileOptions, compile_regions
-from compiletune.config import resolve
 from compiletune.loss import LossHead
 from compiletune.models import PRESETS, build_model, from_name
 from compiletune.models.attention import doc_segments
-from compiletune.trainer import train
 
 VOCAB = 97
 
@@ -139,9 +138,7 @@ def write_corpus(path, n_docs: int = 120) -> str:
 
 
 def run(tmp_path, data, name, **overrides):
-    values = {"data": data, "seq_len": 64, "batch_size": 2, "max_steps": 3}
-    values |= {"output_dir": str(tmp_path / name), **overrides}
-    return train(resolve({}, values))
+    return tiny_run(tmp_path, data, name, **{"seq_len": 64, "max_steps": 3, **overrides})
 
 
 def test_doc_mask_default_on_when_rows_pack_several_examples(tmp_path):

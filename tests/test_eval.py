@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny_run
 
 from compiletune.cli import main
 from compiletune.compile import CompileOptions, compile_regions
-from compiletune.config import resolve
 from compiletune.data import Example, pack, split_examples
 from compiletune.loss import IGNORE_INDEX, LossHead
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_name
-from compiletune.trainer import evaluate, train
+from compiletune.trainer import evaluate
 
 DOCS = [
     f"Note {i}: the {['red', 'blue', 'green'][i % 3]} fox counts {i * 7 % 13} hens." * (i % 4 + 1)
@@ -35,9 +35,7 @@ def corpus(tmp_path: Path) -> str:
 
 
 def run(tmp_path: Path, corpus: str, name: str = "run", **overrides) -> dict:
-    values = {"data": corpus, "seq_len": 64, "batch_size": 2, "max_steps": 4}
-    values |= {"output_dir": str(tmp_path / name), **overrides}
-    return train(resolve({}, values))
+    return tiny_run(tmp_path, corpus, name, **{"seq_len": 64, "max_steps": 4, **overrides})
 
 
 def test_split_examples_is_seeded_and_disjoint():

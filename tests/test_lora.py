@@ -14,6 +14,7 @@ import torch
 import transformers
 from gloo import free_port, join_gloo
 from safetensors.torch import load_file
+from tiny_run import tiny_run
 
 from compiletune import lora as lora_io
 from compiletune.cli import main
@@ -327,16 +328,7 @@ def model_dir(tmp_path: Path) -> str:
 
 
 def run(tmp_path: Path, corpus: str, name: str = "run", **overrides) -> dict:
-    values = {
-        "data": corpus,
-        "seq_len": 32,
-        "batch_size": 2,
-        "max_steps": 6,
-        "lora_rank": 4,
-        "output_dir": str(tmp_path / name),
-        **overrides,
-    }
-    return train(resolve({}, values))
+    return tiny_run(tmp_path, corpus, name, **{"lora_rank": 4, **overrides})
 
 
 def test_lora_run_trains_adapters_only_and_merges(tmp_path, corpus, model_dir):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
+from tiny_run import tiny_run
 
 from compiletune.cli import main
 from compiletune.config import resolve
@@ -38,16 +39,7 @@ def corpus(tmp_path: Path) -> str:
     return str(path)
 
 
-def run(tmp_path: Path, corpus: str, name: str = "run", **overrides) -> dict:
-    values = {
-        "data": corpus,
-        "seq_len": 32,
-        "batch_size": 2,
-        "max_steps": 6,
-        "output_dir": str(tmp_path / name),
-        **overrides,
-    }
-    return train(resolve({}, values))
+run = tiny_run
 
 
 def test_loss_falls_and_metrics_are_written(tmp_path, corpus):
