@@ -370,7 +370,8 @@ def pack(
         pad = rows * seq_len + 1 - n
     if rows == 0:
         raise UserError(
-            f"{source} has {n} tokens; seq-len {seq_len} needs at least {seq_len + 1}; "
+            f"{source} has {n} tokens; seq-len {seq_len} needs at least "
+            f"{2 if keep_tail else seq_len + 1}; "
             "lower --seq-len or add data"
         )
     # array.fromlist then frombuffer: several times faster than torch.tensor on a long list.

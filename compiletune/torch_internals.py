@@ -64,10 +64,10 @@ def size_hint(x: int | torch.SymInt, fallback: int = 4096) -> int:
 
 def dynamic_cpu_kernel_options() -> dict[str, Any]:
     """`torch.compile(options=...)` for a function called with many sizes on CPU: its C++ kernels
-    always open an OpenMP parallel region and take the thread count at run time. Without it a dynamic-shape kernel keeps the
-    threading Inductor chose for the size it was compiled at: compiled at a small parameter,
-    the optimizer's step ran single-threaded on every large one (measured: 5.2 vs 3.0 ns per
-    value on 2 cores). Empty where this torch lacks the setting."""
+    always open an OpenMP parallel region and take the thread count at run time. Without it a
+    dynamic-shape kernel keeps the threading Inductor chose for the size it was compiled at:
+    compiled at a small parameter, the optimizer's step ran single-threaded on every large one
+    (measured: 5.2 vs 3.0 ns per value on 2 cores). Empty where this torch lacks the setting."""
     from torch._inductor import config as inductor_config
 
     return {"cpp.dynamic_threads": True} if hasattr(inductor_config.cpp, "dynamic_threads") else {}
