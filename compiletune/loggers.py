@@ -118,7 +118,12 @@ class WandbLogger:
         self.run.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before wandb's service has written the run (offline runs in 0.31
+        # do); teardown waits for it, so the run is on disk when training returns.
+        wandb.teardown()
 
 
 def open_loggers(
