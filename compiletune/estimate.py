@@ -25,9 +25,9 @@ What is approximated (stated in the output's `notes`):
                          partitioner's budget is that fraction of the activation memory
     --offload-activations  what each block saves is moved to the host category after the
                          block's forward and back to the device when backward first reads it
-    fused loss           one chunk of logits [c, V] (c from fused_loss.chunk_tokens) plus the
-                         weight-gradient buffers, added while the op runs (all tokens counted
-                         as targets)
+    fused loss           one chunk of logits [c, V] (c from fused_loss.chunk_tokens, or
+                         one_pass_chunk_tokens for the one-pass head) plus the weight-gradient
+                         buffers, added while the op runs (all tokens counted as targets)
 Not seen at all: the CUDA context and library workspaces (cuBLAS, NCCL), communication
 buffers inside the process group, and allocator fragmentation (`RESERVE_BYTES` covers them in
 the pre-flight check).
@@ -257,8 +257,17 @@ class _FusedLossTemps:
     hidden-gradient) accumulator and, in a narrow dtype, one product per chunk."""
 
     def bytes(self, name: str, args: tuple) -> int:
-        from compiletune.fused_loss import _chunk_vocab, chunk_tokens
+        from compiletune.fused_loss import _chunk_vocab, chunk_tokens, one_pass_chunk_tokens
 
+        if "with_grads" in name:
+            # One pass: a chunk of logits (turned into their gradient in place) and, in a narrow
+            # dtype over several chunks, the fp32 dweight buffer and one product per chunk. The
+            # gradients it returns are outputs, which the tracker counts itself.
+            h, weight, chunk_size, need_dw = args[0], args[1], args[6], bool(args[10])
+            (n, d), vocab, elt = h.shape, weight.shape[0], h.element_size()
+            c = min(n, one_pass_chunk_tokens(vocab, d, weight.dtype, chunk_size))
+            narrow_sum = need_dw and c < n and weight.dtype != torch.float32
+            return c * vocab * elt + (vocab * d * (4 + elt) if narrow_sum else 0)
         backward = "backward" in name
         h, weight = (args[2], args[3]) if backward else (args[0], args[1])
         chunk_size = args[9] if backward else args[6]

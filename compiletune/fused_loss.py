@@ -36,6 +36,7 @@ from compiletune import torch_internals
 from compiletune.errors import UserError
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk of fp32 logits
+SCALE_BLOCK_BYTES = 64 * 2**20  # fp32 scratch when the one-pass head scales its gradients
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 128, 65536
 
 # Tests set this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
@@ -442,6 +443,196 @@ linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_contex
 
 
 # ---------------------------------------------------------------------------------------------
+# The one-pass head: gradients computed in the forward.
+#
+# The two-op head above runs four [tokens, vocab]-sized matmuls per step: logits in the
+# forward, and again in the backward (recomputed from lse), then dh and dweight. When the
+# gradient will be needed anyway, the forward can turn each chunk's logits into d loss / d logits
+# right away (lse is known once a chunk holds whole rows) and run the dh and dweight matmuls
+# there: three matmuls, the same as the unfused head. The backward only scales the saved
+# gradients by the incoming grad_loss. What it saves is dh [N, d] and dweight [V, d] (what the
+# backward would allocate anyway) instead of h and lse.
+#
+# Chunks must hold whole rows, so they go over tokens and dweight sums over chunks. In fp32 it
+# accumulates in place; in a narrow dtype it would need an fp32 [V, d] buffer, so the one-pass
+# head is used there only when all tokens fit in one chunk (`grads_in_forward`).
+
+
+def one_pass_chunk_tokens(vocab: int, d_model: int, dtype: torch.dtype, chunk_size: int = 0) -> int:
+    """Tokens per chunk of the one-pass head: chunk_size or $COMPILETUNE_LCE_CHUNK_TOKENS if set,
+    else as many tokens as keep a chunk of logits [tokens, vocab] in `dtype` under the larger of
+    DEFAULT_CHUNK_BYTES and the size of the weight gradient [V, d] that the head produces anyway
+    (clamped like `chunk_tokens`)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    budget = max(DEFAULT_CHUNK_BYTES, vocab * d_model * elt)
+    tokens = budget // (elt * vocab)
+    if chunk_size > 0 or os.environ.get("COMPILETUNE_LCE_CHUNK_TOKENS", "").strip():
+        tokens = chunk_tokens(vocab, chunk_size)
+    return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, tokens)) if chunk_size <= 0 else tokens
+
+
+def grads_in_forward(
+    n_tokens: int, vocab: int, d_model: int, dtype: torch.dtype, chunk_size: int = 0
+) -> bool:
+    """Whether the one-pass head fits: fp32 (dweight accumulates in place), or all n_tokens in one
+    chunk (no fp32 [V, d] accumulator). Override with COMPILETUNE_LCE_ONE_PASS=0|1."""
+    env = os.environ.get("COMPILETUNE_LCE_ONE_PASS", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    return dtype == torch.float32 or n_tokens <= one_pass_chunk_tokens(
+        vocab, d_model, dtype, chunk_size
+    )
+
+
+@torch.library.custom_op("compiletune::linear_cross_entropy_with_grads", mutates_args=())
+def linear_cross_entropy_with_grads_op(
+    h: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    ignore_index: int,
+    reduction: str,
+    chunk_size: int,
+    z_loss: float,
+    softcap: float,
+    need_dh: bool,
+    need_dweight: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The loss of `linear_cross_entropy_op` and its gradients for grad_loss = 1, in one pass.
+
+    Returns (loss fp32 [], dh [N, d] or [0], dweight [V, d] or [0], dbias [V] or [0]) in the
+    input dtypes; [0] where not needed (dbias comes with dweight when there is a bias).
+    chunk_size: tokens per chunk; 0 = `one_pass_chunk_tokens`.
+    """
+    _check(h, weight, bias, targets, reduction)
+    n_tokens, d_model = h.shape
+    vocab = weight.shape[0]
+    dev, f32 = h.device, torch.float32
+    need_dbias = need_dweight and bias is not None
+    dh = torch.zeros(h.shape, dtype=h.dtype, device=dev) if need_dh else h.new_empty(0)
+    dw = torch.zeros(weight.shape, dtype=weight.dtype, device=dev) if need_dweight else None
+    db = torch.zeros(vocab, dtype=h.dtype, device=dev) if need_dbias else h.new_empty(0)
+    rows = _valid_rows(targets, ignore_index)
+    n = rows.numel()
+    if n == 0:
+        zero = torch.zeros((), dtype=f32, device=dev)
+        return zero, dh, h.new_empty(0) if dw is None else dw, db
+    all_valid = n == n_tokens
+    hv = h if all_valid else h.index_select(0, rows)  # [n, d]
+    tv = (targets if all_valid else targets.index_select(0, rows)).contiguous()
+    bad = (tv < 0) | (tv >= vocab)
+    if bad.any():
+        raise UserError(
+            f"cross-entropy targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
+            f"found {tv[bad][0].item()}. Check that the tokenizer matches the model's vocabulary"
+        )
+
+    rows_forward, rows_backward = _row_ops(dev)
+    chunk = one_pass_chunk_tokens(vocab, d_model, weight.dtype, chunk_size)
+    unit = 1.0 / n if reduction == "mean" else 1.0  # d loss / d (per-token loss)
+    wide = weight.dtype == f32
+    one_chunk = n <= chunk
+    dw_acc = (
+        dw if (wide or one_chunk or dw is None) else torch.zeros(dw.shape, dtype=f32, device=dev)
+    )
+    db_acc = torch.zeros(vocab, dtype=f32, device=dev) if need_dbias else None
+    dh_v = dh if all_valid or not need_dh else h.new_empty(n, d_model)
+    loss_v = torch.empty(n, dtype=f32, device=dev)
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        h_c = hv[s:e]
+        logits = F.linear(h_c, weight, bias)  # [c, V]
+        lse_c, loss_v[s:e] = rows_forward(logits, tv[s:e], z_loss, softcap)
+        coef_t = torch.full((e - s,), unit, dtype=f32, device=dev)
+        coef_p = coef_t * (1 + 2 * z_loss * lse_c) if z_loss != 0 else coef_t
+        dl = rows_backward(logits, lse_c, tv[s:e], coef_p, coef_t, 0, softcap)  # in place
+        del logits
+        if need_dh:
+            torch.mm(dl, weight, out=dh_v[s:e])
+        if need_dweight:
+            if one_chunk and not wide:
+                torch.mm(dl.t(), h_c, out=dw_acc)
+            elif dw_acc.dtype == weight.dtype:
+                dw_acc.addmm_(dl.t(), h_c)
+            else:
+                dw_acc.add_(dl.t() @ h_c)
+        if need_dbias:
+            db_acc.add_(dl.sum(0, dtype=f32))
+        del dl
+    if need_dweight and dw_acc is not dw:
+        dw.copy_(dw_acc)
+    if need_dbias:
+        db.copy_(db_acc)
+    if need_dh and not all_valid:
+        dh.index_copy_(0, rows, dh_v)
+    loss = loss_v.sum()
+    return (loss / n if reduction == "mean" else loss), dh, h.new_empty(0) if dw is None else dw, db
+
+
+@linear_cross_entropy_with_grads_op.register_fake
+def _(
+    h,
+    weight,
+    bias,
+    targets,
+    ignore_index,
+    reduction,
+    chunk_size,
+    z_loss,
+    softcap,
+    need_dh,
+    need_dweight,
+):
+    _check(h, weight, bias, targets, reduction)
+    dh = h.new_empty(h.shape) if need_dh else h.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_dweight else h.new_empty(0)
+    db = h.new_empty(weight.shape[0]) if need_dweight and bias is not None else h.new_empty(0)
+    return h.new_empty((), dtype=torch.float32), dh, dw, db
+
+
+def _scale(t: Tensor, g: Tensor) -> Tensor:
+    """t * g (g fp32 []) rounded once to t's dtype. In a narrow dtype the product is formed in
+    fp32 a block of rows at a time, so no fp32 copy of a [V, d] gradient exists (compiled, the
+    whole expression is one fused kernel either way)."""
+    if t.dtype == torch.float32:
+        return t * g
+    if torch.compiler.is_compiling():
+        return (t.float() * g).to(t.dtype)
+    out = torch.empty_like(t)
+    rows = max(1, SCALE_BLOCK_BYTES // (4 * max(1, t[0].numel()))) if t.dim() > 1 else len(t)
+    for i in range(0, len(t), rows):
+        out[i : i + rows] = t[i : i + rows].float() * g
+    return out
+
+
+def _setup_context_one_pass(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*output[1:])  # the unit gradients: all that backward needs
+    ctx.set_materialize_grads(False)
+
+
+def _backward_one_pass(ctx, grad_loss, _grad_dh, _grad_dw, _grad_db):
+    dh, dw, db = ctx.saved_tensors
+    need_dh, need_dweight, need_dbias = ctx.needs_input_grad[:3]
+    if grad_loss is None:
+        return (None,) * 11
+
+    def scaled(g: Tensor, needed: bool) -> Tensor | None:
+        return _scale(g, grad_loss) if needed and g.numel() else None
+
+    return (
+        scaled(dh, need_dh),
+        scaled(dw, need_dweight),
+        scaled(db, need_dbias),
+        *(None,) * 8,
+    )
+
+
+linear_cross_entropy_with_grads_op.register_autograd(
+    _backward_one_pass, setup_context=_setup_context_one_pass
+)
+
+
+# ---------------------------------------------------------------------------------------------
 # Public functions: the fused head and the two baselines it is measured against.
 
 
@@ -466,10 +657,37 @@ def linear_cross_entropy(
     chunk_size: int = 0,
     z_loss: float = 0.0,
     softcap: float = 0.0,
+    one_pass: bool | None = None,
 ) -> Tensor:
     """Fused cross_entropy(linear(h, weight, bias), targets): h [..., d], weight [V, d],
-    targets [...] -> fp32 []. See `linear_cross_entropy_op` for the arguments."""
+    targets [...] -> fp32 []. See `linear_cross_entropy_op` for the arguments.
+
+    one_pass: compute the gradients in the forward (`linear_cross_entropy_with_grads_op`);
+    None = when autograd will need them and `grads_in_forward` says the sizes fit.
+    """
     h2, t2 = _flatten(h, targets)
+    need = [
+        torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, weight, bias)
+    ]
+    if one_pass is None:
+        one_pass = any(need) and grads_in_forward(
+            h2.shape[0], weight.shape[0], weight.shape[1], weight.dtype, chunk_size
+        )
+    if one_pass:
+        loss, *_ = torch.ops.compiletune.linear_cross_entropy_with_grads(
+            h2,
+            weight,
+            bias,
+            t2,
+            ignore_index,
+            reduction,
+            chunk_size,
+            z_loss,
+            softcap,
+            need[0],
+            need[1] or need[2],
+        )
+        return loss
     loss, _ = torch.ops.compiletune.linear_cross_entropy(
         h2, weight, bias, t2, ignore_index, reduction, chunk_size, z_loss, softcap
     )

@@ -14,6 +14,14 @@ where h' is h with the same token slice applied, flattened to [N, d]. The op com
 chunks of tokens with an fp32 log-sum-exp and saves only `lse [N]` for backward, so neither the
 [N, V] logits nor their fp32 copy is ever allocated, in the forward or the backward.
 
+When the graph needs gradients (the logits require grad) and `fused_loss.grads_in_forward` says
+the sizes fit, it emits the one-pass op instead,
+
+    loss, dh, dW, db = compiletune::linear_cross_entropy_with_grads(..., need_dh, need_dweight)
+
+which computes the gradients while the chunk's logits exist (three vocabulary-sized matmuls, not
+four) and saves them for a backward that only scales them by the incoming gradient.
+
 Why it is safe: the chain between the linear and the loss may only regroup or slice the token
 dimensions (the last dimension must stay V, untouched) and change the dtype. The op upcasts to
 fp32 itself, so dropping `.float()` changes nothing, and slicing tokens commutes with a linear map
@@ -31,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import compiletune.fused_loss  # noqa: F401  (registers torch.ops.compiletune.linear_cross_entropy)
+from compiletune.fused_loss import grads_in_forward  # also registers the ops
 
 _LINEAR = (torch._C._nn.linear, F.linear)
 _CROSS_ENTROPY = (F.cross_entropy, torch.ops.aten.cross_entropy_loss.default)
@@ -77,7 +85,7 @@ def fuse_linear_cross_entropy(
     no longer exist).
     """
     graph = gm.graph
-    matched, skipped, shapes = 0, Counter(), []
+    matched, one_pass_count, skipped, shapes = 0, 0, Counter(), []
     for ce in list(graph.nodes):
         if ce.op != "call_function" or ce.target not in _CROSS_ENTROPY:
             continue
@@ -124,32 +132,48 @@ def fuse_linear_cross_entropy(
         linear = node
         h, weight = linear.args[0], linear.args[1]
         bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
-        hidden = _value(weight).shape[-1]
+        w_value = _value(weight)
+        hidden = w_value.shape[-1]
+        # The logits' example value requires grad only when grad mode is on and an input
+        # requires it (a graph traced under no_grad, for evaluation, gets the forward-only op).
+        need = [bool(getattr(_value(x), "requires_grad", False)) for x in (h, weight, bias)]
+        one_pass = bool(getattr(_value(linear), "requires_grad", False)) and grads_in_forward(
+            int(ce_in.shape[0]), vocab, hidden, w_value.dtype, chunk_size
+        )
 
         with graph.inserting_before(ce):
             for s in reversed(slices):  # re-apply token slices, innermost first
                 h = graph.call_function(operator.getitem, (h, s.args[1]))
             h_flat = graph.call_method("reshape", (h, -1, hidden))
             y_flat = graph.call_method("reshape", (kwargs["target"], -1))
-            fused = graph.call_function(
-                torch.ops.compiletune.linear_cross_entropy.default,
-                (
-                    h_flat,
-                    weight,
-                    bias,
-                    y_flat,
-                    int(kwargs.get("ignore_index", -100)),
-                    reduction,
-                    chunk_size,
-                    z_loss,
-                    softcap,
-                ),
+            args = (
+                h_flat,
+                weight,
+                bias,
+                y_flat,
+                int(kwargs.get("ignore_index", -100)),
+                reduction,
+                chunk_size,
+                z_loss,
+                softcap,
             )
+            if one_pass:
+                op = torch.ops.compiletune.linear_cross_entropy_with_grads.default
+                args = (*args, need[0], need[1] or need[2])
+            else:
+                op = torch.ops.compiletune.linear_cross_entropy.default
+            fused = graph.call_function(op, args)
             loss = graph.call_function(operator.getitem, (fused, 0))
         ce.replace_all_uses_with(loss)
         graph.erase_node(ce)
         matched += 1
+        one_pass_count += int(one_pass)
         shapes.append([int(d) for d in ce_in.shape])
     graph.eliminate_dead_code()  # the linear and the chain to cross_entropy are now unused
     gm.recompile()
-    return gm, {"matched": matched, "skipped": dict(skipped), "logits_shapes": shapes}
+    return gm, {
+        "matched": matched,
+        "one_pass": one_pass_count,
+        "skipped": dict(skipped),
+        "logits_shapes": shapes,
+    }

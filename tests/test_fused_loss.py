@@ -34,8 +34,14 @@ def eager_chunks(monkeypatch):
     monkeypatch.delenv("COMPILETUNE_LCE_CHUNK_TOKENS", raising=False)
 
 
+# The head's three ways to run: the two-op head whose backward chunks over tokens or over
+# vocabulary columns, and the one-pass head that computes the gradients in the forward.
+PATHS = ["tokens", "vocab", "one_pass"]
+
+
 def force_loop(monkeypatch, loop: str) -> None:
-    """Make the backward chunk over 'tokens' or 'vocab' columns whatever the sizes say."""
+    """Run the head one way (a PATHS entry) whatever the sizes say."""
+    monkeypatch.setenv("COMPILETUNE_LCE_ONE_PASS", "1" if loop == "one_pass" else "0")
     monkeypatch.setattr(fused_loss, "_chunk_vocab", lambda *args: loop == "vocab")
 
 
@@ -112,7 +118,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("loop", ["tokens", "vocab"])
+@pytest.mark.parametrize("loop", PATHS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp32_matches_fp64(case, loop, monkeypatch):
     force_loop(monkeypatch, loop)
@@ -123,7 +129,7 @@ def test_fp32_matches_fp64(case, loop, monkeypatch):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("loop", ["tokens", "vocab"])
+@pytest.mark.parametrize("loop", PATHS)
 def test_all_ignored_gives_zero_not_nan(reduction, loop, monkeypatch):
     force_loop(monkeypatch, loop)
     h, w, b, t = make_case(12, 8, 20, bias=True, ignored=1.0)
@@ -170,15 +176,82 @@ def test_tied_embedding_gets_both_gradients():
     assert rel(head_only, w64.grad) > 1e-2
 
 
-@pytest.mark.parametrize("n", [64, 160])  # n < V: backward chunks over vocab; n > V: over tokens
-def test_bf16_error_no_worse_than_plain(n):
+@pytest.mark.parametrize(
+    "n, one_pass, chunk",
+    [
+        (64, False, 16),  # n < V: the backward chunks over vocab
+        (160, False, 16),  # n > V: over tokens
+        (160, True, 0),  # one pass, all tokens in one chunk
+        (160, True, 16),  # one pass, dweight summed over chunks in an fp32 buffer
+    ],
+)
+def test_bf16_error_no_worse_than_plain(n, one_pass, chunk):
     h, w, b, t = make_case(n, 32, 120, bias=True, ignored=0.1, dtype=torch.bfloat16, seed=1)
     ref = reference(h, w, b, t)
-    fused = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=16)
+    fused = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=chunk, one_pass=one_pass)
     plain = loss_and_grads(plain_cross_entropy, h, w, b, t)
     for name, f, p, r in zip(("loss", "dh", "dw", "db"), fused, plain, ref, strict=True):
         assert f.dtype == p.dtype
         assert rel(f, r) <= rel(p, r) + 1e-3, (name, rel(f, r), rel(p, r))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_scales_by_the_incoming_gradient(dtype):
+    """The one-pass backward multiplies saved gradients by grad_loss (the trainer's 1/targets),
+    rounding once: no worse against fp64 than the two-op head, which folds it in."""
+    h, w, b, t = make_case(48, 16, 70, bias=True, ignored=0.2, dtype=dtype, seed=2)
+    scale = 0.37 / 41  # neither 1 nor a power of two
+    ref = [x * scale if i else x for i, x in enumerate(reference(h, w, b, t, reduction="sum"))]
+
+    def scaled(h, w, t, b, **kw):
+        return linear_cross_entropy(h, w, t, b, reduction="sum", **kw) * scale
+
+    one = loss_and_grads(scaled, h, w, b, t, one_pass=True)
+    two = loss_and_grads(scaled, h, w, b, t, one_pass=False)
+    for name, o, g, r in zip(("loss", "dh", "dw", "db"), one, two, ref, strict=True):
+        if name == "loss":
+            continue
+        assert o.dtype == dtype
+        slack = 1e-6 if dtype == torch.float32 else 1e-3
+        assert rel(o, r) <= rel(g, r) + slack, (name, rel(o, r), rel(g, r))
+
+
+def test_one_pass_only_when_it_fits(monkeypatch):
+    """fp32 always (dweight accumulates in place); a narrow dtype only in one chunk."""
+    vocab, d = 128256, 2048
+    assert fused_loss.one_pass_chunk_tokens(vocab, d, torch.bfloat16) == 2048  # [V, d] budget
+    assert fused_loss.one_pass_chunk_tokens(vocab, 512, torch.bfloat16) == 256 * 2**20 // (
+        2 * vocab
+    )
+    assert fused_loss.grads_in_forward(2048, vocab, d, torch.bfloat16)
+    assert not fused_loss.grads_in_forward(2049, vocab, d, torch.bfloat16)
+    assert fused_loss.grads_in_forward(10**6, vocab, d, torch.float32)
+    assert not fused_loss.grads_in_forward(200, vocab, d, torch.bfloat16, chunk_size=100)
+    monkeypatch.setenv("COMPILETUNE_LCE_ONE_PASS", "0")
+    assert not fused_loss.grads_in_forward(10, vocab, d, torch.float32)
+
+    # Chosen only when autograd will use the gradients.
+    monkeypatch.delenv("COMPILETUNE_LCE_ONE_PASS")
+    calls = []
+    for name in ("linear_cross_entropy", "linear_cross_entropy_with_grads"):
+        real = getattr(torch.ops.compiletune, name)
+        monkeypatch.setattr(
+            torch.ops.compiletune,
+            name,
+            lambda *a, real=real, name=name: calls.append(name) or real(*a),
+        )
+    h, w, b, t = make_case(20, 8, 30)
+    linear_cross_entropy(h, w, t)
+    with torch.no_grad():
+        linear_cross_entropy(h, w, t)
+    linear_cross_entropy(h.detach(), w.detach(), t)
+    linear_cross_entropy(h.bfloat16(), w.bfloat16(), t, chunk_size=8)  # 20 tokens: 3 chunks
+    assert calls == [
+        "linear_cross_entropy_with_grads",
+        "linear_cross_entropy",
+        "linear_cross_entropy",
+        "linear_cross_entropy",
+    ]
 
 
 def test_baselines_match_fp64():
@@ -209,17 +282,19 @@ def test_lse_output_and_its_gradient():
     assert rel(h.grad, h64.grad) <= 1e-5 and rel(w.grad, w64.grad) <= 1e-5
 
 
-def test_only_needed_gradients(monkeypatch):
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_only_needed_gradients(one_pass, monkeypatch):
     h, w, b, t = make_case(20, 8, 30, bias=True, ignored=0.2)
     ref = reference(h, w, b, t)
     w.requires_grad_(False)  # a frozen head (LoRA): no dweight matmul
     b.requires_grad_(False)
+    force_loop(monkeypatch, "one_pass" if one_pass else "tokens")
     linear_cross_entropy(h, w, t, b, chunk_size=6).backward()
     assert w.grad is None and b.grad is None and rel(h.grad, ref[1]) <= 1e-5
     h.grad = None
     h.requires_grad_(False)
     w.requires_grad_(True)
-    for loop in ("tokens", "vocab"):
+    for loop in ("one_pass",) if one_pass else ("tokens", "vocab"):
         force_loop(monkeypatch, loop)
         w.grad = None
         linear_cross_entropy(h, w, t, b, chunk_size=6).backward()
@@ -241,6 +316,10 @@ def test_opcheck():
             (h.detach(), w.detach(), b, t, IGNORE, "sum", 0, 1e-3, 2.0),
         ]:
             torch.library.opcheck(torch.ops.compiletune.linear_cross_entropy.default, args)
+            torch.library.opcheck(
+                torch.ops.compiletune.linear_cross_entropy_with_grads.default,
+                (*args, args[0].requires_grad, args[1].requires_grad),
+            )
     n = 19
     bwd_args = (
         torch.tensor(1.5),
@@ -257,7 +336,8 @@ def test_opcheck():
     )
 
 
-def test_saved_for_backward_is_inputs_and_lse():
+def test_saved_for_backward_is_inputs_and_lse(monkeypatch):
+    force_loop(monkeypatch, "tokens")
     n, d, vocab = 64, 16, 300
     h, w, b, t = make_case(n, d, vocab, bias=True, ignored=0.1)
     saved = []
@@ -273,6 +353,18 @@ def test_saved_for_backward_is_inputs_and_lse():
     assert nbytes == expected, [tuple(x.shape) for x in saved]
     assert max(x.numel() for x in saved) < n * vocab
     loss.backward()  # and they are enough
+    assert_close_to_reference((loss, h.grad, w.grad, b.grad), reference(h, w, b, t), 1e-5)
+
+
+def test_one_pass_saves_only_the_gradients(monkeypatch):
+    force_loop(monkeypatch, "one_pass")
+    n, d, vocab = 64, 16, 300
+    h, w, b, t = make_case(n, d, vocab, bias=True, ignored=0.1)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        loss = linear_cross_entropy(h, w, t, b, chunk_size=8)
+    assert sorted(tuple(x.shape) for x in saved) == [(n, d), (vocab,), (vocab, d)]
+    loss.backward()
     assert_close_to_reference((loss, h.grad, w.grad, b.grad), reference(h, w, b, t), 1e-5)
 
 
@@ -297,7 +389,9 @@ def count_targets(gm, target) -> int:
     return sum(1 for node in gm.graph.nodes if node.target == target)
 
 
-def test_one_node_under_compile():
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_one_node_under_compile(one_pass, monkeypatch):
+    force_loop(monkeypatch, "one_pass" if one_pass else "tokens")
     torch._dynamo.reset()
     n, d, vocab = 40, 16, 64
     h, w, b, t = make_case(n, d, vocab, bias=True, ignored=0.2)
@@ -312,8 +406,13 @@ def test_one_node_under_compile():
     for a, e in zip(compiled, eager, strict=True):
         assert rel(a, e) <= 1e-6
     ops = torch.ops.compiletune
-    assert count_targets(graphs["fw"], ops.linear_cross_entropy.default) == 1
-    assert count_targets(graphs["bw"], ops.linear_cross_entropy_backward.default) == 1
+    if one_pass:  # the forward is one node; the backward only scales, no matmul
+        assert count_targets(graphs["fw"], ops.linear_cross_entropy_with_grads.default) == 1
+        assert count_targets(graphs["bw"], torch.ops.aten.mm.default) == 0
+        assert not any("compiletune" in str(node.target) for node in graphs["bw"].graph.nodes)
+    else:
+        assert count_targets(graphs["fw"], ops.linear_cross_entropy.default) == 1
+        assert count_targets(graphs["bw"], ops.linear_cross_entropy_backward.default) == 1
     assert count_targets(graphs["fw"], torch.ops.aten.mm.default) == 0
     # What the forward hands to the backward: no [N, V] tensor among it.
     (fw_out,) = [node for node in graphs["fw"].graph.nodes if node.op == "output"]
@@ -358,8 +457,9 @@ def test_chunk_tokens(monkeypatch):
 
 def test_bad_inputs():
     h, w, b, t = make_case(10, 8, 20)
-    with pytest.raises(UserError, match=r"\[0, 20\)"):
-        linear_cross_entropy(h, w, torch.full((10,), 20))
+    for one_pass in (False, True):
+        with pytest.raises(UserError, match=r"\[0, 20\)"):
+            linear_cross_entropy(h, w, torch.full((10,), 20), one_pass=one_pass)
     with pytest.raises(ValueError, match="token dimensions"):
         linear_cross_entropy(h, w, t[:5])
     with pytest.raises(ValueError, match="weight"):
@@ -405,18 +505,20 @@ def _interpreter_checks() -> None:
             assert d.dtype == dtype and rel(d, d64) <= tol, (dtype, softcap, rel(d, d64))
 
     fused_loss._FORCE_TRITON = True
-    for loop in ("tokens", "vocab"):
+    for loop in PATHS:
         fused_loss._chunk_vocab = lambda *args, loop=loop: loop == "vocab"
+        os.environ["COMPILETUNE_LCE_ONE_PASS"] = "1" if loop == "one_pass" else "0"
         for kw in (dict(), dict(z_loss=1e-2, softcap=2.0, reduction="sum")):
             h, w, b, t = make_case(21, 8, 37, bias=True, ignored=0.2)
             got = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=6, **kw)
             assert_close_to_reference(got, reference(h, w, b, t, **kw), 1e-5)
     h, w, b, t = make_case(21, 8, 37, bias=True, ignored=0.2, dtype=torch.float16)
     ref = reference(h, w, b, t)
-    fused = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=6)
     plain = loss_and_grads(plain_cross_entropy, h, w, b, t)
-    for f, p, r in zip(fused, plain, ref, strict=True):
-        assert rel(f, r) <= rel(p, r) + 1e-3
+    for one_pass in (False, True):
+        fused = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=6, one_pass=one_pass)
+        for f, p, r in zip(fused, plain, ref, strict=True):
+            assert rel(f, r) <= rel(p, r) + 1e-3
     print("interpreter checks passed")
 
 
@@ -435,7 +537,7 @@ def test_triton_kernels_in_interpreter():
 
 
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-@pytest.mark.parametrize("loop", ["tokens", "vocab"])
+@pytest.mark.parametrize("loop", PATHS)
 def test_cuda_fp32_matches_fp64(loop, monkeypatch):
     force_loop(monkeypatch, loop)
     for kw in (dict(), dict(z_loss=1e-3, softcap=30.0, reduction="sum")):
@@ -445,10 +547,11 @@ def test_cuda_fp32_matches_fp64(loop, monkeypatch):
 
 
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-def test_cuda_bf16_no_worse_than_plain():
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_cuda_bf16_no_worse_than_plain(one_pass):
     h, w, b, t = make_case(1024, 256, 5000, ignored=0.1, dtype=torch.bfloat16, device="cuda")
     ref = reference(h, w, b, t)
-    fused = loss_and_grads(linear_cross_entropy, h, w, b, t)
+    fused = loss_and_grads(linear_cross_entropy, h, w, b, t, one_pass=one_pass)
     plain = loss_and_grads(plain_cross_entropy, h, w, b, t)
     for f, p, r in zip(fused, plain, ref, strict=True):
         if r is not None:
@@ -459,7 +562,11 @@ def test_cuda_bf16_no_worse_than_plain():
 def test_cuda_peak_memory_below_plain():
     h, w, b, t = make_case(4096, 256, 32000, dtype=torch.bfloat16, device="cuda")
     peaks = {}
-    for name, fn in (("fused", linear_cross_entropy), ("plain", plain_cross_entropy)):
+    for name, fn in (
+        ("fused", lambda *a: linear_cross_entropy(*a, one_pass=False)),
+        ("one_pass", lambda *a: linear_cross_entropy(*a, one_pass=True)),  # one 4096-token chunk
+        ("plain", plain_cross_entropy),
+    ):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -467,6 +574,7 @@ def test_cuda_peak_memory_below_plain():
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated() - base
     assert peaks["fused"] < 0.25 * peaks["plain"], peaks
+    assert peaks["one_pass"] < 0.5 * peaks["plain"], peaks
 
 
 if __name__ == "__main__" and "--triton-interpret" in sys.argv:

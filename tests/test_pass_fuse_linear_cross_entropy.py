@@ -80,6 +80,20 @@ def test_rewrites_and_keeps_the_value(fn, bias):
     torch.testing.assert_close(got.double(), expected.double(), rtol=1e-6, atol=1e-9)
 
 
+def test_one_pass_only_where_gradients_are_needed():
+    """Under grad mode with inputs that require grad the pass emits the one-pass op; a graph
+    traced under no_grad (evaluation) keeps the forward-only op."""
+    h, w, y, _ = inputs()
+    w.requires_grad_()
+    _, rewritten, stats = run_rewritten(plain, h, w, y)
+    assert stats["one_pass"] == 1
+    assert "compiletune.linear_cross_entropy_with_grads.default" in ops(rewritten)
+    with torch.no_grad():
+        _, rewritten, stats = run_rewritten(plain, h, w, y)
+    assert stats["matched"] == 1 and stats["one_pass"] == 0
+    assert "compiletune.linear_cross_entropy.default" in ops(rewritten)
+
+
 def test_skips_when_logits_have_another_user():
     def both(h, w, y):
         logits = F.linear(h, w)
@@ -121,8 +135,12 @@ def tiny_args(tied: bool):
     return args
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
-def test_compiled_fused_head_matches_eager_plain_and_has_no_logits(tied, tmp_path):
+def test_compiled_fused_head_matches_eager_plain_and_has_no_logits(
+    tied, one_pass, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("COMPILETUNE_LCE_ONE_PASS", str(int(one_pass)))
     eager = build_model(tiny_args(tied), seed=7)
     comp = copy.deepcopy(eager)
     if tied:
@@ -148,11 +166,12 @@ def test_compiled_fused_head_matches_eager_plain_and_has_no_logits(tied, tmp_pat
     summary = regions.write_dump(tmp_path)["head"]
     (fuse,) = summary["passes"]
     assert fuse["pass"] == "fuse_linear_cross_entropy" and fuse["fired"]
-    assert fuse["logits_shapes"] == [[40, 301]]
+    assert fuse["logits_shapes"] == [[40, 301]] and fuse["one_pass"] == int(one_pass)
     assert summary["full_logits_exist"] is False, summary["logits_like_tensors"]
     pre = (tmp_path / "head" / "01_pre_grad.fuse_linear_cross_entropy.txt").read_text()
     diff = json.loads(pre.splitlines()[0].split(": ", 1)[1])
-    assert diff["compiletune.linear_cross_entropy.default"] == 1
+    op = "linear_cross_entropy_with_grads" if one_pass else "linear_cross_entropy"
+    assert diff[f"compiletune.{op}.default"] == 1
     assert diff["torch._C._nn.linear"] == -1
 
 
