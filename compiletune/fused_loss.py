@@ -15,6 +15,11 @@ Inside the op each chunk is a matmul (cuBLAS / CPU BLAS, fp32 accumulation) foll
 work (log-sum-exp, target logit, loss; or softmax - onehot): Triton kernels on CUDA
 (`compiletune.triton_ce`), a `torch.compile`d torch function elsewhere.
 
+When autograd will need the gradients and the sizes fit (`grads_in_forward`), the head is instead
+the one-pass op `compiletune::linear_cross_entropy_with_grads`: each chunk's logits become
+d loss / d logits in the forward, whose dh / dweight matmuls run there, and the backward only
+scales the saved gradients (three vocabulary-sized matmuls per step instead of four).
+
 Also here, for comparison and for `--loss chunked|plain`:
     chunked_cross_entropy   what other trainers do: logits per chunk, autograd saves them all.
     plain_cross_entropy     linear -> fp32 upcast -> cross_entropy.
@@ -22,6 +27,7 @@ Also here, for comparison and for `--loss chunked|plain`:
 Environment:
     COMPILETUNE_LCE_CHUNK_TOKENS=n   tokens per chunk when the caller passes chunk_size=0.
     COMPILETUNE_LCE_EAGER=1          run the row-wise torch functions eagerly (fast tests).
+    COMPILETUNE_LCE_ONE_PASS=0|1     force the two-op or the one-pass head.
 """
 
 import os
@@ -463,12 +469,11 @@ def one_pass_chunk_tokens(vocab: int, d_model: int, dtype: torch.dtype, chunk_si
     else as many tokens as keep a chunk of logits [tokens, vocab] in `dtype` under the larger of
     DEFAULT_CHUNK_BYTES and the size of the weight gradient [V, d] that the head produces anyway
     (clamped like `chunk_tokens`)."""
+    if chunk_size > 0 or os.environ.get("COMPILETUNE_LCE_CHUNK_TOKENS", "").strip():
+        return chunk_tokens(vocab, chunk_size)
     elt = torch.empty((), dtype=dtype).element_size()
     budget = max(DEFAULT_CHUNK_BYTES, vocab * d_model * elt)
-    tokens = budget // (elt * vocab)
-    if chunk_size > 0 or os.environ.get("COMPILETUNE_LCE_CHUNK_TOKENS", "").strip():
-        tokens = chunk_tokens(vocab, chunk_size)
-    return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, tokens)) if chunk_size <= 0 else tokens
+    return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, budget // (elt * vocab)))
 
 
 def grads_in_forward(
@@ -479,6 +484,11 @@ def grads_in_forward(
     env = os.environ.get("COMPILETUNE_LCE_ONE_PASS", "").strip()
     if env in ("0", "1"):
         return env == "1"
+    if env:
+        raise UserError(
+            f"COMPILETUNE_LCE_ONE_PASS={env!r} must be 0 (two-op head) or 1 (one-pass head); "
+            "unset it to let the sizes decide"
+        )
     return dtype == torch.float32 or n_tokens <= one_pass_chunk_tokens(
         vocab, d_model, dtype, chunk_size
     )

@@ -229,6 +229,12 @@ def test_one_pass_only_when_it_fits(monkeypatch):
     assert not fused_loss.grads_in_forward(200, vocab, d, torch.bfloat16, chunk_size=100)
     monkeypatch.setenv("COMPILETUNE_LCE_ONE_PASS", "0")
     assert not fused_loss.grads_in_forward(10, vocab, d, torch.float32)
+    monkeypatch.setenv("COMPILETUNE_LCE_ONE_PASS", "yes")
+    with pytest.raises(UserError, match="COMPILETUNE_LCE_ONE_PASS"):
+        fused_loss.grads_in_forward(10, vocab, d, torch.float32)
+    monkeypatch.setenv("COMPILETUNE_LCE_CHUNK_TOKENS", "50")  # both heads take it as it is
+    assert fused_loss.one_pass_chunk_tokens(vocab, d, torch.bfloat16) == 50 == chunk_tokens(vocab)
+    monkeypatch.delenv("COMPILETUNE_LCE_CHUNK_TOKENS")
 
     # Chosen only when autograd will use the gradients.
     monkeypatch.delenv("COMPILETUNE_LCE_ONE_PASS")
