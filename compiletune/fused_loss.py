@@ -190,6 +190,17 @@ def _valid_rows(targets: Tensor, ignore_index: int) -> Tensor:
     return (targets != ignore_index).nonzero().squeeze(1)
 
 
+def _checked_targets(tv: Tensor, vocab: int, ignore_index: int) -> Tensor:
+    """The targets of the counted tokens, contiguous; a clear error for one outside [0, V)."""
+    bad = (tv < 0) | (tv >= vocab)
+    if bad.any():
+        raise UserError(
+            f"cross-entropy targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
+            f"found {tv[bad][0].item()}. Check that the tokenizer matches the model's vocabulary"
+        )
+    return tv.contiguous()
+
+
 @torch.library.custom_op("compiletune::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(
     h: Tensor,
@@ -219,14 +230,9 @@ def linear_cross_entropy_op(
         return zero, torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
     all_valid = n == n_tokens
     hv = h if all_valid else h.index_select(0, rows)  # [n, d]
-    tv = targets if all_valid else targets.index_select(0, rows)
-    bad = (tv < 0) | (tv >= vocab)
-    if bad.any():
-        raise UserError(
-            f"cross-entropy targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
-            f"found {tv[bad][0].item()}. Check that the tokenizer matches the model's vocabulary"
-        )
-    tv = tv.contiguous()
+    tv = _checked_targets(
+        targets if all_valid else targets.index_select(0, rows), vocab, ignore_index
+    )
 
     rows_forward, _ = _row_ops(h.device)
     chunk = chunk_tokens(vocab, chunk_size)
@@ -529,13 +535,9 @@ def linear_cross_entropy_with_grads_op(
         return zero, dh, h.new_empty(0) if dw is None else dw, db
     all_valid = n == n_tokens
     hv = h if all_valid else h.index_select(0, rows)  # [n, d]
-    tv = (targets if all_valid else targets.index_select(0, rows)).contiguous()
-    bad = (tv < 0) | (tv >= vocab)
-    if bad.any():
-        raise UserError(
-            f"cross-entropy targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
-            f"found {tv[bad][0].item()}. Check that the tokenizer matches the model's vocabulary"
-        )
+    tv = _checked_targets(
+        targets if all_valid else targets.index_select(0, rows), vocab, ignore_index
+    )
 
     rows_forward, rows_backward = _row_ops(dev)
     chunk = one_pass_chunk_tokens(vocab, d_model, weight.dtype, chunk_size)
