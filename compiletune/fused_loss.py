@@ -526,13 +526,14 @@ def linear_cross_entropy_with_grads_op(
     dev, f32 = h.device, torch.float32
     need_dbias = need_dweight and bias is not None
     dh = torch.zeros(h.shape, dtype=h.dtype, device=dev) if need_dh else h.new_empty(0)
-    dw = torch.zeros(weight.shape, dtype=weight.dtype, device=dev) if need_dweight else None
+    # Not zeroed here: one chunk writes all of it; the paths that accumulate zero it first.
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_dweight else None
     db = torch.zeros(vocab, dtype=h.dtype, device=dev) if need_dbias else h.new_empty(0)
     rows = _valid_rows(targets, ignore_index)
     n = rows.numel()
     if n == 0:
         zero = torch.zeros((), dtype=f32, device=dev)
-        return zero, dh, h.new_empty(0) if dw is None else dw, db
+        return zero, dh, h.new_empty(0) if dw is None else dw.zero_(), db
     all_valid = n == n_tokens
     hv = h if all_valid else h.index_select(0, rows)  # [n, d]
     tv = _checked_targets(
@@ -544,9 +545,10 @@ def linear_cross_entropy_with_grads_op(
     unit = 1.0 / n if reduction == "mean" else 1.0  # d loss / d (per-token loss)
     wide = weight.dtype == f32
     one_chunk = n <= chunk
-    dw_acc = (
-        dw if (wide or one_chunk or dw is None) else torch.zeros(dw.shape, dtype=f32, device=dev)
-    )
+    if dw is None or one_chunk:
+        dw_acc = dw
+    else:
+        dw_acc = dw.zero_() if wide else torch.zeros(dw.shape, dtype=f32, device=dev)
     db_acc = torch.zeros(vocab, dtype=f32, device=dev) if need_dbias else None
     dh_v = dh if all_valid or not need_dh else h.new_empty(n, d_model)
     loss_v = torch.empty(n, dtype=f32, device=dev)
@@ -562,7 +564,7 @@ def linear_cross_entropy_with_grads_op(
         if need_dh:
             torch.mm(dl, weight, out=dh_v[s:e])
         if need_dweight:
-            if one_chunk and not wide:
+            if one_chunk:
                 torch.mm(dl.t(), h_c, out=dw_acc)
             elif dw_acc.dtype == weight.dtype:
                 dw_acc.addmm_(dl.t(), h_c)
