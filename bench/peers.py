@@ -13,6 +13,9 @@ trainer does):
     eager           the model as transformers builds it (SDPA attention)
     checkpointing   + activation checkpointing of every decoder layer (transformers' own switch)
     compile         + torch.compile of the whole model (no checkpointing)
+    eager-hugepages eager with PyTorch's THP_MEM_ALLOC_ENABLE=1, the allocator setting the
+                    compiletune CLI turns on (compiletune.cli.huge_page_tensors): what of
+                    compiletune's lead is that setting alone (the other rows run without it)
 
 compiletune rows: `eager` (the ladder's baseline rung) and its full stack (the ladder's highest
 rung the trainer supports, see bench/ladder.py). Both sides train on the same batches (the
@@ -64,9 +67,9 @@ from ladder import RUNGS, full_stack  # noqa: E402
 
 from compiletune.models import from_name, num_params  # noqa: E402
 
-PEERS = ("eager", "checkpointing", "compile")
+PEERS = ("eager", "checkpointing", "compile", "eager-hugepages")
 # What the targets are measured against: transformers as it trains out of the box and with its
-# own memory switch. The compile row is shown beside them, with its own ratios.
+# own memory switch. The compile and huge-page rows are shown beside them, with their own ratios.
 TARGET_PEERS = ("eager", "checkpointing")
 TARGETS = {"memory_vs_best_transformers": 0.6, "speed_vs_fastest_transformers": 1.5}
 
@@ -134,7 +137,10 @@ def run_hf(peer: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     out = work / f"hf-{peer}.json"
     cmd = [sys.executable, __file__, "--child", peer, "--child-out", str(out), *shape_args(a)]
     cmd += ["--steps", str(a.steps)]
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{peer}")}
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"inductor-{peer}")
+    if peer == "eager-hugepages":
+        env["THP_MEM_ALLOC_ENABLE"] = "1"  # read by torch at its first allocation
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": failure_reason(proc.stderr)}
@@ -270,7 +276,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4 if gpu else 1)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one warms up")
-    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+    # The huge-page switch only moves CPU tensors: no row of its own on a GPU.
+    default_peers = [x for x in PEERS if not (gpu and x == "eager-hugepages")]
+    p.add_argument("--peers", nargs="+", choices=PEERS, default=default_peers)
     p.add_argument(
         "--repeats",
         type=int,

@@ -7,6 +7,7 @@ Bad input prints one line, `compiletune: error: ...`, and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -277,7 +278,22 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     return 0
 
 
+def huge_page_tensors() -> None:
+    """Back large CPU tensors with transparent huge pages, unless the user chose otherwise.
+
+    Sets PyTorch's own switch, THP_MEM_ALLOC_ENABLE=1, which makes its CPU allocator align
+    allocations of 2 MiB and more to 2 MiB and madvise them as huge pages. A training step
+    allocates and frees hundreds of MiB (logits, activations, gradients) and, with 4 KiB pages,
+    pays a page fault per 4 KiB on each fresh allocation: on a virtual machine that is a fifth
+    of a step of a small model on CPU. GPU memory is not affected. torch reads the variable
+    once, so the CLI sets it before torch allocates anything; an explicit
+    THP_MEM_ALLOC_ENABLE=0 keeps 4 KiB pages.
+    """
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    huge_page_tensors()
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "train":

@@ -1,5 +1,10 @@
 """Config resolution: defaults < YAML < flags, and every bad value gets one clear error."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from compiletune.cli import build_parser, main
@@ -68,3 +73,41 @@ def test_cli_user_error_exit_2(capsys):
     assert main(["train", "--seq-len", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["compiletune: error: --seq-len must be at least 1, got 0"]
+
+
+_HUGE_PAGE_PROBE = """
+import sys
+from compiletune.cli import huge_page_tensors
+huge_page_tensors()
+import torch
+x = torch.ones(64 << 20, dtype=torch.uint8)  # a 64 MiB tensor
+start = x.data_ptr()
+advised = False
+for line in open("/proc/self/smaps"):
+    fields = line.split()
+    if "-" in fields[0] and ":" not in fields[0]:  # a mapping's header: lo-hi perms ...
+        lo, hi = (int(v, 16) for v in fields[0].split("-"))
+        inside = lo <= start < hi
+    elif fields[0] == "VmFlags:" and inside:
+        advised = "hg" in fields[1:]  # madvise(MADV_HUGEPAGE) on the tensor's mapping
+print(advised)
+"""
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/smaps").exists()
+    or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="needs Linux with transparent huge pages",
+)
+@pytest.mark.parametrize(("env", "advised"), [(None, "True"), ("0", "False")])
+def test_cli_backs_large_cpu_tensors_with_huge_pages(env, advised):
+    """The CLI turns on torch's huge-page switch (a user's explicit 0 wins), and torch then
+    advises a large tensor's memory as huge pages: the switch's name is torch's, read by it."""
+    environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if env is not None:
+        environ["THP_MEM_ALLOC_ENABLE"] = env
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_PAGE_PROBE], env=environ, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == advised
