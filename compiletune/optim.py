@@ -17,7 +17,7 @@ Kinds and how a step runs:
                 `BLOCK` values (see `quantize_exp_avg`); our own compiled step, per parameter
                 chunk of whole blocks: decode, update, re-encode and write the weight in two
                 passes over memory (block maxima, then codes and weights). On a 2-core CPU it
-                costs ~3 ns per value in bf16, against ~0.9 for torch's fused AdamW.
+                costs ~2.1 ns per value in bf16, against ~1.2 for torch's fused AdamW.
 
 `in_backward=True` registers a post-accumulate-grad hook on every parameter (under FSDP2: on
 every sharded parameter, which FSDP2 calls after its reduce-scatter) that steps that parameter
@@ -132,14 +132,22 @@ def quantize_exp_avg(m: Tensor) -> tuple[Tensor, Tensor]:
     (linear int8 loses everything under 1/254 = 4e-3 of it).
     """
     scale = m.abs().amax(dim=1)  # [nb]
-    x = m / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # [-1, 1]
+    x = m * _reciprocal(scale)[:, None]  # [-1, 1]
     codes = (x.abs().sqrt() * 127).round() * x.sign()
     return codes.to(torch.int8), scale
 
 
+def _reciprocal(scale: Tensor) -> Tensor:
+    """1 / each block's scale (a block of zeros: a huge finite value). The step is bound by its
+    arithmetic on CPU: multiplying by this costs one division per block instead of one per
+    value (with the decoders' constant reciprocals, the 8-bit step went from 2.3 to 2.1 ns per
+    value on 2 cores)."""
+    return 1.0 / scale.clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def dequantize_exp_avg(codes: Tensor, scale: Tensor) -> Tensor:
     """codes int8 [nb, BLOCK], scales fp32 [nb] -> m fp32 [nb, BLOCK]."""
-    c = codes.float() / 127
+    c = codes.float() * (1 / 127)
     return c * c.abs() * scale[:, None]
 
 
@@ -161,14 +169,14 @@ def quantize_exp_avg_sq(v: Tensor) -> tuple[Tensor, Tensor]:
 def _quantize_sqrt_exp_avg_sq(s: Tensor) -> tuple[Tensor, Tensor]:
     """s = sqrt(v) [nb, BLOCK] -> (codes uint8, scales fp32 [nb]); the step computes s anyway."""
     scale = s.amax(dim=1)  # [nb]
-    x = s / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # [0, 1]
+    x = s * _reciprocal(scale)[:, None]  # [0, 1]
     codes = (x.sqrt() * 255).round()
     return codes.to(torch.uint8), scale
 
 
 def dequantize_exp_avg_sq(codes: Tensor, scale: Tensor) -> Tensor:
     """codes uint8 [nb, BLOCK], scales fp32 [nb] -> v fp32 [nb, BLOCK]."""
-    c = codes.float() / 255
+    c = codes.float() * (1 / 255)
     s = c * c * scale[:, None]  # sqrt(v)
     return s * s
 
@@ -241,7 +249,7 @@ def _adam_write(
     moments."""
     bc1 = 1 - beta1**step
     bc2 = 1 - beta2**step
-    denom = sqrt_v32 / bc2.sqrt() + eps
+    denom = sqrt_v32 * bc2.rsqrt() + eps
     p32 = p.float()
     delta = -lr * weight_decay * p32 - (lr / bc1) * m32 / denom
     _write_update(p, p32, delta, comp, noise)
