@@ -93,18 +93,24 @@ class WandbLogger:
 
     The project is `$WANDB_PROJECT` (default "compiletune"), the run name the output folder's.
     `WANDB_MODE=offline` writes the run locally with no network or account
-    (`wandb sync OUTPUT_DIR/wandb/offline-run-*` uploads it later).
+    (`wandb sync OUTPUT_DIR/wandb/offline-run-*` uploads it later). The run's id is kept in
+    `OUTPUT_DIR/wandb/run_id`: a resumed training run (`resuming`) continues that W&B run
+    instead of starting a new one.
     """
 
-    def __init__(self, out: Path, config: dict[str, Any]) -> None:
+    def __init__(self, out: Path, config: dict[str, Any], resuming: bool = False) -> None:
         import wandb
 
+        id_file = out / "wandb" / "run_id"
+        run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
         try:
             self.run = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "compiletune"),
                 name=out.name,
                 dir=str(out),
                 config=config,
+                id=run_id,
+                resume="allow" if run_id else None,
                 # compiletune prints its own progress; wandb should not rewrap stdout.
                 settings=wandb.Settings(console="off"),
             )
@@ -113,6 +119,8 @@ class WandbLogger:
                 f"--log wandb: wandb.init failed ({str(e).splitlines()[0] if str(e) else e!r}); "
                 "run `wandb login`, or set WANDB_MODE=offline to log without network"
             ) from e
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(self.run.id)
 
     def log(self, record: dict[str, Any]) -> None:
         self.run.log(scalars(record), step=record["step"])
@@ -134,5 +142,5 @@ def open_loggers(
         if name == "tensorboard":
             loggers.append(TensorBoardLogger(out, resume_step))
         else:
-            loggers.append(WandbLogger(out, config))
+            loggers.append(WandbLogger(out, config, resuming=resume_step is not None))
     return loggers

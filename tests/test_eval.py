@@ -175,3 +175,19 @@ def test_wandb_offline_run(tmp_path, corpus, monkeypatch):
     # The offline run's record log (protobuf) holds the logged keys; wandb ships no reader.
     content = Path(run_file).read_bytes()
     assert b"train/loss" in content and b"eval/loss" in content and b"eval/ppl" in content
+
+
+def test_wandb_resumed_run_continues_the_same_run(tmp_path, corpus, monkeypatch):
+    """A resumed training run logs into the W&B run it started (the id kept in the run
+    folder), not a new one."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run(tmp_path, corpus, max_steps=2, log="wandb")
+    run_id = (tmp_path / "run" / "wandb" / "run_id").read_text()
+    run(tmp_path, corpus, max_steps=4, log="wandb", resume=True)
+    dirs = sorted(glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*")))
+    # offline-run-<time>-<id>, with "-1" appended when both runs started in the same second
+    assert len(dirs) == 2, dirs
+    assert all(re.search(rf"-{run_id}(-\d+)?$", d) for d in dirs), dirs
+    assert (tmp_path / "run" / "wandb" / "run_id").read_text() == run_id
