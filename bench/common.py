@@ -51,7 +51,20 @@ def result_header() -> dict[str, Any]:
         "torch": torch.__version__,
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        # What the `compiletune` command runs with unless the environment says otherwise
+        # (compiletune.cli.huge_page_tensors), and whether the kernel grants huge pages.
+        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", "1 (CLI default)"),
+        "kernel_thp": _kernel_thp_mode(),
     }
+
+
+def _kernel_thp_mode() -> str | None:
+    """The selected transparent-huge-page mode ("always", "madvise", "never"), None off Linux."""
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not path.exists():
+        return None
+    text = path.read_text()
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:

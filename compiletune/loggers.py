@@ -88,6 +88,10 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+# Where a run folder keeps its W&B run id (relative to the folder).
+WANDB_RUN_ID = "wandb/run_id"
+
+
 class WandbLogger:
     """A Weights & Biases run in `OUTPUT_DIR/wandb`.
 
@@ -95,13 +99,14 @@ class WandbLogger:
     `WANDB_MODE=offline` writes the run locally with no network or account
     (`wandb sync OUTPUT_DIR/wandb/offline-run-*` uploads it later). The run's id is kept in
     `OUTPUT_DIR/wandb/run_id`: a resumed training run (`resuming`) continues that W&B run
-    instead of starting a new one.
+    instead of starting a new one. W&B keeps the first value logged at a step, so the steps
+    between the checkpoint and a crash keep what the first attempt logged for them.
     """
 
     def __init__(self, out: Path, config: dict[str, Any], resuming: bool = False) -> None:
         import wandb
 
-        id_file = out / "wandb" / "run_id"
+        id_file = out / WANDB_RUN_ID
         run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
         try:
             self.run = wandb.init(

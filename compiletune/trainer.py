@@ -38,7 +38,7 @@ from compiletune.data import (
     split_examples,
 )
 from compiletune.errors import UserError
-from compiletune.loggers import check_available, open_loggers, parse_loggers
+from compiletune.loggers import WANDB_RUN_ID, check_available, open_loggers, parse_loggers
 from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
 from compiletune.metrics import MetricsLog, peak_memory_gib, perplexity
 from compiletune.models import (
@@ -460,7 +460,8 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
                 shutil.rmtree(path)
             if (out / lora_io.MERGED_DIR).is_dir():
                 shutil.rmtree(out / lora_io.MERGED_DIR)
-            for stale in ("metrics.jsonl", "summary.json"):
+            # The W&B run id too: a later --resume must not continue the discarded run.
+            for stale in ("metrics.jsonl", "summary.json", WANDB_RUN_ID):
                 (out / stale).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         save_yaml(cfg, out / "config.yaml")

@@ -76,9 +76,10 @@ def test_cli_user_error_exit_2(capsys):
 
 
 _HUGE_PAGE_PROBE = """
-import sys
-from compiletune.cli import huge_page_tensors
-huge_page_tensors()
+import contextlib, io, sys
+from compiletune.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    main(["models"])  # the CLI entry, in a process that has not imported torch
 import torch
 x = torch.ones(64 << 20, dtype=torch.uint8)  # a 64 MiB tensor
 start = x.data_ptr()

@@ -191,3 +191,35 @@ def test_wandb_resumed_run_continues_the_same_run(tmp_path, corpus, monkeypatch)
     assert len(dirs) == 2, dirs
     assert all(re.search(rf"-{run_id}(-\d+)?$", d) for d in dirs), dirs
     assert (tmp_path / "run" / "wandb" / "run_id").read_text() == run_id
+
+
+def test_wandb_init_resumes_only_a_resumed_run(tmp_path, corpus, monkeypatch):
+    """What the trainer asks wandb.init for: a new run (no id, no resume) for a fresh run, the
+    kept id with resume="allow" for --resume, and a new run again when the folder was
+    --overwrite-n since (even by a run without W&B)."""
+    wandb = pytest.importorskip("wandb")
+    calls = []
+
+    class FakeRun:
+        def __init__(self, id):
+            self.id = id
+
+        def log(self, *args, **kwargs):
+            pass
+
+        def finish(self):
+            pass
+
+    def fake_init(**kwargs):
+        calls.append(kwargs)
+        return FakeRun(kwargs["id"] or f"run{len(calls)}")
+
+    monkeypatch.setattr(wandb, "init", fake_init)
+    monkeypatch.setattr(wandb, "teardown", lambda: None)
+    run(tmp_path, corpus, max_steps=2, log="wandb")
+    run(tmp_path, corpus, max_steps=3, log="wandb", resume=True)
+    run(tmp_path, corpus, max_steps=2, overwrite=True)  # no W&B this time
+    run(tmp_path, corpus, max_steps=3, log="wandb", resume=True)
+    run(tmp_path, corpus, max_steps=4, log="wandb", resume=True)
+    asked = [(c["id"], c["resume"]) for c in calls]
+    assert asked == [(None, None), ("run1", "allow"), (None, None), ("run3", "allow")]

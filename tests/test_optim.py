@@ -242,6 +242,23 @@ def test_quantization_keeps_small_moments() -> None:
     assert (v_hat != 0)[mag > 1e-4].all()
 
 
+def test_quantization_of_zero_and_subnormal_blocks() -> None:
+    """A block of zeros encodes to zero codes (its scale floors at the smallest normal, no
+    NaN); a block whose values are all subnormal (~1e-39: a moment decayed for hundreds of
+    steps without gradient) decodes within its code step, with its sign."""
+    pairs = ((quantize_exp_avg, dequantize_exp_avg), (quantize_exp_avg_sq, dequantize_exp_avg_sq))
+    for q, dq in pairs:
+        codes, scales = q(torch.zeros(2, BLOCK))
+        assert (codes == 0).all() and torch.isfinite(scales).all()
+        assert torch.equal(dq(codes, scales), torch.zeros(2, BLOCK))
+    tiny = torch.linspace(0.5, 1.0, BLOCK)[None] * 1e-39  # subnormal in fp32
+    for sign in (1, -1):
+        m_hat = dequantize_exp_avg(*quantize_exp_avg(sign * tiny))
+        assert ((m_hat - sign * tiny).abs() / tiny).max() < 0.08
+    s_hat = dequantize_exp_avg_sq(*quantize_exp_avg_sq(tiny)).sqrt()  # v itself subnormal
+    assert ((s_hat - tiny.sqrt()).abs() / tiny.sqrt()).max() < 0.08
+
+
 def test_bf16_compensation_tracks_fp32() -> None:
     """At an lr whose updates are under half a bf16 ulp of most weights, plain bf16 loses most
     of each update; with Kahan or stochastic rounding the weights follow the fp32 run.
