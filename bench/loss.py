@@ -7,7 +7,11 @@
 Each variant computes loss = cross_entropy(h [N, d] @ W.T [d, V]) and its gradients w.r.t. h
 and W (128256 = the Llama 3 vocabulary), with 5% of the targets ignored:
 
-    fused    compiletune::linear_cross_entropy (chunked fp32 log-sum-exp, saves only lse [N])
+    fused    compiletune's fused head, `linear_cross_entropy` as the trainer calls it: where
+             the sizes fit (fp32, or all tokens in one chunk) the one-pass op, which computes
+             dh and dW in the forward and saves them; else the two-op head (chunked fp32
+             log-sum-exp, saves only lse [N], logits recomputed in backward).
+             COMPILETUNE_LCE_ONE_PASS=0|1 forces either.
     chunked  the usual chunked-logits baseline (8 chunks; autograd keeps each chunk's logits)
     plain    F.cross_entropy(F.linear(h, W).float())
 
