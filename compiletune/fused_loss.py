@@ -190,6 +190,12 @@ def _valid_rows(targets: Tensor, ignore_index: int) -> Tensor:
     return (targets != ignore_index).nonzero().squeeze(1)
 
 
+def _rows_of(rows: Tensor, all_valid: bool, *tensors: Tensor) -> list[Tensor]:
+    """Each tensor's entries (along dim 0) for the counted rows `rows`; the tensors themselves,
+    uncopied, when every row counts."""
+    return list(tensors) if all_valid else [t.index_select(0, rows) for t in tensors]
+
+
 def _checked_targets(tv: Tensor, vocab: int, ignore_index: int) -> Tensor:
     """The targets of the counted tokens, contiguous; a clear error for one outside [0, V)."""
     bad = (tv < 0) | (tv >= vocab)
@@ -229,10 +235,8 @@ def linear_cross_entropy_op(
         zero = torch.zeros((), dtype=torch.float32, device=h.device)
         return zero, torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
     all_valid = n == n_tokens
-    hv = h if all_valid else h.index_select(0, rows)  # [n, d]
-    tv = _checked_targets(
-        targets if all_valid else targets.index_select(0, rows), vocab, ignore_index
-    )
+    hv, tv = _rows_of(rows, all_valid, h, targets)  # [n, d], [n]
+    tv = _checked_targets(tv, vocab, ignore_index)
 
     rows_forward, _ = _row_ops(h.device)
     chunk = chunk_tokens(vocab, chunk_size)
@@ -316,9 +320,8 @@ def linear_cross_entropy_backward_op(
     if n == 0 or not (need_dh or need_dweight):
         return dh, dw.zero_(), db
     all_valid = n == n_tokens
-    hv = h if all_valid else h.index_select(0, rows)  # [n, d]
-    tv = (targets if all_valid else targets.index_select(0, rows)).contiguous()
-    lse_v = (lse if all_valid else lse.index_select(0, rows)).contiguous()
+    hv, tv, lse_v = _rows_of(rows, all_valid, h, targets, lse)  # [n, d], [n], [n]
+    tv, lse_v = tv.contiguous(), lse_v.contiguous()
 
     # d loss_i / d logit_ij = g * ((1 + 2 z lse_i) softmax_ij - onehot_ij) + grad_lse_i softmax_ij
     g = torch.zeros((), dtype=f32, device=dev) if grad_loss is None else grad_loss.float()
@@ -326,7 +329,7 @@ def linear_cross_entropy_backward_op(
         g = g / n
     coef_p = g * (1 + 2 * z_loss * lse_v) if z_loss != 0 else g.expand(n)
     if grad_lse is not None:
-        coef_p = coef_p + (grad_lse if all_valid else grad_lse.index_select(0, rows)).float()
+        coef_p = coef_p + _rows_of(rows, all_valid, grad_lse)[0].float()
     coef_p = coef_p.contiguous()
     coef_t = g.expand(n).contiguous()
 
@@ -535,10 +538,8 @@ def linear_cross_entropy_with_grads_op(
         zero = torch.zeros((), dtype=f32, device=dev)
         return zero, dh, h.new_empty(0) if dw is None else dw.zero_(), db
     all_valid = n == n_tokens
-    hv = h if all_valid else h.index_select(0, rows)  # [n, d]
-    tv = _checked_targets(
-        targets if all_valid else targets.index_select(0, rows), vocab, ignore_index
-    )
+    hv, tv = _rows_of(rows, all_valid, h, targets)  # [n, d], [n]
+    tv = _checked_targets(tv, vocab, ignore_index)
 
     rows_forward, rows_backward = _row_ops(dev)
     chunk = one_pass_chunk_tokens(vocab, d_model, weight.dtype, chunk_size)
