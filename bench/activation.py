@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, result_header, run_train, write_result  # noqa: E402
+from common import device_name, result_header, run_train, work_dir, write_result  # noqa: E402
 
 POLICIES = [
     ("none", []),
@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="ct-bench-ac-"))
+    work = work_dir("ct-bench-ac-")
     result = {**result_header(), "bench": "activation", "model": a.model, "n_layers": a.n_layers}
     rows = []
     for seq in a.seq_len:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
@@ -11,6 +12,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,21 @@ def _kernel_thp_mode() -> str | None:
 def write_result(path: Path, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+KEEP_ENV = "COMPILETUNE_BENCH_KEEP"
+
+
+def work_dir(prefix: str) -> Path:
+    """A fresh scratch directory for a bench's runs (their outputs, checkpoints and Inductor
+    caches: tens of GB over a whole bench), removed when the bench's process exits, however it
+    exits, unless $COMPILETUNE_BENCH_KEEP=1 (then its path is printed to stderr)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    if os.environ.get(KEEP_ENV) == "1":
+        print(f"{KEEP_ENV}=1: keeping the bench's runs in {work}", file=sys.stderr)
+    else:
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
+    return work
 
 
 def run_train(

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, result_header, run_train, write_result  # noqa: E402
+from common import device_name, result_header, run_train, work_dir, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     )
     a = p.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="ct-bench-compile-"))
+    work = work_dir("ct-bench-compile-")
     result = {**result_header(), "bench": "compile", "model": a.model, "loss": a.loss}
 
     # 1. Compile time against depth: flat in depth is the goal (one compile serves every block).

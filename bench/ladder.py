@@ -42,6 +42,7 @@ from common import (  # noqa: E402
     run_train,
     steady_state,
     train_flags,
+    work_dir,
     write_result,
 )
 
@@ -220,7 +221,7 @@ def main() -> None:
         previous = {m["model"]: m["rungs"] for m in old["models"]}
 
     known = train_flags()
-    work = Path(tempfile.mkdtemp(prefix="ct-bench-ladder-"))
+    work = work_dir("ct-bench-ladder-")
     models = [*previous.keys() - set(a.models), *a.models]
     # The arguments that reproduce the whole result (bench/regress.py reruns with them).
     argv = ["--models", *models, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size)]

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, result_header, run_train, write_result  # noqa: E402
+from common import device_name, result_header, run_train, work_dir, write_result  # noqa: E402
 
 from compiletune.fused_loss import (  # noqa: E402
     chunk_tokens,
@@ -218,7 +218,7 @@ def training_runs(args: argparse.Namespace) -> dict[str, Any]:
     """Whole `compiletune train` runs, fused vs plain loss, same model, data and shapes."""
     import tempfile
 
-    work = Path(tempfile.mkdtemp(prefix="ct-bench-loss-"))
+    work = work_dir("ct-bench-loss-")
     runs: dict[str, Any] = {"model": args.train_model, "seq_len": args.train_seq_len}
     for loss in ("fused", "plain"):
         flags = ["--model", args.train_model, "--seq-len", str(args.train_seq_len)]

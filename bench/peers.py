@@ -61,6 +61,7 @@ from common import (  # noqa: E402
     run_train,
     steady_state,
     train_flags,
+    work_dir,
     write_result,
 )
 from ladder import RUNGS, full_stack  # noqa: E402
@@ -303,7 +304,7 @@ def main() -> None:
     if a.n_layers:
         args.n_layers = a.n_layers
     flops = model_flops_per_token(args, a.seq_len)
-    work = Path(tempfile.mkdtemp(prefix="ct-bench-peers-"))
+    work = work_dir("ct-bench-peers-")
     full_name, full_flags = full_stack(train_flags())
     runs: list[tuple[str, str, Any]] = [
         ("transformers", peer, lambda peer=peer: run_hf(peer, a, work)) for peer in a.peers

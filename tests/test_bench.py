@@ -274,3 +274,31 @@ def test_best_of_repeats_keeps_the_fastest_run_and_the_median_peak():
     assert row["repeat_tokens_per_s"] == [90.0, 120.0, None, 100.0]
     assert common.best_of_repeats([{"error": "x"}]) == {"error": "x"}
     assert "repeat_tokens_per_s" not in common.best_of_repeats(runs[:1])
+
+
+@pytest.mark.parametrize("how", ["returns", "raises", "keeps"])
+def test_bench_work_dir_is_removed_at_exit_unless_kept(how, tmp_path):
+    """A bench's scratch directory (checkpoints, Inductor caches) goes when its process ends,
+    normally or by an exception; COMPILETUNE_BENCH_KEEP=1 keeps it."""
+    import os
+    import subprocess
+
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import common; "
+        "w = common.work_dir('ct-bench-test-'); (w / 'ckpt').mkdir(); (w / 'ckpt' / 'x').write_text('1'); "
+        "print(w, flush=True); "
+        + ("raise RuntimeError('bench crashed')" if how == "raises" else "")
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop(common.KEEP_ENV, None)
+    if how == "keeps":
+        env[common.KEEP_ENV] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(BENCH)], env=env, capture_output=True, text=True
+    )
+    assert (proc.returncode != 0) == (how == "raises"), proc.stderr
+    work = Path(proc.stdout.strip())
+    assert work.parent == tmp_path
+    assert work.exists() == (how == "keeps")
+    if how == "keeps":
+        assert str(work) in proc.stderr
