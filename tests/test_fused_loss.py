@@ -145,6 +145,29 @@ def test_all_ignored_gives_zero_not_nan(reduction, loop, monkeypatch):
         assert fn(h, w, t, b, reduction=reduction).item() == 0.0
 
 
+# ROW_ALIGN 1: only the counted rows are computed; 8: they are gathered and padded with ignored
+# rows (45 tokens, 36 counted -> 40 rows); 64: all 45 rows are computed in place.
+@pytest.mark.parametrize("align", [1, 8, 64])
+@pytest.mark.parametrize("loop", PATHS)
+def test_padding_rows_enter_nothing(align, loop, monkeypatch):
+    """Ignored tokens computed as padding rows change neither the loss nor a gradient, even with
+    non-finite hidden states and a bias whose exp overflows fp32, and their dh is 0."""
+    force_loop(monkeypatch, loop)
+    monkeypatch.setattr(fused_loss, "ROW_ALIGN", align)
+    h, w, b, t = make_case(45, 16, 50, bias=True, ignored=0.3, seed=5)
+    ignored = t == IGNORE
+    assert (~ignored).sum() == 36
+    with torch.no_grad():
+        b[7] = 100.0
+    ref = reference(h, w, b, t, z_loss=1e-2)
+    with torch.no_grad():
+        h[ignored] = float("nan")
+        h[ignored.nonzero()[0]] = float("inf")
+    got = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=8, z_loss=1e-2)
+    assert_close_to_reference(got, ref, 1e-5)
+    assert (got[1][ignored] == 0).all()
+
+
 def test_tied_embedding_gets_both_gradients():
     """Embedding and head share one weight: its gradient is the sum of both uses."""
     torch.manual_seed(0)
