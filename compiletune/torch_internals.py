@@ -34,6 +34,7 @@ __all__ = [
     "fake_call",
     "functorch_patch",
     "get_hash_for_files",
+    "load_cpp_kernel",
     "min_cut_partition",
     "qualified_name",
     "size_hint",
@@ -71,6 +72,16 @@ def dynamic_cpu_kernel_options() -> dict[str, Any]:
     from torch._inductor import config as inductor_config
 
     return {"cpp.dynamic_threads": True} if hasattr(inductor_config.cpp, "dynamic_threads") else {}
+
+
+def load_cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:
+    """Compile `source` (C++ defining `extern "C" void kernel(...)` with these argument types)
+    with Inductor's C++ toolchain and flags (-O3 -march=native, OpenMP, its vector ISA headers
+    `torch/csrc/inductor/cpp_prefix.h`), cached on disk by the source's hash like Inductor's own
+    kernels. Tensors are passed by data pointer. Raises whatever compiling or loading raises."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
 
 
 def min_cut_partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):

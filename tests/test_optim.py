@@ -385,6 +385,82 @@ def test_adamw8bit_chunks_and_partial_block_match_one_padded_step(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("n", [3 * BLOCK + 37, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernel_matches_the_torch_step(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n: int
+) -> None:
+    """The C++ 8-bit step (cpu_kernels, what a compiled CPU run uses) gives the torch step's
+    numbers: over 4 steps, the same weights, codes and scales (a code may move by one step
+    where fp32 pow and rsqrt of the bias corrections round differently: at most 1 in 1000, and
+    the weights with them)."""
+    from compiletune import cpu_kernels
+
+    calls = []
+    real = cpu_kernels.adamw8bit_step_
+    monkeypatch.setattr(cpu_kernels, "adamw8bit_step_", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(n, generator=g).to(dtype)
+    opts = {}
+    for compiled in (True, False):
+        p = torch.nn.Parameter(init.clone())
+        opts[compiled] = (
+            p,
+            Optimizer(
+                [("w", p)],
+                kind="adamw8bit",
+                lr=1e-2,
+                weight_decay=0.1,
+                device=CPU,
+                compile_step=compiled,
+            ),
+        )
+    for step in range(4):
+        grad = (torch.randn(n, generator=g) * 10.0**-step).to(dtype)
+        for p, opt in opts.values():
+            p.grad = grad.clone()
+            opt.step()
+            opt.zero_grad()
+    assert len(calls) == 4, "the compiled-step optimizer did not use the C++ kernel"
+    (p, fast), (q, ref) = opts[True], opts[False]
+    # A code one step apart changes that value's update by ~1% of lr at most.
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=torch.finfo(dtype).eps, atol=1e-4)
+    assert (p != q).float().mean() <= 1e-2
+    a, b = fast._state[0], ref._state[0]
+    for k in ("exp_avg_scales", "exp_avg_sq_scales"):
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=0)
+    for k in ("exp_avg_codes", "exp_avg_sq_codes"):
+        diff = (a[k].int() - b[k].int()).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3, k
+        assert (a[k].view(-1)[n:] == 0).all(), "the padding of the last block moved"
+
+
+def test_cpu_kernel_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C++ kernel cannot be built the optimizer keeps the torch step, with a warning;
+    tensors without data (the memory estimate's fake tensors) never reach it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compiletune import cpu_kernels, torch_internals
+
+    with FakeTensorMode():
+        fake = torch.zeros(300)
+    assert not cpu_kernels.supports(fake, fake)
+
+    def fail(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch_internals, "load_cpp_kernel", fail)
+    monkeypatch.setattr(cpu_kernels, "_kernels", {})
+    p = torch.zeros(300)
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        assert not cpu_kernels.supports(p, p)
+    assert not cpu_kernels.supports(p, p)  # decided once
+    monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_kernels", {})
+    assert not cpu_kernels.supports(p, p) and cpu_kernels._kernels == {}
+
+
+@pytest.mark.slow
 def test_adamw8bit_follows_adamw_on_debug_preset() -> None:
     """300 steps of the debug preset (2 of its 4 layers, to keep this near a minute) on the
     pydocs corpus: the final loss of 8-bit AdamW is within 2% of fp32 AdamW's (same init, same
