@@ -212,21 +212,19 @@ class _Rows(NamedTuple):
 
 def _select_rows(targets: Tensor, ignore_index: int) -> _Rows:
     """Which of the N tokens the head computes: those that count, padded with ignored tokens to
-    a multiple of ROW_ALIGN (all N when that reaches N). Reading the count syncs with the GPU:
-    the op has data-dependent shapes, so that ignored tokens beyond the padding never reach the
-    projection. Padding rows are computed on zeroed hidden states with target 0 and enter
-    nothing: their loss is dropped and their gradient coefficients are 0."""
+    a multiple of ROW_ALIGN (all N when that reaches N). Reading the count syncs with the GPU
+    (once): the op has data-dependent shapes, so that ignored tokens beyond the padding never
+    reach the projection. Padding rows are computed on zeroed hidden states with target 0 and
+    enter nothing: their loss is dropped and their gradient coefficients are 0."""
     valid = targets != ignore_index
-    index = valid.nonzero().squeeze(1)
-    n, n_tokens = index.numel(), targets.numel()
+    n, n_tokens = int(valid.sum()), targets.numel()
     m = min(n_tokens, -(-n // ROW_ALIGN) * ROW_ALIGN)
     if m == n_tokens:
         return _Rows(None, None if n == n_tokens else valid, n)
-    if m == n:
-        return _Rows(index, None, n)
-    pad = (~valid).nonzero().squeeze(1)[: m - n]
-    live = torch.arange(m, device=targets.device) < n
-    return _Rows(torch.cat([index, pad]), live, n)
+    # The counted tokens first, then ignored ones, each in their order.
+    index = torch.argsort((~valid).to(torch.uint8), stable=True)[:m]
+    live = None if m == n else torch.arange(m, device=targets.device) < n
+    return _Rows(index, live, n)
 
 
 def _checked_targets(tv: Tensor, vocab: int, ignore_index: int) -> Tensor:

@@ -537,10 +537,15 @@ def _interpreter_checks() -> None:
     for loop in PATHS:
         fused_loss._chunk_vocab = lambda *args, loop=loop: loop == "vocab"
         os.environ["COMPILETUNE_LCE_ONE_PASS"] = "1" if loop == "one_pass" else "0"
-        for kw in (dict(), dict(z_loss=1e-2, softcap=2.0, reduction="sum")):
-            h, w, b, t = make_case(21, 8, 37, bias=True, ignored=0.2)
-            got = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=6, **kw)
-            assert_close_to_reference(got, reference(h, w, b, t, **kw), 1e-5)
+        # ROW_ALIGN 4: the ~17 counted of 21 rows gathered and padded with ignored ones (64:
+        # all 21 rows in place).
+        for align in (64, 4):
+            fused_loss.ROW_ALIGN = align
+            for kw in (dict(), dict(z_loss=1e-2, softcap=2.0, reduction="sum")):
+                h, w, b, t = make_case(21, 8, 37, bias=True, ignored=0.2)
+                got = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=6, **kw)
+                assert_close_to_reference(got, reference(h, w, b, t, **kw), 1e-5)
+        fused_loss.ROW_ALIGN = 64
     h, w, b, t = make_case(21, 8, 37, bias=True, ignored=0.2, dtype=torch.float16)
     ref = reference(h, w, b, t)
     plain = loss_and_grads(plain_cross_entropy, h, w, b, t)
