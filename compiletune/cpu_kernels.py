@@ -63,6 +63,8 @@ extern "C" void kernel(P* p, const P* g, int8_t* m_codes, float* m_scales, uint8
   const Vec step_size(lr / bc1);
   const Vec decay((-lr) * weight_decay);
   const float tiny = 1.1754943508222875e-38f;  // smallest normal fp32: optim._block_scale
+  const bool lerp_low = one_minus_beta1 < 0.5f;
+  const float beta1_as_lerp = 1.0f - one_minus_beta1;
   const int64_t nb = (n + BLOCK - 1) / BLOCK;
   const auto vmax = [](Vec& x, Vec& y) { return at::vec::maximum(x, y); };
 #pragma omp parallel for schedule(static)
@@ -77,7 +79,9 @@ extern "C" void kernel(P* p, const P* g, int8_t* m_codes, float* m_scales, uint8
       const Vec g32 = load_values(g + base, j, count);
       const Vec cm = at::vec::convert<float>(at::vec::Vectorized<int8_t>::loadu(m_codes + base + j, L)) * Vec(1.0f / 127);
       const Vec m_old = cm * cm.abs() * m_scale_old;
-      const Vec m_new = m_old + (g32 - m_old) * Vec(one_minus_beta1);  // torch.lerp, weight < 0.5
+      // torch.lerp(m_old, g, w): the form it takes for w < 0.5, and the other one above
+      const Vec m_new = lerp_low ? m_old + (g32 - m_old) * Vec(one_minus_beta1)
+                                 : g32 - (g32 - m_old) * Vec(beta1_as_lerp);
       const Vec cv = at::vec::convert<float>(at::vec::Vectorized<uint8_t>::loadu(v_codes + base + j, L)) * Vec(1.0f / 255);
       const Vec s_old = cv * cv * v_scale_old;
       const Vec v_new = s_old * s_old * Vec(beta2) + g32 * Vec(one_minus_beta2) * g32;
@@ -186,7 +190,8 @@ def adamw8bit_step_(
     """One 8-bit AdamW step in place on a whole parameter p [n] with gradient g [n] (check
     `supports` first): codes [ceil(n / 256), 256], scales [ceil(n / 256)], the padding of the
     last block kept at zero; step (the count after this step) and lr fp32 [] tensors.
-    The same arithmetic as `optim.adamw8bit_update_`."""
+    The same arithmetic as `optim.adamw8bit_update_` compiled by Inductor (eager torch's lerp
+    fuses a multiply-add, so eager can differ in the last bit of m)."""
     nb = -(-p.numel() // BLOCK)
     for t, dtype in ((m_codes, torch.int8), (v_codes, torch.uint8)):
         if t.dtype != dtype or t.shape != (nb, BLOCK) or not t.is_contiguous():
@@ -215,3 +220,6 @@ def adamw8bit_step_(
         eps,
         weight_decay,
     )
+    # Written through a raw pointer: tell autograd the weight changed, as an in-place op would,
+    # so a graph that saved it fails loudly instead of using the new values.
+    torch.autograd.graph.increment_version(p)

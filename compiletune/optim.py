@@ -17,10 +17,11 @@ Kinds and how a step runs:
                 `BLOCK` values (see `quantize_exp_avg`); our own compiled step, per parameter
                 chunk of whole blocks: decode, update, re-encode and write the weight in two
                 passes over memory (block maxima, then codes and weights), ~2.1 ns per value
-                on a 2-core CPU. CPU parameters of a compiled run take instead one C++ kernel
-                per parameter (`cpu_kernels`: each block decoded, updated and re-encoded in a
-                stack buffer, one pass over memory) with the same arithmetic: ~1.1 ns per
-                value, against ~0.85 for torch's fused AdamW.
+                on a 2-core CPU. CPU parameters (with compile_step, as the trainer runs) take
+                one C++ kernel per parameter instead (`cpu_kernels`: each block decoded,
+                updated and re-encoded in a stack buffer, one pass over memory), bit for bit
+                the compiled step's numbers: ~1.1 ns per value, against ~0.85 for torch's
+                fused AdamW.
 
 `in_backward=True` registers a post-accumulate-grad hook on every parameter (under FSDP2: on
 every sharded parameter, which FSDP2 calls after its reduce-scatter) that steps that parameter

@@ -301,8 +301,10 @@ def test_bf16_compensation_tracks_fp32() -> None:
 
 
 @pytest.mark.slow
-def test_compiled_step_matches_eager() -> None:
-    """The compiled own step (8-bit, in backward; bf16 + Kahan) follows the eager one."""
+def test_compiled_step_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled own step (8-bit, in backward; bf16 + Kahan) follows the eager one. (With the
+    C++ kernel off: this is the Inductor step that GPUs run.)"""
+    monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", "0")
     args = tiny_args()
     batches = random_batches(3, args.vocab_size)
     for dtype, compensation, atol in (
@@ -385,15 +387,18 @@ def test_adamw8bit_chunks_and_partial_block_match_one_padded_step(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "beta1", [0.9, 0.3]
+)  # torch.lerp's two forms: weight 1 - beta1 < 0.5 or not
 @pytest.mark.parametrize("n", [3 * BLOCK + 37, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kernel_matches_the_torch_step(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n: int
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n: int, beta1: float
 ) -> None:
-    """The C++ 8-bit step (cpu_kernels, what a compiled CPU run uses) gives the torch step's
-    numbers: over 4 steps, the same weights, codes and scales (a code may move by one step
-    where fp32 pow and rsqrt of the bias corrections round differently: at most 1 in 1000, and
-    the weights with them)."""
+    """The C++ 8-bit step (cpu_kernels, what CPU runs use) gives the eager torch step's numbers
+    over 4 steps: scales within 1e-6, codes equal but for rare one-step moves, weights with
+    them. (Eager torch's lerp fuses a multiply-add, so m can differ in its last bit and a code
+    sitting on a rounding tie can go the other way.)"""
     from compiletune import cpu_kernels
 
     calls = []
@@ -410,6 +415,7 @@ def test_cpu_kernel_matches_the_torch_step(
                 [("w", p)],
                 kind="adamw8bit",
                 lr=1e-2,
+                betas=(beta1, 0.95),
                 weight_decay=0.1,
                 device=CPU,
                 compile_step=compiled,
@@ -425,14 +431,57 @@ def test_cpu_kernel_matches_the_torch_step(
     (p, fast), (q, ref) = opts[True], opts[False]
     # A code one step apart changes that value's update by ~1% of lr at most.
     torch.testing.assert_close(p.detach(), q.detach(), rtol=torch.finfo(dtype).eps, atol=1e-4)
-    assert (p != q).float().mean() <= 1e-2
+    if 1 - beta1 < 0.5:  # eager computes torch.lerp's other form with one more rounding
+        assert (p != q).sum() <= max(1, n // 100)
     a, b = fast._state[0], ref._state[0]
     for k in ("exp_avg_scales", "exp_avg_sq_scales"):
         torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=0)
     for k in ("exp_avg_codes", "exp_avg_sq_codes"):
         diff = (a[k].int() - b[k].int()).abs()
-        assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3, k
+        assert diff.max() <= 1 and (diff > 0).sum() <= max(1, diff.numel() // 1000), k
         assert (a[k].view(-1)[n:] == 0).all(), "the padding of the last block moved"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_equals_the_compiled_step(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, beta1: float
+) -> None:
+    """Against the Inductor-compiled torch step (fp contraction off in both) the C++ kernel
+    is exact: weights, codes and scales bit for bit over 3 steps, a partial last block
+    included. A constant rounded differently (1 - beta1 in fp32, say) fails this."""
+    n = 3 * BLOCK + 37
+    g = torch.Generator().manual_seed(1)
+    init = torch.randn(n, generator=g).to(dtype)
+    runs = {}
+    for kernels in ("1", "0"):
+        monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", kernels)
+        p = torch.nn.Parameter(init.clone())
+        runs[kernels] = (
+            p,
+            Optimizer(
+                [("w", p)],
+                kind="adamw8bit",
+                lr=1e-2,
+                betas=(beta1, 0.95),
+                weight_decay=0.1,
+                device=CPU,
+                compile_step=True,
+            ),
+        )
+    for step in range(3):
+        grad = (torch.randn(n, generator=g) * 10.0**-step).to(dtype)
+        for kernels, (p, opt) in runs.items():
+            monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", kernels)
+            p.grad = grad.clone()
+            opt.step()
+            opt.zero_grad()
+    (p, fast), (q, ref) = runs["1"], runs["0"]
+    assert ref._update.compiled is not None, "the reference fell back to eager"
+    assert torch.equal(p, q)
+    for k, t in fast._state[0].items():
+        assert torch.equal(t, ref._state[0][k]), k
 
 
 def test_cpu_kernel_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
