@@ -79,8 +79,9 @@ KEEP_ENV = "COMPILETUNE_BENCH_KEEP"
 
 def work_dir(prefix: str) -> Path:
     """A fresh scratch directory for a bench's runs (their outputs, checkpoints and Inductor
-    caches: tens of GB over a whole bench), removed when the bench's process exits, however it
-    exits, unless $COMPILETUNE_BENCH_KEEP=1 (then its path is printed to stderr)."""
+    caches: tens of GB over a whole bench), removed when the bench's process exits normally or
+    by an uncaught exception (not when it is killed), unless $COMPILETUNE_BENCH_KEEP=1 (then its
+    path is printed to stderr)."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     if os.environ.get(KEEP_ENV) == "1":
         print(f"{KEEP_ENV}=1: keeping the bench's runs in {work}", file=sys.stderr)
