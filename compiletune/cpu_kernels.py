@@ -222,4 +222,6 @@ def adamw8bit_step_(
     )
     # Written through a raw pointer: tell autograd the weight changed, as an in-place op would,
     # so a graph that saved it fails loudly instead of using the new values.
-    torch.autograd.graph.increment_version(p)
+    bump = getattr(torch.autograd.graph, "increment_version", None)  # public since torch 2.1
+    if bump is not None:
+        bump(p)

@@ -428,6 +428,7 @@ def test_cpu_kernel_matches_the_torch_step(
             opt.step()
             opt.zero_grad()
     assert len(calls) == 4, "the compiled-step optimizer did not use the C++ kernel"
+    assert opts[True][0]._version == 4, "autograd did not see the kernel's writes"
     (p, fast), (q, ref) = opts[True], opts[False]
     # A code one step apart changes that value's update by ~1% of lr at most.
     torch.testing.assert_close(p.detach(), q.detach(), rtol=torch.finfo(dtype).eps, atol=1e-4)
