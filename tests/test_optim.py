@@ -386,10 +386,47 @@ def test_adamw8bit_chunks_and_partial_block_match_one_padded_step(
         assert torch.equal(st["kahan"], comp.view(-1)[:n])
 
 
+def step_8bit_runs(
+    monkeypatch: pytest.MonkeyPatch,
+    n: int,
+    dtype: torch.dtype,
+    beta1: float,
+    steps: int,
+    settings: dict[str, tuple[bool, str]],
+    seed: int = 0,
+) -> dict[str, tuple[torch.nn.Parameter, Optimizer]]:
+    """One 8-bit optimizer per entry of settings (name: (compile_step, COMPILETUNE_CPU_KERNELS)),
+    each on its own copy of one random [n] weight, stepped on the same gradients (the env var
+    set as each one steps)."""
+    g = torch.Generator().manual_seed(seed)
+    init = torch.randn(n, generator=g).to(dtype)
+    runs = {}
+    for name, (compile_step, kernels) in settings.items():
+        monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", kernels)
+        p = torch.nn.Parameter(init.clone())
+        opt = Optimizer(
+            [("w", p)],
+            kind="adamw8bit",
+            lr=1e-2,
+            betas=(beta1, 0.95),
+            weight_decay=0.1,
+            device=CPU,
+            compile_step=compile_step,
+        )
+        runs[name] = p, opt
+    for step in range(steps):
+        grad = (torch.randn(n, generator=g) * 10.0**-step).to(dtype)
+        for name, (p, opt) in runs.items():
+            monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", settings[name][1])
+            p.grad = grad.clone()
+            opt.step()
+            opt.zero_grad()
+    return runs
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "beta1", [0.9, 0.3]
-)  # torch.lerp's two forms: weight 1 - beta1 < 0.5 or not
+# torch.lerp's two forms: weight 1 - beta1 < 0.5 or not
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
 @pytest.mark.parametrize("n", [3 * BLOCK + 37, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kernel_matches_the_torch_step(
@@ -404,32 +441,12 @@ def test_cpu_kernel_matches_the_torch_step(
     calls = []
     real = cpu_kernels.adamw8bit_step_
     monkeypatch.setattr(cpu_kernels, "adamw8bit_step_", lambda *a: calls.append(1) or real(*a))
-    g = torch.Generator().manual_seed(0)
-    init = torch.randn(n, generator=g).to(dtype)
-    opts = {}
-    for compiled in (True, False):
-        p = torch.nn.Parameter(init.clone())
-        opts[compiled] = (
-            p,
-            Optimizer(
-                [("w", p)],
-                kind="adamw8bit",
-                lr=1e-2,
-                betas=(beta1, 0.95),
-                weight_decay=0.1,
-                device=CPU,
-                compile_step=compiled,
-            ),
-        )
-    for step in range(4):
-        grad = (torch.randn(n, generator=g) * 10.0**-step).to(dtype)
-        for p, opt in opts.values():
-            p.grad = grad.clone()
-            opt.step()
-            opt.zero_grad()
+    runs = step_8bit_runs(
+        monkeypatch, n, dtype, beta1, 4, {"kernel": (True, "1"), "eager": (False, "1")}
+    )
     assert len(calls) == 4, "the compiled-step optimizer did not use the C++ kernel"
-    assert opts[True][0]._version == 4, "autograd did not see the kernel's writes"
-    (p, fast), (q, ref) = opts[True], opts[False]
+    (p, fast), (q, ref) = runs["kernel"], runs["eager"]
+    assert p._version == 4, "autograd did not see the kernel's writes"
     # A code one step apart changes that value's update by ~1% of lr at most.
     torch.testing.assert_close(p.detach(), q.detach(), rtol=torch.finfo(dtype).eps, atol=1e-4)
     if 1 - beta1 < 0.5:  # eager computes torch.lerp's other form with one more rounding
@@ -452,33 +469,9 @@ def test_cpu_kernel_equals_the_compiled_step(
     """Against the Inductor-compiled torch step (fp contraction off in both) the C++ kernel
     is exact: weights, codes and scales bit for bit over 3 steps, a partial last block
     included. A constant rounded differently (1 - beta1 in fp32, say) fails this."""
-    n = 3 * BLOCK + 37
-    g = torch.Generator().manual_seed(1)
-    init = torch.randn(n, generator=g).to(dtype)
-    runs = {}
-    for kernels in ("1", "0"):
-        monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", kernels)
-        p = torch.nn.Parameter(init.clone())
-        runs[kernels] = (
-            p,
-            Optimizer(
-                [("w", p)],
-                kind="adamw8bit",
-                lr=1e-2,
-                betas=(beta1, 0.95),
-                weight_decay=0.1,
-                device=CPU,
-                compile_step=True,
-            ),
-        )
-    for step in range(3):
-        grad = (torch.randn(n, generator=g) * 10.0**-step).to(dtype)
-        for kernels, (p, opt) in runs.items():
-            monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", kernels)
-            p.grad = grad.clone()
-            opt.step()
-            opt.zero_grad()
-    (p, fast), (q, ref) = runs["1"], runs["0"]
+    settings = {"kernel": (True, "1"), "compiled": (True, "0")}
+    runs = step_8bit_runs(monkeypatch, 3 * BLOCK + 37, dtype, beta1, 3, settings, seed=1)
+    (p, fast), (q, ref) = runs["kernel"], runs["compiled"]
     assert ref._update.compiled is not None, "the reference fell back to eager"
     assert torch.equal(p, q)
     for k, t in fast._state[0].items():
