@@ -90,6 +90,8 @@ assert BLOCK == cpu_kernels.BLOCK
 # The own step works through a parameter in chunks of this many blocks (4M values), so its fp32
 # temporaries stay at ~16 MiB each even for a 128k-vocab embedding.
 _CHUNK_BLOCKS = 16384
+# An 8-bit parameter's state tensors, in the order the step functions take them.
+_CODE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
 
 _STATE_FORMAT = 1
 
@@ -539,9 +541,8 @@ class Optimizer:
             and not stochastic
             and cpu_kernels.supports(local, grad)
         ):
-            codes = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
             cpu_kernels.adamw8bit_step_(
-                local, grad, *(st[k] for k in codes), st["step"], lr, *hyper
+                local, grad, *(st[k] for k in _CODE_KEYS), st["step"], lr, *hyper
             )
             self._counts[i] += 1
             return
@@ -558,7 +559,6 @@ class Optimizer:
                 moments = [st["exp_avg"].view(-1)[piece], st["exp_avg_sq"].view(-1)[piece]]
                 self._update(local[piece], grad[piece], *moments, st["step"], lr, *extra, *hyper)
                 continue
-            codes = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
             whole = (end - start) // BLOCK * BLOCK  # chunks are whole blocks but for the last
             b0 = start // BLOCK
             if whole:
@@ -567,7 +567,7 @@ class Optimizer:
                 self._update(
                     _as_blocks(local[piece], nb),
                     _as_blocks(grad[piece], nb),
-                    *(st[k][rows] for k in codes),
+                    *(st[k][rows] for k in _CODE_KEYS),
                     st["step"],
                     lr,
                     *(_as_blocks(t, nb) for t in extra),
@@ -584,7 +584,7 @@ class Optimizer:
                 self._update(
                     p_tail,
                     _pad_block(grad[tail]),
-                    *(st[k][rows] for k in codes),
+                    *(st[k][rows] for k in _CODE_KEYS),
                     st["step"],
                     lr,
                     comp_tail,
