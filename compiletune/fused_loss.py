@@ -202,6 +202,10 @@ class _Rows(NamedTuple):
         """t's entries (along dim 0) for the computed rows."""
         return t if self.index is None else t.index_select(0, self.index)
 
+    def inputs(self, h: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """h [m, d] and targets [m] of the computed rows, padding rows zeroed / target 0."""
+        return self.dead(self.take(h), 0.0), self.dead(self.take(targets), 0)
+
     def dead(self, t: Tensor, fill: float) -> Tensor:
         """t [m, ...] with the padding rows set to `fill` (a copy; t itself when none)."""
         if self.live is None:
@@ -264,8 +268,8 @@ def linear_cross_entropy_op(
     if sel.n == 0:
         zero = torch.zeros((), dtype=torch.float32, device=h.device)
         return zero, torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
-    hv = sel.dead(sel.take(h), 0.0)  # [m, d]
-    tv = _checked_targets(sel.dead(sel.take(targets), 0), vocab, ignore_index)  # [m]
+    hv, tv = sel.inputs(h, targets)  # [m, d], [m]
+    tv = _checked_targets(tv, vocab, ignore_index)
     m = hv.shape[0]
 
     rows_forward, _ = _row_ops(h.device)
@@ -333,7 +337,7 @@ def linear_cross_entropy_backward_op(
     Returns (dh [N, d] or [0], dweight [V, d] or [0], dbias [V] or [0]) in the input dtypes;
     [0] where not needed (need_* False, or no bias). dbias is computed with dweight.
     """
-    n_tokens, d_model = h.shape
+    d_model = h.shape[1]
     vocab = weight.shape[0]
     dev, f32 = h.device, torch.float32
     need_dbias = need_dweight and bias is not None
@@ -349,8 +353,8 @@ def linear_cross_entropy_backward_op(
     sel = _select_rows(targets, ignore_index)
     if sel.n == 0 or not (need_dh or need_dweight):
         return dh, dw.zero_(), db
-    hv = sel.dead(sel.take(h), 0.0)  # [m, d]
-    tv = sel.dead(sel.take(targets), 0).contiguous()  # [m]
+    hv, tv = sel.inputs(h, targets)  # [m, d], [m]
+    tv = tv.contiguous()
     # lse = inf on padding rows: their softmax is exactly 0 whatever their logits.
     lse_v = sel.dead(sel.take(lse), float("inf")).contiguous()  # [m]
     m = hv.shape[0]
@@ -556,7 +560,7 @@ def linear_cross_entropy_with_grads_op(
     chunk_size: tokens per chunk; 0 = `one_pass_chunk_tokens`.
     """
     _check(h, weight, bias, targets, reduction)
-    n_tokens, d_model = h.shape
+    d_model = h.shape[1]
     vocab = weight.shape[0]
     dev, f32 = h.device, torch.float32
     need_dbias = need_dweight and bias is not None
@@ -568,8 +572,8 @@ def linear_cross_entropy_with_grads_op(
     if sel.n == 0:
         zero = torch.zeros((), dtype=f32, device=dev)
         return zero, dh, h.new_empty(0) if dw is None else dw.zero_(), db
-    hv = sel.dead(sel.take(h), 0.0)  # [m, d]
-    tv = _checked_targets(sel.dead(sel.take(targets), 0), vocab, ignore_index)  # [m]
+    hv, tv = sel.inputs(h, targets)  # [m, d], [m]
+    tv = _checked_targets(tv, vocab, ignore_index)
     m = hv.shape[0]
 
     rows_forward, rows_backward = _row_ops(dev)
