@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -479,8 +480,9 @@ def test_cpu_kernel_equals_the_compiled_step(
 
 
 def test_cpu_kernel_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the C++ kernel cannot be built the optimizer keeps the torch step, with a warning;
-    tensors without data (the memory estimate's fake tensors) never reach it."""
+    """Where the C++ kernel cannot be built the optimizer keeps the compiled torch step, with a
+    warning, and steps exactly as with the kernel turned off; tensors without data (the memory
+    estimate's fake tensors) never reach it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compiletune import cpu_kernels, torch_internals
@@ -494,10 +496,17 @@ def test_cpu_kernel_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(torch_internals, "load_cpp_kernel", fail)
     monkeypatch.setattr(cpu_kernels, "_kernels", {})
-    p = torch.zeros(300)
+    settings = {"failed": (True, "1"), "off": (True, "0")}
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
-        assert not cpu_kernels.supports(p, p)
-    assert not cpu_kernels.supports(p, p)  # decided once
+        runs = step_8bit_runs(monkeypatch, BLOCK + 44, torch.float32, 0.9, 2, settings)
+    (p, failed), (q, off) = runs["failed"], runs["off"]
+    assert failed._update.compiled is not None, "the fallback is not the compiled torch step"
+    assert torch.equal(p, q)
+    for k, t in failed._state[0].items():
+        assert torch.equal(t, off._state[0][k]), k
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cpu_kernels.supports(p, p)  # decided once: no second build, no warning
     monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", "0")
     monkeypatch.setattr(cpu_kernels, "_kernels", {})
     assert not cpu_kernels.supports(p, p) and cpu_kernels._kernels == {}
