@@ -128,7 +128,10 @@ def _maybe_compiled(fn: Callable) -> Callable:
     def run(*args):
         global _compile_failed
         try:
-            return compiled(*args)
+            # Every call in one dispatch state, so the first training step (which AOTAutograd
+            # runs under a checking mode) and the later ones share one compiled function.
+            with torch_internals.below_inplace_or_view():
+                return compiled(*args)
         except Exception as e:  # eager gives the same numbers; a genuine error re-raises there
             _compile_failed = True
             warnings.warn(

@@ -35,6 +35,7 @@ __all__ = [
     "functorch_patch",
     "get_hash_for_files",
     "load_cpp_kernel",
+    "below_inplace_or_view",
     "min_cut_partition",
     "qualified_name",
     "size_hint",
@@ -72,6 +73,17 @@ def dynamic_cpu_kernel_options() -> dict[str, Any]:
     from torch._inductor import config as inductor_config
 
     return {"cpp.dynamic_threads": True} if hasattr(inductor_config.cpp, "dynamic_threads") else {}
+
+
+def below_inplace_or_view() -> contextlib.AbstractContextManager:
+    """Dispatch below ADInplaceOrView (no version-counter or view tracking) in this block.
+
+    For functions compiled with torch.compile and called inside a custom op's implementation:
+    Dynamo guards on the inputs' dispatch keys as the thread sees them, and AOTAutograd's
+    first call of a compiled graph runs custom ops under a checking dispatch mode that excludes
+    ADInplaceOrView, while later calls do not; the two states would compile the function twice.
+    """
+    return torch._C._AutoDispatchBelowADInplaceOrView()
 
 
 def load_cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:

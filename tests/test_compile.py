@@ -183,3 +183,34 @@ def test_train_with_compile_reports_compiles_and_no_recompiles(tmp_path):
     assert comp["compile"]["compiles"] == 2 and comp["compile"]["recompiles"] == 0
     assert comp["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
     assert (tmp_path / "dump" / "summary.json").is_file()
+
+
+def test_fused_head_row_functions_compile_once(tmp_path, monkeypatch):
+    """Under --compile the fused head's custom op runs inside the compiled head, and
+    AOTAutograd runs its first call under a checking dispatch mode. The head's compiled row
+    functions must not be compiled again for the later steps (they were: ~0.5 s once)."""
+    from compiletune import fused_loss
+
+    compiles = []
+    real_compile = torch.compile
+
+    def counting_compile(fn, **kwargs):
+        if not getattr(fn, "__name__", "").startswith("_rows_"):
+            return real_compile(fn, **kwargs)
+        kwargs.pop("options", None)
+
+        def backend(gm, example_inputs):  # what dynamo captured, run as traced
+            compiles.append(fn.__name__)
+            return gm.forward
+
+        return real_compile(fn, backend=backend, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    monkeypatch.setattr(fused_loss, "_compiled", {})
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("compiled training on a tiny corpus. " * 200)
+    cfg = {"data": str(corpus), "seq_len": 32, "batch_size": 2, "max_steps": 3, "loss": "fused"}
+    cfg |= {"output_dir": str(tmp_path / "c"), "compile": True, "compile_backend": "aot_eager"}
+    summary = train(resolve({}, cfg))
+    assert sorted(compiles) == ["_rows_backward_", "_rows_forward"]
+    assert summary["compile"]["recompiles"] == 0 and not fused_loss._compile_failed
