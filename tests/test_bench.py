@@ -29,6 +29,7 @@ regress = _load("regress")
 ladder = _load("ladder")
 peers = _load("peers")
 common = _load("common")
+activation = _load("activation")
 
 
 def ladder_result(**overrides) -> dict:
@@ -302,3 +303,10 @@ def test_bench_work_dir_is_removed_at_exit_unless_kept(how, tmp_path):
     assert work.exists() == (how == "keeps")
     if how == "keeps":
         assert str(work) in proc.stderr
+
+
+def test_activation_bench_leaves_offload_out_on_a_cpu():
+    assert activation.default_policies("h100") == [name for name, _ in activation.POLICIES]
+    on_cpu = activation.default_policies("cpu")
+    assert "none" in on_cpu and "selective" in on_cpu
+    assert not [name for name in on_cpu if "offload" in name]
