@@ -114,10 +114,15 @@ _compiled: dict[Callable, Callable] = {}
 _compile_failed = False
 
 
+def _compiling_allowed() -> bool:
+    """False when COMPILETUNE_LCE_EAGER=1 or compiling failed once (no C++ compiler, say)."""
+    return not _compile_failed and os.environ.get("COMPILETUNE_LCE_EAGER") != "1"
+
+
 def _maybe_compiled(fn: Callable) -> Callable:
     """fn compiled with Inductor (dynamic shapes: the short last chunk must not recompile), or fn
     itself when COMPILETUNE_LCE_EAGER=1 or compiling failed once (no C++ compiler, say)."""
-    if _compile_failed or os.environ.get("COMPILETUNE_LCE_EAGER") == "1":
+    if not _compiling_allowed():
         return fn
     if fn not in _compiled:
         # Chunks vary in size (the last is short): the CPU kernels thread by the size they get.
@@ -650,14 +655,22 @@ def _(
     return h.new_empty((), dtype=torch.float32), dh, dw, db
 
 
+def _scaled(t: Tensor, g: Tensor) -> Tensor:
+    """t * g formed in fp32, rounded once to t's dtype (compiled: one pass, no fp32 copy)."""
+    return (t.float() * g).to(t.dtype)
+
+
 def _scale(t: Tensor, g: Tensor) -> Tensor:
-    """t * g (g fp32 []) rounded once to t's dtype. In a narrow dtype the product is formed in
-    fp32 a block of rows at a time, so no fp32 copy of a [V, d] gradient exists (compiled, the
-    whole expression is one fused kernel either way)."""
+    """t * g (g fp32 []) rounded once to t's dtype, with no fp32 copy of a [V, d] gradient.
+    Inside a compiled graph Inductor fuses the expression; in eager on a CPU it runs as one
+    Inductor-compiled pass (the block loop below measured 224 ms against 48 ms for a bf16
+    [128256, 512] weight gradient); elsewhere the product is formed a block of rows at a time."""
     if t.dtype == torch.float32:
         return t * g
     if torch.compiler.is_compiling():
-        return (t.float() * g).to(t.dtype)
+        return _scaled(t, g)
+    if t.device.type == "cpu" and _compiling_allowed():
+        return _maybe_compiled(_scaled)(t, g)
     out = torch.empty_like(t)
     rows = max(1, SCALE_BLOCK_BYTES // (4 * max(1, t[0].numel()))) if t.dim() > 1 else len(t)
     for i in range(0, len(t), rows):

@@ -239,6 +239,24 @@ def test_one_pass_scales_by_the_incoming_gradient(dtype):
         assert rel(o, r) <= rel(g, r) + slack, (name, rel(o, r), rel(g, r))
 
 
+def test_one_pass_scaling_compiled_on_cpu_equals_the_block_loop(monkeypatch):
+    """In eager, a bf16 weight gradient is scaled by one Inductor-compiled pass on a CPU (the
+    block loop took 4.7x as long); both round t * g once, so they agree bit for bit."""
+    g = torch.tensor(0.37 / 41)
+    t = torch.randn(300, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    monkeypatch.setattr(fused_loss, "SCALE_BLOCK_BYTES", 7 * 4 * 40)  # 7 rows per block
+    monkeypatch.setattr(fused_loss, "_compiled", {})
+    looped = fused_loss._scale(t, g)  # COMPILETUNE_LCE_EAGER=1 here: the block loop
+    assert fused_loss._scaled not in fused_loss._compiled
+    monkeypatch.delenv("COMPILETUNE_LCE_EAGER")
+    compiled = fused_loss._scale(t, g)
+    assert fused_loss._scaled in fused_loss._compiled and not fused_loss._compile_failed
+    assert compiled.dtype == torch.bfloat16
+    assert torch.equal(compiled, looped)
+    assert torch.equal(compiled, (t.float() * g).to(torch.bfloat16))
+    assert not torch.equal(compiled, t * g.to(torch.bfloat16))  # a second rounding differs
+
+
 def test_one_pass_only_when_it_fits(monkeypatch):
     """fp32 always (dweight accumulates in place); a narrow dtype only in one chunk."""
     vocab, d = 128256, 2048
@@ -465,6 +483,7 @@ def test_inductor_matches_eager():
 def test_nested_compile_path(monkeypatch):
     """The default CPU path: the row-wise functions run through torch.compile (Inductor)."""
     monkeypatch.delenv("COMPILETUNE_LCE_EAGER")
+    monkeypatch.setattr(fused_loss, "_compiled", {})
     h, w, b, t = make_case(37, 16, 50, bias=True, ignored=0.2)
     got = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=8, softcap=3.0)
     assert not fused_loss._compile_failed
