@@ -669,7 +669,7 @@ def _scale(t: Tensor, g: Tensor) -> Tensor:
         return t * g
     if torch.compiler.is_compiling():
         return _scaled(t, g)
-    if t.device.type == "cpu" and _compiling_allowed():
+    if type(t) is Tensor and t.device.type == "cpu" and _compiling_allowed():  # not fake ones
         return _maybe_compiled(_scaled)(t, g)
     out = torch.empty_like(t)
     rows = max(1, SCALE_BLOCK_BYTES // (4 * max(1, t[0].numel()))) if t.dim() > 1 else len(t)

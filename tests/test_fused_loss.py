@@ -241,7 +241,10 @@ def test_one_pass_scales_by_the_incoming_gradient(dtype):
 
 def test_one_pass_scaling_compiled_on_cpu_equals_the_block_loop(monkeypatch):
     """In eager, a bf16 weight gradient is scaled by one Inductor-compiled pass on a CPU (the
-    block loop took 4.7x as long); both round t * g once, so they agree bit for bit."""
+    block loop took 4.7x as long); both round t * g once, so they agree bit for bit. Fake
+    tensors (the memory estimate's) keep the block loop."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     g = torch.tensor(0.37 / 41)
     t = torch.randn(300, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     monkeypatch.setattr(fused_loss, "SCALE_BLOCK_BYTES", 7 * 4 * 40)  # 7 rows per block
@@ -249,6 +252,9 @@ def test_one_pass_scaling_compiled_on_cpu_equals_the_block_loop(monkeypatch):
     looped = fused_loss._scale(t, g)  # COMPILETUNE_LCE_EAGER=1 here: the block loop
     assert fused_loss._scaled not in fused_loss._compiled
     monkeypatch.delenv("COMPILETUNE_LCE_EAGER")
+    with FakeTensorMode():  # the memory estimate's tensors have no data: never compiled code
+        fake = fused_loss._scale(torch.empty(300, 40, dtype=torch.bfloat16), torch.tensor(0.5))
+    assert fake.shape == t.shape and fused_loss._scaled not in fused_loss._compiled
     compiled = fused_loss._scale(t, g)
     assert fused_loss._scaled in fused_loss._compiled and not fused_loss._compile_failed
     assert compiled.dtype == torch.bfloat16
