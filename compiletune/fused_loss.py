@@ -26,7 +26,8 @@ Also here, for comparison and for `--loss chunked|plain`:
 
 Environment:
     COMPILETUNE_LCE_CHUNK_TOKENS=n   tokens per chunk when the caller passes chunk_size=0.
-    COMPILETUNE_LCE_EAGER=1          run the row-wise torch functions eagerly (fast tests).
+    COMPILETUNE_LCE_EAGER=1          run the row-wise torch functions (and the one-pass
+                                     gradient scaling) eagerly (fast tests).
     COMPILETUNE_LCE_ONE_PASS=0|1     force the two-op or the one-pass head.
 """
 
@@ -119,11 +120,13 @@ def _compiling_allowed() -> bool:
     return not _compile_failed and os.environ.get("COMPILETUNE_LCE_EAGER") != "1"
 
 
-def _maybe_compiled(fn: Callable) -> Callable:
-    """fn compiled with Inductor (dynamic shapes: the short last chunk must not recompile), or fn
-    itself when COMPILETUNE_LCE_EAGER=1 or compiling failed once (no C++ compiler, say)."""
+def _maybe_compiled(fn: Callable, eager: Callable | None = None) -> Callable:
+    """fn compiled with Inductor (dynamic shapes: the short last chunk must not recompile), or
+    `eager` (default fn itself: the same numbers) when COMPILETUNE_LCE_EAGER=1 or compiling
+    failed once (no C++ compiler, say)."""
+    eager = eager or fn
     if not _compiling_allowed():
-        return fn
+        return eager
     if fn not in _compiled:
         # Chunks vary in size (the last is short): the CPU kernels thread by the size they get.
         options = torch_internals.dynamic_cpu_kernel_options() or None
@@ -144,7 +147,7 @@ def _maybe_compiled(fn: Callable) -> Callable:
                 "running them eagerly",
                 stacklevel=2,
             )
-            return fn(*args)
+            return eager(*args)
 
     return run
 
@@ -660,22 +663,41 @@ def _scaled(t: Tensor, g: Tensor) -> Tensor:
     return (t.float() * g).to(t.dtype)
 
 
+def _scaled_by_blocks(t: Tensor, g: Tensor) -> Tensor:
+    """`_scaled` a block at a time: at most SCALE_BLOCK_BYTES of fp32 scratch."""
+    flat, out = t.reshape(-1), torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    step = max(1, SCALE_BLOCK_BYTES // 4)
+    for i in range(0, flat.numel(), step):
+        out.view(-1)[i : i + step] = flat[i : i + step].float() * g
+    return out
+
+
 def _scale(t: Tensor, g: Tensor) -> Tensor:
     """t * g (g fp32 []) rounded once to t's dtype, with no fp32 copy of a [V, d] gradient.
-    Inside a compiled graph Inductor fuses the expression; in eager on a CPU it runs as one
-    Inductor-compiled pass (the block loop below measured 224 ms against 48 ms for a bf16
-    [128256, 512] weight gradient); elsewhere the product is formed a block of rows at a time."""
+    Inside a compiled graph Inductor fuses the expression. In eager on a CPU it is one
+    Inductor-compiled pass (in a microbenchmark 48 ms for a bf16 [128256, 512] gradient,
+    against 224 ms for the block loop). Elsewhere, and for fake tensors (the memory estimate's,
+    which therefore counts the loop's fp32 blocks) or a double backward, the block loop."""
     if t.dtype == torch.float32:
         return t * g
     if torch.compiler.is_compiling():
         return _scaled(t, g)
-    if type(t) is Tensor and t.device.type == "cpu" and _compiling_allowed():  # not fake ones
-        return _maybe_compiled(_scaled)(t, g)
-    out = torch.empty_like(t)
-    rows = max(1, SCALE_BLOCK_BYTES // (4 * max(1, t[0].numel()))) if t.dim() > 1 else len(t)
-    for i in range(0, len(t), rows):
-        out[i : i + rows] = t[i : i + rows].float() * g
-    return out
+    if (
+        type(t) is Tensor
+        and type(g) is Tensor
+        and t.device.type == "cpu"
+        and not torch.is_grad_enabled()  # backward(create_graph=True) records the loop's graph
+    ):
+        # Flat: one compiled graph serves dh [N, d], dW [V, d] and db [V] (2-D shapes that
+        # happen to share a size, N == d, would specialise and compile again). Reshaped below
+        # ADInplaceOrView, the flat tensor is a plain alias: not a view that Dynamo would
+        # trace back to its 2-D base, and the result is no view either.
+        with torch_internals.below_inplace_or_view():
+            flat = t.reshape(-1)
+        out = _maybe_compiled(_scaled, eager=_scaled_by_blocks)(flat, g)
+        with torch_internals.below_inplace_or_view():
+            return out.view(t.shape)
+    return _scaled_by_blocks(t, g)
 
 
 def _setup_context_one_pass(ctx, inputs, output) -> None:

@@ -28,14 +28,15 @@ from torch.fx.node import _get_qualified_name
 
 __all__ = [
     "CustomPartitionerFn",
+    "below_inplace_or_view",
     "compile_inductor",
     "compile_no_codegen",
+    "dynamo_graphs_compiled",
     "dynamic_cpu_kernel_options",
     "fake_call",
     "functorch_patch",
     "get_hash_for_files",
     "load_cpp_kernel",
-    "below_inplace_or_view",
     "min_cut_partition",
     "qualified_name",
     "size_hint",
@@ -76,14 +77,24 @@ def dynamic_cpu_kernel_options() -> dict[str, Any]:
 
 
 def below_inplace_or_view() -> contextlib.AbstractContextManager:
-    """Dispatch below ADInplaceOrView (no version-counter or view tracking) in this block.
+    """Dispatch below ADInplaceOrView (and autograd) in this block: in-place ops bump no
+    version counter and views are not recorded as views (`_base` stays None).
 
-    For functions compiled with torch.compile and called inside a custom op's implementation:
-    Dynamo guards on the inputs' dispatch keys as the thread sees them, and AOTAutograd's
-    first call of a compiled graph runs custom ops under a checking dispatch mode that excludes
-    ADInplaceOrView, while later calls do not; the two states would compile the function twice.
+    Used around calls of torch.compile'd helpers. Dynamo guards on the inputs' dispatch keys as
+    the thread sees them, and AOTAutograd's first call of a compiled graph runs custom ops
+    under a checking dispatch mode that excludes ADInplaceOrView while later calls do not: one
+    state for all calls keeps one compile. A reshape done here is a plain alias, which Dynamo
+    does not trace back to the tensor it came from.
     """
     return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
+def dynamo_graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process so far, over every torch.compile'd function
+    (a recompile adds one). Read before and after a run for that run's count."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def load_cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:

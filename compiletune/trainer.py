@@ -26,6 +26,7 @@ from tqdm import tqdm
 from compiletune import checkpoint as ckpt
 from compiletune import distributed as dist_
 from compiletune import lora as lora_io
+from compiletune import torch_internals
 from compiletune.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import TrainConfig, save_yaml
@@ -369,6 +370,7 @@ def _build_lora_model_fsdp(
 
 def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
+    graphs_before = torch_internals.dynamo_graphs_compiled()
     device = env.device if env is not None else pick_device()
     dtype = pick_dtype(cfg.dtype, device)
     world = env.world if env is not None else 1
@@ -747,6 +749,10 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
     rank_peaks = [peak_mem] if env is None else dist_.gather_floats(peak_mem, device)
     peak_mem = max(rank_peaks)  # the busiest rank's peak
     compile_stats = regions.stats() if regions is not None else None
+    # Graphs compiled outside the model's regions: torch.compile'd helpers (the fused head's
+    # row functions and gradient scaling on a CPU, our optimizer step), in eager runs too.
+    graphs = torch_internals.dynamo_graphs_compiled() - graphs_before
+    helper_graphs = max(0, graphs - (compile_stats["compiles"] if compile_stats else 0))
     if regions is not None and cfg.dump_graphs and main:
         regions.write_dump(Path(cfg.dump_graphs))
     summary = {
@@ -772,6 +778,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
         "eval_ppl": last_eval["eval_ppl"] if last_eval else None,
         "eval_seconds": eval_seconds,
         "compile": compile_stats,
+        "helper_graphs": helper_graphs,
         "processes": world,
     }
     if main:
@@ -792,6 +799,7 @@ def _train(cfg: TrainConfig, env: dist_.DistEnv | None) -> dict[str, Any]:
             if compile_stats
             else ""
         )
+        + (f"{helper_graphs} helper graphs compiled, " if helper_graphs else "")
         + f"checkpoint {last_saved}"
         + (f", merged model {merged}" if merged else ""),
         flush=True,

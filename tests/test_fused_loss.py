@@ -242,25 +242,50 @@ def test_one_pass_scales_by_the_incoming_gradient(dtype):
 def test_one_pass_scaling_compiled_on_cpu_equals_the_block_loop(monkeypatch):
     """In eager, a bf16 weight gradient is scaled by one Inductor-compiled pass on a CPU (the
     block loop took 4.7x as long); both round t * g once, so they agree bit for bit. Fake
-    tensors (the memory estimate's) keep the block loop."""
+    tensors (the memory estimate's) and a double backward keep the block loop."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     g = torch.tensor(0.37 / 41)
     t = torch.randn(300, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    monkeypatch.setattr(fused_loss, "SCALE_BLOCK_BYTES", 7 * 4 * 40)  # 7 rows per block
+    monkeypatch.setattr(fused_loss, "SCALE_BLOCK_BYTES", 4 * 333)  # blocks of 333 values
     monkeypatch.setattr(fused_loss, "_compiled", {})
-    looped = fused_loss._scale(t, g)  # COMPILETUNE_LCE_EAGER=1 here: the block loop
-    assert fused_loss._scaled not in fused_loss._compiled
-    monkeypatch.delenv("COMPILETUNE_LCE_EAGER")
-    with FakeTensorMode():  # the memory estimate's tensors have no data: never compiled code
-        fake = fused_loss._scale(torch.empty(300, 40, dtype=torch.bfloat16), torch.tensor(0.5))
-    assert fake.shape == t.shape and fused_loss._scaled not in fused_loss._compiled
-    compiled = fused_loss._scale(t, g)
+    with torch.no_grad():  # as in a backward
+        looped = fused_loss._scale(t, g)  # COMPILETUNE_LCE_EAGER=1 here: the block loop
+        assert fused_loss._scaled not in fused_loss._compiled
+        monkeypatch.delenv("COMPILETUNE_LCE_EAGER")
+        with FakeTensorMode():  # tensors without data: never compiled code
+            fake = fused_loss._scale(torch.empty(300, 40, dtype=torch.bfloat16), torch.tensor(0.5))
+        assert fake.shape == t.shape and fused_loss._scaled not in fused_loss._compiled
+        compiled = fused_loss._scale(t, g)
     assert fused_loss._scaled in fused_loss._compiled and not fused_loss._compile_failed
     assert compiled.dtype == torch.bfloat16
     assert torch.equal(compiled, looped)
     assert torch.equal(compiled, (t.float() * g).to(torch.bfloat16))
     assert not torch.equal(compiled, t * g.to(torch.bfloat16))  # a second rounding differs
+    graph = fused_loss._scale(t.clone().requires_grad_(), g)  # grad mode on: create_graph
+    assert graph.grad_fn is not None and torch.equal(graph.detach(), looped)
+
+
+def test_one_pass_backward_scales_as_the_block_loop(monkeypatch):
+    """A whole bf16 one-pass forward and backward (bias included, mean reduction so the
+    incoming gradient is 1/targets) with the compiled scaling gives the block loop's
+    gradients bit for bit."""
+    from compiletune import torch_internals
+
+    monkeypatch.delenv("COMPILETUNE_LCE_EAGER")
+    monkeypatch.setattr(fused_loss, "_compiled", {})
+    # 16 tokens of width 16: dh [16, 16] would specialise a 2-D graph that dW [70, 16] misses.
+    h, w, b, t = make_case(16, 16, 70, bias=True, ignored=0.2, dtype=torch.bfloat16, seed=4)
+    graphs = torch_internals.dynamo_graphs_compiled()
+    compiled = loss_and_grads(linear_cross_entropy, h, w, b, t, one_pass=True)
+    assert fused_loss._scaled in fused_loss._compiled and not fused_loss._compile_failed
+    # Row forward, row backward, and one scaling graph for dh, dW and db.
+    assert torch_internals.dynamo_graphs_compiled() - graphs == 3
+    assert not compiled[2]._is_view()  # dW, as the weight's .grad: its own tensor
+    monkeypatch.setattr(fused_loss, "_scale", fused_loss._scaled_by_blocks)
+    looped = loss_and_grads(linear_cross_entropy, h, w, b, t, one_pass=True)
+    for name, a, e in zip(("loss", "dh", "dw", "db"), compiled, looped, strict=True):
+        assert torch.equal(a, e), name
 
 
 def test_one_pass_only_when_it_fits(monkeypatch):

@@ -479,6 +479,7 @@ def test_cpu_kernel_equals_the_compiled_step(
         assert torch.equal(t, ref._state[0][k]), k
 
 
+@pytest.mark.slow
 def test_cpu_kernel_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the C++ kernel cannot be built the optimizer keeps the compiled torch step, with a
     warning, and steps exactly as with the kernel turned off; tensors without data (the memory
