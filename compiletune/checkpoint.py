@@ -83,7 +83,7 @@ def save_checkpoint(
 
     def write(tmp: Path) -> None:
         if is_lora(model):
-            from compiletune.lora import save_adapter
+            from compiletune.adapter_io import save_adapter
 
             save_adapter(model, tmp, tokenizer=tokenizer)
         else:
@@ -175,8 +175,8 @@ def save_sharded_checkpoint(
     all ranks are done); `export_hf` also writes the HF weights, gathered tensor by tensor."""
     import torch.distributed as dist
 
+    from compiletune.adapter_io import save_adapter
     from compiletune.distributed import SHARDED_DIR, save_sharded
-    from compiletune.lora import save_adapter
     from compiletune.models import hf_config_from_args, save_hf
     from compiletune.models.lora import is_lora
 

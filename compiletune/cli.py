@@ -11,6 +11,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from compiletune import __version__
+from compiletune.config import add_flags
 from compiletune.errors import UserError
 
 EXIT_BAD_INPUT = 2
@@ -24,121 +26,14 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
-def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    # default=SUPPRESS: only flags the user typed reach the config, so YAML values survive.
-    S = argparse.SUPPRESS
+def _add_train_flags(p: argparse.ArgumentParser, *, estimate_only: bool = False) -> None:
     p.add_argument("--config", default=None, help="YAML run file; flags override it")
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=S, help="preset name (see `compiletune models`)")
-    g.add_argument("--model-dir", default=S, help="local HF model folder to fine-tune")
-    g.add_argument("--n-layers", type=int, default=S, help="override the preset's depth")
-    g.add_argument("--data", default=S, help="pydocs (embedded default) | FILE.txt | FILE.jsonl")
-    g.add_argument("--tokenizer", default=S, help="local HF tokenizer folder")
-    g.add_argument(
-        "--doc-mask",
-        action=argparse.BooleanOptionalAction,
-        default=S,
-        help="packed examples attend only to themselves (default: on when rows pack several)",
-    )
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-data", default=S, help="held-out SOURCE (like --data)")
-    g.add_argument("--val-split", type=float, default=S, help="hold out this fraction of --data")
-    g.add_argument("--eval-every", type=int, default=S, help="evaluate every N steps (0 = end)")
-    g = p.add_argument_group("step shape")
-    g.add_argument("--seq-len", type=int, default=S, help="tokens per row (default 256)")
-    g.add_argument("--batch-size", type=int, default=S, help="rows per micro-batch (default 8)")
-    g.add_argument("--grad-accum", type=int, default=S, help="micro-batches per step (default 1)")
-    g.add_argument("--max-steps", type=int, default=S, help="optimizer steps (default 100)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, default=S, help="peak lr (1e-3 random init, 2e-5 fine-tune)")
-    g.add_argument("--weight-decay", type=float, default=S, help="AdamW weight decay (default 0)")
-    g.add_argument("--warmup-steps", type=int, default=S, help="linear warmup (default 5%%)")
-    g.add_argument("--schedule", choices=("cosine", "linear", "constant"), default=S)
-    g.add_argument("--min-lr-ratio", type=float, default=S, help="final lr / peak (default 0.1)")
-    g.add_argument("--max-grad-norm", type=float, default=S, help="clip (default 1.0; 0 = off)")
-    g.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default=S, help="default adamw")
-    g.add_argument(
-        "--optimizer-in-backward",
-        action="store_true",
-        default=S,
-        help="step each parameter during backward and free its gradient at once",
-    )
-    g.add_argument(
-        "--bf16-compensation",
-        choices=("none", "kahan", "stochastic"),
-        default=S,
-        help="keep small bf16 updates from vanishing (with --dtype bf16)",
-    )
-    g.add_argument(
-        "--dtype",
-        choices=("bf16", "fp32", "bf16-mixed"),
-        default=S,
-        help="default: bf16 on GPU; bf16-mixed: fp32 master weights (with --fsdp)",
-    )
-    g.add_argument("--seed", type=int, default=S, help="initialisation and data order (default 0)")
-    g = p.add_argument_group("compiler")
-    g.add_argument("--compile", action="store_true", default=S, help="compile blocks and loss head")
-    g.add_argument("--compile-backend", choices=("inductor", "aot_eager"), default=S)
-    g.add_argument(
-        "--dump-graphs", metavar="DIR", default=S, help="write graphs per stage + summary"
-    )
-    g.add_argument(
-        "--loss", choices=("fused", "chunked", "plain"), default=S, help="default: see README"
-    )
-    g.add_argument("--ac", default=S, help="activation policy: none|full|selective|budget=F")
-    g.add_argument("--ac-every", type=int, default=S, help="apply --ac to every K-th block")
-    g.add_argument(
-        "--offload-activations", action="store_true", default=S, help="saved tensors to host"
-    )
-    g = p.add_argument_group("distributed (launch with torchrun for several processes)")
-    g.add_argument("--fsdp", action="store_true", default=S, help="shard with FSDP2")
-    g.add_argument(
-        "--sharding",
-        choices=("full", "grad-op", "hybrid", "none"),
-        default=S,
-        help="what FSDP shards (default full)",
-    )
-    g.add_argument("--shard-size", type=int, default=S, help="hybrid: processes per shard group")
-    g.add_argument(
-        "--cpu-offload", action="store_true", default=S, help="parameters and step on the host"
-    )
-    g = p.add_argument_group("LoRA / QLoRA")
-    g.add_argument(
-        "--lora-rank", type=int, default=S, help="train rank-R adapters, freeze the rest (0 = off)"
-    )
-    g.add_argument("--lora-alpha", type=float, default=S, help="adapter scale alpha/R (default 2R)")
-    g.add_argument("--lora-dropout", type=float, default=S, help="dropout on adapter inputs (0)")
-    g.add_argument(
-        "--lora-targets", default=S, help="q,k,v,o,gate,up,down (any of them) or all-linear"
-    )
-    g.add_argument(
-        "--base-dtype", choices=("bf16", "fp32"), default=S, help="frozen weights' storage dtype"
-    )
-    g.add_argument(
-        "--quantize-base", choices=("nf4",), default=S, help="frozen projections in NF4 (QLoRA)"
-    )
-    g.add_argument(
-        "--merge", action="store_true", default=S, help="also write OUTPUT_DIR/merged at the end"
-    )
-    g = p.add_argument_group("output")
-    g.add_argument("--output-dir", default=S, help="run folder (default runs/<model>-<time>)")
-    g.add_argument("--save-every", type=int, default=S, help="checkpoint every N steps (0 = end)")
-    g.add_argument(
-        "--resume", action="store_true", default=S, help="continue from the latest checkpoint"
-    )
-    g.add_argument("--overwrite", action="store_true", default=S, help="replace an existing run")
-    g.add_argument("--log", default=S, help="also log to: tensorboard, wandb (comma-separated)")
-    g.add_argument(
-        "--no-preflight",
-        dest="preflight",
-        action="store_false",
-        default=S,
-        help="skip the memory estimate that refuses a step that cannot fit the GPU",
-    )
+    add_flags(p, estimate_only=estimate_only)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="compiletune", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"compiletune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="fine-tune or train a model")
     _add_train_flags(train)
@@ -150,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one training step on fake tensors (no memory) as rank 0 of --gpus "
         "ranks and report its peak GPU memory by part; takes the technique flags of `train`.",
     )
-    _add_train_flags(est)
+    _add_train_flags(est, estimate_only=True)
     g = est.add_argument_group("estimate")
     g.add_argument("--gpus", type=int, default=1, help="GPUs (FSDP2 ranks) to shard over")
     g.add_argument(
@@ -202,7 +97,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 def _cmd_train(ns: argparse.Namespace) -> int:
     from compiletune.config import load_yaml, resolve
-    from compiletune.trainer import train
+    from compiletune.train import train
 
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
     yaml_values = load_yaml(ns.config) if ns.config else {}

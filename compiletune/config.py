@@ -1,97 +1,562 @@
 """The typed run configuration: defaults < `--config run.yaml` < command-line flags.
 
-`TrainConfig` is the single source of truth for a run. The CLI builds it, the trainer reads it,
-and the resolved copy is written to `OUTPUT_DIR/config.yaml` so a run can be repeated exactly.
+`TrainConfig` is the single source of truth for a run: sections (model, data, optim, techniques,
+parallel, lora, run), each a dataclass whose fields carry their own help text, and whose choice
+sets are the `Literal`s of `choices.py`. From these declarations come, with nothing written twice:
+
+- the command-line flags (`add_flags`: name, type, choices, help with the real default),
+- the YAML keys (the flag without its dashes; `seq-len` and `seq_len` both accepted),
+- the type checks of YAML values, and `config.yaml`, the flat resolved copy a run writes.
+
+`resolve` merges and checks the values; `fill_defaults` is the one function that decides every
+default that depends on other choices (some of them on facts known only once the model's
+config and the data are read, which the build passes in as `RunFacts`).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
-from dataclasses import dataclass, fields
+import types
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from compiletune.choices import (
+    BaseDtype,
+    Bf16Compensation,
+    CompileBackend,
+    Dtype,
+    Loss,
+    OptimizerKind,
+    Quantize,
+    Schedule,
+    Sharding,
+)
 from compiletune.errors import UserError
 
-DTYPES = ("fp32", "bf16", "bf16-mixed")
-SCHEDULES = ("cosine", "linear", "constant")
-COMPILE_BACKENDS = ("inductor", "aot_eager")
-LOSSES = ("fused", "chunked", "plain")
+
+def opt(
+    default: Any,
+    help: str,
+    *,
+    key: str | None = None,
+    shows: str | None = None,
+    estimate: bool = True,
+    negate: bool = False,
+    metavar: str | None = None,
+) -> Any:
+    """A config field. `key`: its YAML key and flag name when they differ from the attribute;
+    `shows`: the default as `--help` states it (for defaults decided by `fill_defaults`);
+    `estimate`: the flag changes a memory estimate (so `estimate-memory` takes it);
+    `negate`: a True-by-default switch offered as `--no-<key>`."""
+    meta = {"help": help, "key": key, "shows": shows, "estimate": estimate, "negate": negate}
+    return field(default=default, metadata={**meta, "metavar": metavar})
+
+
+@dataclass
+class ModelConfig:
+    """What model is trained, and how it is stored."""
+
+    TITLE = "model"
+    preset: str | None = opt(
+        None,
+        "preset name (see `compiletune models`)",
+        key="model",
+        shows="debug, or the architecture of --model-dir",
+    )
+    model_dir: str | None = opt(None, "local HF model folder to fine-tune", metavar="DIR")
+    n_layers: int | None = opt(
+        None, "override the preset's depth (random init; benches, debugging)", shows="preset's"
+    )
+    tokenizer: str | None = opt(
+        None,
+        "local HF tokenizer folder",
+        shows="--model-dir, else a byte tokenizer",
+        estimate=False,
+        metavar="DIR",
+    )
+    dtype: Dtype | None = opt(
+        None,
+        "parameter dtype; bf16-mixed: fp32 master weights, bf16 compute (with --fsdp)",
+        shows="bf16 on a GPU that supports it, else fp32",
+    )
+
+    def check(self, cfg: TrainConfig) -> None:
+        if self.n_layers is not None and (self.model_dir is not None or self.n_layers < 1):
+            raise UserError(
+                "--n-layers (a positive depth) only applies to a random-init --model preset"
+            )
+        if self.dtype == "bf16-mixed" and not cfg.parallel.fsdp:
+            raise UserError(
+                "--dtype bf16-mixed is FSDP's mixed precision; add --fsdp, or pass --dtype bf16"
+            )
+
+
+@dataclass
+class DataConfig:
+    """What the model reads: training data, held-out data, and the shape of a step."""
+
+    TITLE = "data and step shape"
+    source: str = opt(
+        "pydocs",
+        "pydocs (embedded default) | FILE.txt | FILE.jsonl",
+        key="data",
+        estimate=False,
+        metavar="SOURCE",
+    )
+    doc_mask: bool | None = opt(
+        None,
+        "packed examples attend only to themselves",
+        shows="on when rows pack several examples",
+        estimate=False,
+    )
+    eval_data: str | None = opt(
+        None, "held-out SOURCE (like --data)", estimate=False, metavar="SOURCE"
+    )
+    val_split: float = opt(0.0, "hold out this fraction of --data (0 = none)", estimate=False)
+    eval_every: int = opt(0, "evaluate every N steps (0 = at the end)", estimate=False)
+    seq_len: int = opt(256, "tokens per row")
+    batch_size: int = opt(8, "rows per micro-batch (per process)")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+
+    def check(self, cfg: TrainConfig) -> None:
+        for name in ("seq_len", "batch_size", "grad_accum"):
+            _at_least_one(name, getattr(self, name))
+        if self.eval_every < 0:
+            raise UserError(
+                f"--eval-every must be 0 (only at the end) or positive, got {self.eval_every}"
+            )
+        if not 0.0 <= self.val_split < 1.0:
+            raise UserError(f"--val-split must be a fraction in [0, 1), got {self.val_split}")
+        if self.val_split > 0 and self.eval_data is not None:
+            raise UserError(
+                "--val-split and --eval-data both name the held-out data; pass one of them"
+            )
+        if self.eval_every > 0 and self.eval_data is None and self.val_split == 0:
+            raise UserError(
+                "--eval-every needs held-out data: add --eval-data SOURCE or --val-split F"
+            )
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer, its state, and the learning-rate schedule."""
+
+    TITLE = "optimisation"
+    optimizer: OptimizerKind = opt("adamw", "AdamW, or AdamW with 8-bit moments")
+    optimizer_in_backward: bool = opt(
+        False, "step each parameter during backward and free its gradient at once"
+    )
+    bf16_compensation: Bf16Compensation = opt(
+        "none", "keep small bf16 updates from vanishing (with --dtype bf16)"
+    )
+    lr: float | None = opt(
+        None,
+        "peak learning rate",
+        shows="1e-3 from random init; 2e-5 fine-tuning --model-dir, 2e-4 with LoRA",
+        estimate=False,
+    )
+    weight_decay: float = opt(0.0, "AdamW weight decay", estimate=False)
+    warmup_steps: int | None = opt(
+        None, "linear warmup steps", shows="5% of the steps", estimate=False
+    )
+    schedule: Schedule = opt("cosine", "decay after warmup", estimate=False)
+    min_lr_ratio: float = opt(0.1, "final lr / peak lr", estimate=False)
+    max_grad_norm: float | None = opt(
+        None,
+        "clip gradients to this global norm (0 = off)",
+        shows="1.0; 0 with --optimizer-in-backward",
+    )
+
+    def check(self, cfg: TrainConfig) -> None:
+        from compiletune.optim import check_optimizer_flags
+
+        if self.lr is not None and not self.lr > 0:
+            raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise UserError(f"--max-grad-norm must be >= 0 (0 disables), got {self.max_grad_norm}")
+        check_optimizer_flags(
+            self.optimizer,
+            self.optimizer_in_backward,
+            cfg.data.grad_accum,
+            self.max_grad_norm or 0.0,
+            self.bf16_compensation,
+        )
+        if self.bf16_compensation != "none" and cfg.model.dtype != "bf16":
+            raise UserError(
+                f"--bf16-compensation {self.bf16_compensation} corrects bf16 parameter updates; "
+                "add --dtype bf16 or drop it"
+            )
+
+
+@dataclass
+class TechniquesConfig:
+    """The compiler and the memory techniques it applies."""
+
+    TITLE = "compiler and activation memory"
+    compile: bool = opt(False, "compile each block and the loss head through compiletune's backend")
+    compile_backend: CompileBackend = opt(
+        "inductor", "aot_eager: the same passes, no code generation (debugging)"
+    )
+    dump_graphs: str | None = opt(
+        None,
+        "write each region's graphs per stage and a summary.json here",
+        estimate=False,
+        metavar="DIR",
+    )
+    loss: Loss | None = opt(
+        None,
+        "the loss head: fused (no full logits), chunked, or plain",
+        shows="fused with --compile or a vocabulary of 32k+, else plain",
+    )
+    ac: str = opt("none", "activation policy: none | full | selective | budget=F")
+    ac_every: int = opt(1, "apply --ac to every K-th block")
+    offload_activations: bool = opt(
+        False, "what each block saves for backward goes to host memory (needs --compile)"
+    )
+
+    def check(self, cfg: TrainConfig) -> None:
+        from compiletune.activation import parse_ac
+
+        policy = parse_ac(self.ac, self.ac_every)
+        if policy.kind == "budget" and not self.compile:
+            raise UserError(
+                f"--ac {self.ac} is a setting of the compiler's partitioner; add --compile"
+            )
+        if self.offload_activations and not self.compile:
+            raise UserError(
+                "--offload-activations is a pass of the compile pipeline; add --compile"
+            )
+        if self.dump_graphs is not None and not self.compile:
+            raise UserError("--dump-graphs shows what the compiler did; it needs --compile")
+
+
+@dataclass
+class ParallelConfig:
+    """FSDP2 across processes (launch with torchrun for several)."""
+
+    TITLE = "distributed (launch with torchrun for several processes)"
+    fsdp: bool = opt(False, "shard parameters, gradients and optimizer state with FSDP2")
+    sharding: Sharding = opt(
+        "full", "what FSDP shards: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD"
+    )
+    shard_size: int | None = opt(None, "hybrid: processes per shard group", shows="per node")
+    cpu_offload: bool = opt(False, "parameters, gradients and the optimizer step on the host")
+
+    def check(self, cfg: TrainConfig) -> None:
+        from compiletune.distributed import launched_world_size
+
+        world = launched_world_size()
+        if world > 1 and not self.fsdp:
+            raise UserError(
+                f"{world} processes were launched but --fsdp is off; add --fsdp (every process "
+                "would otherwise train its own copy)"
+            )
+        if not self.fsdp:
+            for name, default in (
+                ("sharding", "full"),
+                ("shard_size", None),
+                ("cpu_offload", False),
+            ):
+                if getattr(self, name) != default:
+                    flag = "--" + name.replace("_", "-")
+                    raise UserError(f"{flag} is a setting of FSDP; add --fsdp or drop {flag}")
+        if self.shard_size is not None and (self.sharding != "hybrid" or self.shard_size < 1):
+            raise UserError(
+                "--shard-size (a positive process count) only applies to --sharding hybrid"
+            )
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA / QLoRA adapters (`models/lora.py`; adapter files in `adapter_io.py`)."""
+
+    TITLE = "LoRA / QLoRA"
+    rank: int = opt(
+        0, "train rank-R adapters, freeze every other weight (0 = off)", key="lora_rank"
+    )
+    alpha: float | None = opt(
+        None, "adapter scale: the update is scaled by alpha / R", key="lora_alpha", shows="2R"
+    )
+    dropout: float = opt(0.0, "dropout on the adapters' input", key="lora_dropout", estimate=False)
+    targets: str = opt(
+        "all-linear", "q,k,v,o,gate,up,down (any of them) or all-linear", key="lora_targets"
+    )
+    base_dtype: BaseDtype | None = opt(None, "the frozen weights' storage dtype", shows="--dtype")
+    quantize_base: Quantize | None = opt(None, "store the frozen projections in NF4 (QLoRA)")
+    merge: bool = opt(
+        False, "also write OUTPUT_DIR/merged at the end, adapters folded in", estimate=False
+    )
+
+    def check(self, cfg: TrainConfig) -> None:
+        from compiletune.models.lora import parse_targets
+
+        if self.rank < 0:
+            raise UserError(f"--lora-rank must be positive (0 = full fine-tuning), got {self.rank}")
+        if not self.rank:
+            for f in fields(self):
+                if f.name != "rank" and getattr(self, f.name) != f.default:
+                    flag = _flag(f)
+                    raise UserError(
+                        f"{flag} applies to LoRA runs; add --lora-rank R (e.g. 16) or drop {flag}"
+                    )
+            return
+        if self.alpha is not None and not self.alpha > 0:
+            raise UserError(f"--lora-alpha must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        try:
+            parse_targets(self.targets)
+        except ValueError as e:
+            raise UserError(f"--lora-targets {self.targets}: {e}") from e
+        if cfg.model.dtype == "bf16-mixed":
+            # FSDP's mixed precision would cast the NF4 codes too; LoRA has its own storage.
+            raise UserError(
+                "--dtype bf16-mixed does not apply to LoRA runs (the frozen base has its own "
+                "storage); pass --dtype bf16, or --dtype fp32 with --base-dtype bf16"
+            )
+
+
+@dataclass
+class RunConfig:
+    """How long the run is, and what it writes."""
+
+    TITLE = "run length and output"
+    max_steps: int | None = opt(None, "optimizer steps", shows="100", estimate=False)
+    epochs: int | None = opt(
+        None, "train this many passes over --data instead of --max-steps", estimate=False
+    )
+    seed: int = opt(0, "initialisation and data order", estimate=False)
+    output_dir: str | None = opt(
+        None, "run folder", shows="runs/<model>-<time>", estimate=False, metavar="DIR"
+    )
+    save_every: int = opt(0, "checkpoint every N steps (0 = at the end only)", estimate=False)
+    log: str | None = opt(None, "also log to: tensorboard, wandb (comma-separated)", estimate=False)
+    resume: bool = opt(False, "continue from the latest checkpoint in --output-dir", estimate=False)
+    overwrite: bool = opt(False, "replace an existing run in --output-dir", estimate=False)
+    preflight: bool = opt(
+        True,
+        "skip the memory estimate that refuses a step that cannot fit the GPU",
+        estimate=False,
+        negate=True,
+    )
+
+    def check(self, cfg: TrainConfig) -> None:
+        if self.max_steps is not None and self.epochs is not None:
+            raise UserError("--max-steps and --epochs both set the run's length; pass one of them")
+        if self.max_steps is not None:
+            _at_least_one("max_steps", self.max_steps)
+        if self.epochs is not None:
+            _at_least_one("epochs", self.epochs)
+        if self.save_every < 0:
+            raise UserError(
+                f"--save-every must be 0 (only at the end) or positive, got {self.save_every}"
+            )
+        from compiletune.loggers import parse_loggers
+
+        parse_loggers(self.log)
+        if self.resume and self.overwrite:
+            raise UserError("--resume and --overwrite contradict each other; pass one of them")
+        if self.resume and self.output_dir is None:
+            raise UserError("--resume needs the --output-dir of the run to continue")
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "techniques": TechniquesConfig,
+    "parallel": ParallelConfig,
+    "lora": LoRAConfig,
+    "run": RunConfig,
+}
 
 
 @dataclass
 class TrainConfig:
-    # what to train
-    model: str | None = None  # preset name; None -> "debug", or the architecture of --model-dir
-    model_dir: str | None = None  # local HF folder to fine-tune
-    n_layers: int | None = None  # override the preset's depth (random init; benches, debugging)
-    data: str = "pydocs"  # pydocs | file.txt | file.jsonl
-    tokenizer: str | None = None  # local HF tokenizer folder; default: the model dir, else bytes
-    # None -> on when rows pack several examples: each attends only to itself (see trainer)
-    doc_mask: bool | None = None
-    # held-out evaluation
-    eval_data: str | None = None  # a source like --data, evaluated on held-out loss/perplexity
-    val_split: float = 0.0  # or: hold out this fraction of --data's examples (0 = none)
-    eval_every: int = 0  # evaluate every N steps; 0 -> only at the end (with an eval source)
-    # shape of a step
-    seq_len: int = 256
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_steps: int = 100
-    # optimisation
-    lr: float | None = None  # None -> 1e-3 from random init, 2e-5 when fine-tuning --model-dir
-    weight_decay: float = 0.0
-    warmup_steps: int | None = None  # None -> 5% of max_steps
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.1
-    max_grad_norm: float | None = None  # None -> 1.0 (0 with --optimizer-in-backward); 0 = off
-    optimizer: str = "adamw"  # adamw | adamw8bit
-    optimizer_in_backward: bool = False  # step each parameter in its grad hook, free its grad
-    bf16_compensation: str = "none"  # none | kahan | stochastic (pure-bf16 parameter updates)
-    dtype: str | None = None  # None -> bf16 on a GPU that supports it, else fp32; bf16-mixed:
-    # fp32 master weights, bf16 compute, fp32 gradient reduction (FSDP's mixed precision)
-    seed: int = 0
-    # compiler
-    compile: bool = False  # compile each block and the loss head through compiletune's backend
-    compile_backend: str = "inductor"  # inductor | aot_eager (same passes, no code generation)
-    dump_graphs: str | None = None  # folder for per-region, per-stage graphs and summary.json
-    loss: str | None = None  # fused | chunked | plain; None -> fused with --compile or vocab >= 32k
-    ac: str = "none"  # activation policy: none | full | selective | budget=F
-    ac_every: int = 1  # apply --ac to every K-th block
-    offload_activations: bool = False  # what each block saves goes to host memory (needs --compile)
-    # distributed (FSDP2; launch with torchrun for several processes)
-    fsdp: bool = False  # shard parameters, gradients and optimizer state across processes
-    sharding: str = "full"  # full | grad-op | hybrid | none (FULL_SHARD, SHARD_GRAD_OP, ...)
-    shard_size: int | None = None  # hybrid: processes per shard group; None -> per node
-    cpu_offload: bool = False  # parameters, gradients and the optimizer step on the host
-    # LoRA / QLoRA (models/lora.py, compiletune/lora.py)
-    lora_rank: int = 0  # 0 -> full fine-tuning; R -> rank-R adapters, every other weight frozen
-    lora_alpha: float | None = None  # None -> 2 * lora_rank; the update is scaled by alpha / rank
-    lora_dropout: float = 0.0  # dropout on the adapters' input
-    lora_targets: str = "all-linear"  # comma list of q,k,v,o,gate,up,down, or all-linear
-    base_dtype: str | None = None  # storage of the frozen matrices; None -> --dtype
-    quantize_base: str | None = None  # nf4: frozen projections in 4-bit NormalFloat (QLoRA)
-    merge: bool = False  # at the end also write OUTPUT_DIR/merged, adapters folded in
-    # output
-    output_dir: str | None = None  # None -> runs/<model>-<time>
-    save_every: int = 0  # 0 -> only at the end
-    log: str | None = None  # extra metric loggers beside metrics.jsonl: tensorboard,wandb
-    resume: bool = False
-    overwrite: bool = False
-    preflight: bool = True  # on a GPU, refuse a step the memory estimate says cannot fit
+    """A whole run: `cfg.data.seq_len`, `cfg.lora.rank`, ... (see the sections above)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    techniques: TechniquesConfig = field(default_factory=TechniquesConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
+        """From `{key: value}` (YAML keys / flag names with underscores); unknown keys raise
+        KeyError (`load_yaml` names them for the user first)."""
+        per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in values.items():
+            section, attr = _BY_KEY[key]
+            per_section[section][attr] = value
+        return cls(**{name: _SECTIONS[name](**v) for name, v in per_section.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Flat `{key: value}`, the form of YAML files and `config.yaml`."""
+        return {
+            _key(f): getattr(getattr(self, section), f.name)
+            for section, cls in _SECTIONS.items()
+            for f in fields(cls)
+        }
+
+    def get(self, key: str) -> Any:
+        """The value of a flat key (`cfg.get("seq_len")`)."""
+        section, attr = _BY_KEY[key]
+        return getattr(getattr(self, section), attr)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some flat keys changed (`cfg.replace(ac="full")`)."""
+        return TrainConfig.from_flat({**self.to_dict(), **changes})
+
+    @property
+    def name(self) -> str:
+        """What the run trains, as banners and summaries name it."""
+        return self.model.preset or self.model.model_dir or "debug"
 
 
-FIELD_NAMES = {f.name for f in fields(TrainConfig)}
+def _key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key") or f.name
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return "--" + _key(f).replace("_", "-")
+
+
+_BY_KEY = {_key(f): (section, f.name) for section, cls in _SECTIONS.items() for f in fields(cls)}
+FIELD_NAMES = set(_BY_KEY)
+
+
+def _at_least_one(key: str, value: int) -> None:
+    if value < 1:
+        raise UserError(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+
+
+# ----------------------------------------------------------------------------- types
+
+
+def _unwrap(hint: Any) -> tuple[Any, bool]:
+    """(the type without `None`, whether None is allowed)."""
+    if get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        return args[0], len(args) < len(get_args(hint))
+    return hint, False
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_types(cfg: TrainConfig, origin: str) -> None:
+    """YAML values arrive untyped; make sure each has its field's type before anything runs."""
+    for section, cls in _SECTIONS.items():
+        sec = getattr(cfg, section)
+        hints = _hints(cls)
+        for f in fields(cls):
+            typ, nullable = _unwrap(hints[f.name])
+            value = getattr(sec, f.name)
+            if value is None and nullable:
+                continue
+            key = _key(f)
+            if get_origin(typ) is Literal:
+                allowed = get_args(typ)
+                if value not in allowed:
+                    raise UserError(
+                        f"{_flag(f)} must be one of {', '.join(allowed)}, got {value!r}"
+                    )
+                continue
+            if typ is float and isinstance(value, int) and not isinstance(value, bool):
+                setattr(sec, f.name, float(value))
+                continue
+            if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
+                what = "true or false" if typ is bool else typ.__name__
+                raise UserError(f"{origin}: {key} must be {what}, got {value!r}; fix the value")
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+@dataclass
+class RunFacts:
+    """What some defaults depend on beyond the config: read once the model and data are."""
+
+    vocab_size: int | None = None
+    packs_documents: bool | None = None  # does any training row hold two examples?
+    rows: int | None = None  # training rows (for --epochs)
+    world: int = 1
+
+
+def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
+    """Merge defaults, the YAML file and explicit flags, check every value, and fill the
+    defaults that need nothing but the config."""
+    unknown = sorted(set(yaml_values) - FIELD_NAMES)
+    if unknown:
+        raise UserError(f"config: unknown option '{unknown[0]}'")
+    cfg = TrainConfig.from_flat({**yaml_values, **flag_values})
+    _check_types(cfg, "config")
+    for section in _SECTIONS:
+        getattr(cfg, section).check(cfg)
+    fill_defaults(cfg)
+    return cfg
+
+
+def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfig:
+    """Every default that depends on other choices, decided here once (so `config.yaml` shows
+    it). Each is filled as soon as what it depends on is known: the build calls this again with
+    the facts of the model and data. Values already set are never changed."""
+    facts = facts or RunFacts()
+    o, lora, run = cfg.optim, cfg.lora, cfg.run
+    if o.lr is None:
+        # Adapters start at zero and are few: LoRA wants a ~10x larger lr than full fine-tuning.
+        o.lr = (2e-4 if lora.rank else 2e-5) if cfg.model.model_dir else 1e-3
+    if o.max_grad_norm is None:
+        # In-backward never holds all gradients at once, so there is no global norm to clip.
+        o.max_grad_norm = 0.0 if o.optimizer_in_backward else 1.0
+    if lora.rank and lora.alpha is None:
+        lora.alpha = 2.0 * lora.rank
+    if run.output_dir is None:
+        name = cfg.model.preset or (
+            Path(cfg.model.model_dir).name if cfg.model.model_dir else "debug"
+        )
+        run.output_dir = str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if run.max_steps is None and run.epochs is None:
+        run.max_steps = 100
+    if run.max_steps is None and facts.rows is not None:
+        rows_per_step = cfg.data.batch_size * cfg.data.grad_accum * facts.world
+        run.max_steps = max(1, run.epochs * -(-facts.rows // rows_per_step))
+    if o.warmup_steps is None and run.max_steps is not None:
+        o.warmup_steps = max(1, round(0.05 * run.max_steps)) if run.max_steps > 1 else 0
+    if cfg.techniques.loss is None and facts.vocab_size is not None:
+        # The fused head pays off once logits are large; a tiny vocabulary gains nothing from it.
+        big = cfg.techniques.compile or facts.vocab_size >= 32000
+        cfg.techniques.loss = "fused" if big else "plain"
+    if cfg.data.doc_mask is None and facts.packs_documents is not None:
+        # Document masking is the default wherever a row holds more than one example: without
+        # it an example attends to the unrelated text packed before it, which it never sees at
+        # inference, and its positions run on from that text. With the mask, loss and
+        # gradients of a packed row equal those of its examples run one by one (tested). Where
+        # no row holds two examples the mask changes nothing, and plain causal attention is
+        # the simpler kernel.
+        cfg.data.doc_mask = facts.packs_documents
+    return cfg
+
+
+# ----------------------------------------------------------------------------- files
 
 
 def load_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML run file into a dict of TrainConfig fields (dashes or underscores accepted)."""
+    """Read a YAML run file into a dict of config keys (dashes or underscores accepted)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--config {path}: no such file; pass the path of a YAML run file")
@@ -111,209 +576,50 @@ def load_yaml(path: str) -> dict[str, Any]:
     return out
 
 
-def _check_types(cfg: TrainConfig, origin: str) -> None:
-    """YAML values arrive untyped; make sure each has the field's type before anything runs."""
-    expected = {
-        "seq_len": int,
-        "batch_size": int,
-        "grad_accum": int,
-        "max_steps": int,
-        "save_every": int,
-        "seed": int,
-        "weight_decay": float,
-        "min_lr_ratio": float,
-        "optimizer_in_backward": bool,
-        "resume": bool,
-        "overwrite": bool,
-        "compile": bool,
-        "ac_every": int,
-        "offload_activations": bool,
-        "fsdp": bool,
-        "cpu_offload": bool,
-        "eval_every": int,
-        "val_split": float,
-        "preflight": bool,
-        "lora_rank": int,
-        "lora_dropout": float,
-        "lora_targets": str,
-        "merge": bool,
-    }
-    for name, typ in expected.items():
-        value = getattr(cfg, name)
-        if typ is float and isinstance(value, int) and not isinstance(value, bool):
-            setattr(cfg, name, float(value))
-            continue
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise UserError(
-                f"{origin}: {name} must be {typ.__name__}, got {value!r}; fix the value"
-            )
-
-
-def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
-    """Merge defaults, the YAML file and explicit flags, then check every value."""
-    cfg = TrainConfig(**{**yaml_values, **flag_values})
-    _check_types(cfg, "config")
-    positive = ("seq_len", "batch_size", "grad_accum", "max_steps")
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.save_every < 0:
-        raise UserError(
-            f"--save-every must be 0 (only at the end) or positive, got {cfg.save_every}"
-        )
-    if cfg.lr is not None and not cfg.lr > 0:
-        raise UserError(f"--lr must be positive, got {cfg.lr}")
-    if cfg.warmup_steps is not None and cfg.warmup_steps < 0:
-        raise UserError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
-    if cfg.dtype is not None and cfg.dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
-    if cfg.schedule not in SCHEDULES:
-        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        raise UserError(f"--min-lr-ratio must be within [0, 1], got {cfg.min_lr_ratio}")
-    if cfg.max_grad_norm is None:
-        # In-backward never holds all gradients at once, so there is no global norm to clip.
-        cfg.max_grad_norm = 0.0 if cfg.optimizer_in_backward else 1.0
-    if not isinstance(cfg.max_grad_norm, (int, float)) or cfg.max_grad_norm < 0:
-        raise UserError(f"--max-grad-norm must be >= 0 (0 disables), got {cfg.max_grad_norm}")
-    cfg.max_grad_norm = float(cfg.max_grad_norm)
-    from compiletune.optim import check_optimizer_flags
-
-    check_optimizer_flags(
-        cfg.optimizer,
-        cfg.optimizer_in_backward,
-        cfg.grad_accum,
-        cfg.max_grad_norm,
-        cfg.bf16_compensation,
-    )
-    if cfg.bf16_compensation != "none" and cfg.dtype != "bf16":
-        raise UserError(
-            f"--bf16-compensation {cfg.bf16_compensation} corrects bf16 parameter updates; "
-            "add --dtype bf16 or drop it"
-        )
-    if cfg.compile_backend not in COMPILE_BACKENDS:
-        raise UserError(
-            f"--compile-backend must be one of {', '.join(COMPILE_BACKENDS)}, got {cfg.compile_backend!r}"
-        )
-    if cfg.loss is not None and cfg.loss not in LOSSES:
-        raise UserError(f"--loss must be one of {', '.join(LOSSES)}, got {cfg.loss!r}")
-    if cfg.n_layers is not None and (cfg.model_dir is not None or cfg.n_layers < 1):
-        raise UserError(
-            "--n-layers (a positive depth) only applies to a random-init --model preset"
-        )
-    from compiletune.activation import parse_ac
-
-    policy = parse_ac(cfg.ac, cfg.ac_every)
-    if policy.kind == "budget" and not cfg.compile:
-        raise UserError(f"--ac {cfg.ac} is a setting of the compiler's partitioner; add --compile")
-    if cfg.offload_activations and not cfg.compile:
-        raise UserError("--offload-activations is a pass of the compile pipeline; add --compile")
-    if cfg.dump_graphs is not None and not cfg.compile:
-        raise UserError("--dump-graphs shows what the compiler did; it needs --compile")
-    from compiletune.distributed import SHARDINGS, launched_world_size
-
-    if cfg.sharding not in SHARDINGS:
-        raise UserError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {cfg.sharding!r}")
-    world = launched_world_size()
-    if world > 1 and not cfg.fsdp:
-        raise UserError(
-            f"{world} processes were launched but --fsdp is off; add --fsdp (every process "
-            "would otherwise train its own copy)"
-        )
-    if not cfg.fsdp:
-        for name, default in (("sharding", "full"), ("shard_size", None), ("cpu_offload", False)):
-            if getattr(cfg, name) != default:
-                flag = "--" + name.replace("_", "-")
-                raise UserError(f"{flag} is a setting of FSDP; add --fsdp or drop {flag}")
-        if cfg.dtype == "bf16-mixed":
-            raise UserError(
-                "--dtype bf16-mixed is FSDP's mixed precision; add --fsdp, or pass --dtype bf16"
-            )
-    if cfg.shard_size is not None and (cfg.sharding != "hybrid" or cfg.shard_size < 1):
-        raise UserError("--shard-size (a positive process count) only applies to --sharding hybrid")
-    if cfg.doc_mask is not None and not isinstance(cfg.doc_mask, bool):
-        raise UserError(f"config: doc_mask must be true or false, got {cfg.doc_mask!r}")
-    if cfg.eval_every < 0:
-        raise UserError(
-            f"--eval-every must be 0 (only at the end) or positive, got {cfg.eval_every}"
-        )
-    if not 0.0 <= cfg.val_split < 1.0:
-        raise UserError(f"--val-split must be a fraction in [0, 1), got {cfg.val_split}")
-    if cfg.val_split > 0 and cfg.eval_data is not None:
-        raise UserError("--val-split and --eval-data both name the held-out data; pass one of them")
-    if cfg.eval_every > 0 and cfg.eval_data is None and cfg.val_split == 0:
-        raise UserError("--eval-every needs held-out data: add --eval-data SOURCE or --val-split F")
-    from compiletune.loggers import parse_loggers
-
-    parse_loggers(cfg.log)
-    _check_lora(cfg)
-    if cfg.lora_rank and cfg.dtype == "bf16-mixed":
-        # FSDP's mixed precision would cast the NF4 codes too; LoRA has its own storage dtypes.
-        raise UserError(
-            "--dtype bf16-mixed does not apply to LoRA runs (the frozen base has its own "
-            "storage); pass --dtype bf16, or --dtype fp32 with --base-dtype bf16"
-        )
-    if cfg.resume and cfg.overwrite:
-        raise UserError("--resume and --overwrite contradict each other; pass one of them")
-    if cfg.resume and cfg.output_dir is None:
-        raise UserError("--resume needs the --output-dir of the run to continue")
-    # Defaults that depend on other choices are fixed here, once, so config.yaml shows them.
-    if cfg.lr is None:
-        # Adapters start at zero and are few: LoRA wants a ~10x larger lr than full fine-tuning.
-        cfg.lr = (2e-4 if cfg.lora_rank else 2e-5) if cfg.model_dir else 1e-3
-    if cfg.warmup_steps is None:
-        cfg.warmup_steps = max(1, round(0.05 * cfg.max_steps)) if cfg.max_steps > 1 else 0
-    if cfg.output_dir is None:
-        name = cfg.model or (Path(cfg.model_dir).name if cfg.model_dir else "debug")
-        cfg.output_dir = str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return cfg
-
-
-def _check_lora(cfg: TrainConfig) -> None:
-    """LoRA flags: values in range, and none of them without --lora-rank."""
-    from compiletune.models.lora import QUANTIZE, parse_targets
-
-    if cfg.lora_rank < 0:
-        raise UserError(f"--lora-rank must be positive (0 = full fine-tuning), got {cfg.lora_rank}")
-    if not cfg.lora_rank:
-        given = [
-            flag
-            for flag, value, default in (
-                ("--lora-alpha", cfg.lora_alpha, None),
-                ("--lora-dropout", cfg.lora_dropout, 0.0),
-                ("--lora-targets", cfg.lora_targets, "all-linear"),
-                ("--base-dtype", cfg.base_dtype, None),
-                ("--quantize-base", cfg.quantize_base, None),
-                ("--merge", cfg.merge, False),
-            )
-            if value != default
-        ]
-        if given:
-            raise UserError(
-                f"{given[0]} applies to LoRA runs; add --lora-rank R (e.g. 16) or drop {given[0]}"
-            )
-        return
-    if cfg.lora_alpha is None:
-        cfg.lora_alpha = 2.0 * cfg.lora_rank
-    if isinstance(cfg.lora_alpha, bool) or not isinstance(cfg.lora_alpha, (int, float)):
-        raise UserError(f"--lora-alpha must be a number, got {cfg.lora_alpha!r}")
-    cfg.lora_alpha = float(cfg.lora_alpha)
-    if not cfg.lora_alpha > 0:
-        raise UserError(f"--lora-alpha must be positive, got {cfg.lora_alpha}")
-    if not 0.0 <= cfg.lora_dropout < 1.0:
-        raise UserError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
-    try:
-        parse_targets(cfg.lora_targets)
-    except ValueError as e:
-        raise UserError(f"--lora-targets {cfg.lora_targets}: {e}") from e
-    if cfg.base_dtype is not None and cfg.base_dtype not in DTYPES:
-        raise UserError(f"--base-dtype must be one of {', '.join(DTYPES)}, got {cfg.base_dtype!r}")
-    if cfg.quantize_base is not None and cfg.quantize_base not in QUANTIZE:
-        raise UserError(
-            f"--quantize-base must be one of {', '.join(QUANTIZE)}, got {cfg.quantize_base!r}"
-        )
-
-
 def save_yaml(cfg: TrainConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+_METAVARS = {int: "N", float: "F", str: "VALUE"}
+
+
+def add_flags(parser: argparse.ArgumentParser, *, estimate_only: bool = False) -> None:
+    """One flag per config field, grouped by section. Every flag defaults to SUPPRESS, so only
+    flags the user typed reach the config and YAML values survive. `estimate_only`: just the
+    flags that change a memory estimate."""
+    S = argparse.SUPPRESS
+    for cls in _SECTIONS.values():
+        group = parser.add_argument_group(cls.TITLE)
+        hints = _hints(cls)
+        for f in fields(cls):
+            meta = f.metadata
+            if estimate_only and not meta["estimate"]:
+                continue
+            typ, _ = _unwrap(hints[f.name])
+            help_text = meta["help"]
+            shown = meta["shows"] if meta["shows"] is not None else f.default
+            kw: dict[str, Any] = {"default": S, "dest": _key(f)}
+            if typ is bool and meta["negate"]:
+                group.add_argument(
+                    "--no-" + _key(f).replace("_", "-"), action="store_false", help=help_text, **kw
+                )
+                continue
+            if typ is bool:
+                if f.default is None:
+                    kw["action"] = argparse.BooleanOptionalAction
+                    help_text += f" (default: {shown})"
+                else:
+                    kw["action"] = "store_true"
+            elif get_origin(typ) is Literal:
+                kw["choices"] = get_args(typ)
+                if shown is not None:
+                    help_text += f" (default: {shown})"
+            else:
+                kw["type"] = typ
+                kw["metavar"] = meta["metavar"] or _METAVARS.get(typ, "VALUE")
+                if shown is not None:
+                    help_text += f" (default: {shown})"
+            group.add_argument(_flag(f), help=help_text.replace("%", "%%"), **kw)

@@ -185,11 +185,11 @@ def shard_model(model: nn.Module, env: DistEnv, cfg: TrainConfig) -> None:
     """`apply_fsdp` with the run's choices (--sharding, --shard-size, --dtype, --cpu-offload)."""
     apply_fsdp(
         model,
-        build_mesh(env, cfg.sharding, cfg.shard_size),
-        sharding=cfg.sharding,
-        param_dtype=torch.bfloat16 if cfg.dtype == "bf16-mixed" else None,
-        cpu_offload=cfg.cpu_offload,
-        grad_hooks=cfg.optimizer_in_backward,
+        build_mesh(env, cfg.parallel.sharding, cfg.parallel.shard_size),
+        sharding=cfg.parallel.sharding,
+        param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16-mixed" else None,
+        cpu_offload=cfg.parallel.cpu_offload,
+        grad_hooks=cfg.optim.optimizer_in_backward,
     )
 
 

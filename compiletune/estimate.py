@@ -49,9 +49,15 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
+from compiletune import distributed as dist_
 from compiletune import memory_internals as mi
+from compiletune.activation import parse_ac
 from compiletune.config import TrainConfig
 from compiletune.errors import UserError
+from compiletune.loss import IGNORE_INDEX
+from compiletune.models import num_params
+from compiletune.optim import _local
+from compiletune.train import Probe, Run, StepBatch, build_run, train_step
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 # Internal categories: where FSDP keeps a tensor decides whether --cpu-offload moves it.
@@ -344,11 +350,9 @@ def estimate_memory(
     if gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {gpus}")
     t0 = time.perf_counter()
-    from compiletune.activation import parse_ac
-
-    policy = parse_ac(cfg.ac, cfg.ac_every)
+    policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
     notes = []
-    if cfg.compile:
+    if cfg.techniques.compile:
         notes.append(
             "--compile: estimated from the eager step with the same policies (compiled blocks "
             "save about as much)"
@@ -356,14 +360,14 @@ def estimate_memory(
     if policy.kind == "budget":
         # The partitioner's budget is a fraction of the activation memory between recomputing
         # everything (full) and saving what min-cut saves (none).
-        hi = _estimate(dataclasses.replace(cfg, ac="none"), gpus, round_bytes)
-        lo = _estimate(dataclasses.replace(cfg, ac="full"), gpus, round_bytes)
+        hi = _estimate(cfg.replace(ac="none"), gpus, round_bytes)
+        lo = _estimate(cfg.replace(ac="full"), gpus, round_bytes)
         f = policy.budget or 0.0
         est = _interpolate(lo, hi, f)
-        notes.append(f"--ac {cfg.ac}: interpolated between --ac full and --ac none")
+        notes.append(f"--ac {cfg.techniques.ac}: interpolated between --ac full and --ac none")
     else:
         est = _estimate(cfg, gpus, round_bytes)
-    if cfg.offload_activations:
+    if cfg.techniques.offload_activations:
         notes.append(
             "--offload-activations: saved activations counted on the host from the end of their "
             "block's forward until backward reads them"
@@ -390,32 +394,14 @@ def _interpolate(lo: MemoryEstimate, hi: MemoryEstimate, f: float) -> MemoryEsti
     return out
 
 
-def step_dtype(cfg: TrainConfig) -> torch.dtype:
-    """The dtype parameters are stored in on the GPU (the default is bf16, as on a GPU that
-    supports it; bf16-mixed stores fp32)."""
-    return {None: torch.bfloat16, "bf16": torch.bfloat16}.get(cfg.dtype, torch.float32)
-
-
-def _setup(cfg: TrainConfig) -> tuple[Any, torch.dtype, str]:
-    """(model args, storage dtype, loss kind) of the run, resolved as the trainer does."""
-    from compiletune.trainer import resolve_model_args
-
-    args = resolve_model_args(cfg)
-    loss = cfg.loss or ("fused" if cfg.compile or args.vocab_size >= 32000 else "plain")
-    return args, step_dtype(cfg), loss
-
-
 def _estimate(cfg: TrainConfig, gpus: int, round_bytes: int) -> MemoryEstimate:
-    args, dtype, loss = _setup(cfg)
-    fsdp = cfg.fsdp or gpus > 1
-    host = {_SHARDED, _GRAD, _OPT} if cfg.cpu_offload else set()
+    fsdp = cfg.parallel.fsdp or gpus > 1
+    host = {_SHARDED, _GRAD, _OPT} if cfg.parallel.cpu_offload else set()
     host.add(_ACT_HOST)
     tracker = _Tracker(host, round_bytes)
     group = mi.fake_process_group(gpus) if fsdp else contextlib.nullcontext()
     with group:
-        run_step(cfg, args, dtype, loss, gpus if fsdp else None, tracker, fake=True)
-    from compiletune.models import num_params
-
+        run = run_step(cfg, gpus if fsdp else None, tracker)
     device_keep = set(_REPORTED) - host
     parts = _reported(tracker.peak_totals, device_keep)
     return MemoryEstimate(
@@ -427,131 +413,94 @@ def _estimate(cfg: TrainConfig, gpus: int, round_bytes: int) -> MemoryEstimate:
         phase_peaks=dict(tracker.phase_peaks),
         gpus=gpus,
         setup={
-            "model": cfg.model or cfg.model_dir or "debug",
-            "params": num_params(args),
-            "dtype": cfg.dtype or "bf16",
-            "seq_len": cfg.seq_len,
-            "batch_size": cfg.batch_size,
-            "grad_accum": cfg.grad_accum,
-            "loss": loss,
-            "ac": cfg.ac,
-            "offload_activations": cfg.offload_activations,
-            "optimizer": cfg.optimizer,
-            "optimizer_in_backward": cfg.optimizer_in_backward,
+            "model": cfg.name,
+            "params": num_params(run.args),
+            "dtype": cfg.model.dtype or "bf16",
+            "seq_len": cfg.data.seq_len,
+            "batch_size": cfg.data.batch_size,
+            "grad_accum": cfg.data.grad_accum,
+            "loss": run.cfg.techniques.loss,
+            "ac": cfg.techniques.ac,
+            "offload_activations": cfg.techniques.offload_activations,
+            "optimizer": cfg.optim.optimizer,
+            "optimizer_in_backward": cfg.optim.optimizer_in_backward,
             "fsdp": fsdp,
-            "sharding": cfg.sharding if fsdp else None,
-            "cpu_offload": cfg.cpu_offload,
+            "sharding": cfg.parallel.sharding if fsdp else None,
+            "cpu_offload": cfg.parallel.cpu_offload,
         },
     )
 
 
+# The tracker's category for each part of the step (`Probe.observe`'s phases).
+_PHASES = {
+    "params": ("setup", _SHARDED),
+    "optimizer": ("setup", _OPT),
+    "forward": ("forward", _ACT),
+    "backward": ("backward", _TEMP),
+    "step": ("step", _TEMP),
+}
+
+
 def run_step(
-    cfg: TrainConfig,
-    args: Any,
-    dtype: torch.dtype,
-    loss_kind: str,
-    world: int | None,
-    tracker: _Tracker | None,
-    fake: bool,
-    device: str = "cpu",
-) -> None:
-    """One training step as the trainer runs it (rank 0's share of the batch), on fake tensors
-    under `tracker` or, with fake=False, on real tensors on `device` (measuring the estimate).
-
-    world: FSDP2 over that many ranks (a process group must exist), or None for one process.
-    The step runs min(grad_accum, 2) micro-batches: from the second on, gradients are alive.
-    """
-    from compiletune import distributed as dist_
-    from compiletune.activation import apply_eager_checkpointing, parse_ac
-    from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
-    from compiletune.models import Transformer
-    from compiletune.optim import Optimizer, _local
-
-    policy = parse_ac(cfg.ac, cfg.ac_every)
-    if policy.kind == "budget":
+    cfg: TrainConfig, world: int | None, tracker: _Tracker | None, device: str = "cpu"
+) -> Run:
+    """The trainer's own build (`build_run`) and step (`train_step`) as rank 0 of `world` FSDP
+    ranks (a process group must exist; None: one process), with random weights and tokens: on
+    fake tensors under `tracker`, or, without one, on real tensors on `device` (measuring the
+    estimate). The step runs min(grad_accum, 2) micro-batches: from the second on, gradients
+    are alive. Returns the run (its model and optimizer are the step's)."""
+    cfg = cfg.replace()  # the build fills derived defaults in; the caller's config stays as is
+    if parse_ac(cfg.techniques.ac, cfg.techniques.ac_every).kind == "budget":
         raise ValueError("run_step takes --ac none|full|selective; estimate_memory interpolates")
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to(dtype)
-    if cfg.lora_rank:
-        # The run's LoRA structure (adapters, frozen projections in --base-dtype or NF4 codes),
-        # built on meta as every FSDP rank builds it; only the adapters train.
-        from compiletune.models.lora import apply_lora
-        from compiletune.trainer import lora_spec, pick_dtype
-
-        base = pick_dtype(cfg.base_dtype, torch.device(device)) if cfg.base_dtype else dtype
-        kw = {"dtype": dtype, "base_dtype": base, "quantize": cfg.quantize_base}
-        apply_lora(model, lora_spec(cfg), **kw, seed=cfg.seed)
-    head = LossHead(model.output, head_kind(loss_kind, False))
-    if policy.kind != "none":
-        apply_eager_checkpointing(model, policy)
+    env = None
     if world is not None:
         env = dist_.DistEnv(0, world, 0, min(world, GPUS_PER_NODE), torch.device(device), False)
-        if not fake:
-            import torch.distributed as dist
+        if tracker is None:
+            env.rank = env.local_rank = torch.distributed.get_rank()
+    fake = tracker is not None
+    mode = mi.fake_mode() if fake else None
 
-            env.rank = env.local_rank = dist.get_rank()
-        dist_.shard_model(model, env, cfg)
-    mode = mi.fake_mode() if fake else contextlib.nullcontext()
-    track = tracker if tracker is not None else contextlib.nullcontext()
-    watch = contextlib.ExitStack()
-    if tracker is not None:
-        watch.enter_context(mi.watch_storage_resize(tracker.on_resize))
-        if world is not None:
-            watch.enter_context(mi.dtensor_shape_propagation(tracker.pause))
-    rows = cfg.batch_size
-    with mode, watch, track:
-        _phase(tracker, "setup", _SHARDED)
-        model.to_empty(device="cpu" if cfg.cpu_offload else device)
-        model.tie_weights()
-        if not fake:
-            with torch.no_grad():
-                model.init_weights()
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    def scope() -> contextlib.ExitStack:
+        # Fake tensors (one mode for the whole step), resized storages seen, then the tracker.
+        stack = contextlib.ExitStack()
+        if mode is not None:
+            stack.enter_context(mode)
         if tracker is not None:
-            for _, p in params:
+            stack.enter_context(mi.watch_storage_resize(tracker.on_resize))
+            if world is not None:
+                stack.enter_context(mi.dtensor_shape_propagation(tracker.pause))
+            stack.enter_context(tracker)
+        return stack
+
+    def observe(phase: str, params: list[torch.nn.Parameter]) -> None:
+        if tracker is None:
+            return
+        tracker.set_phase(*_PHASES[phase])
+        if phase == "optimizer":  # before the optimizer's own hooks (in-backward frees grads)
+            for p in params:
                 p.register_post_accumulate_grad_hook(
                     lambda p: p.grad is not None and tracker.retag(_local(p.grad), _GRAD)
                 )
-        _phase(tracker, "setup", _OPT)
-        optimizer = Optimizer(
-            params,
-            kind=cfg.optimizer,
-            lr=1e-4,
-            betas=(0.9, 0.95),
-            weight_decay=cfg.weight_decay,
-            in_backward=cfg.optimizer_in_backward,
-            bf16_compensation=cfg.bf16_compensation,
-            device=torch.device("cpu" if cfg.cpu_offload else device),
-            compile_step=False,  # eager in both, so a measurement compares like with like
-        )
-        offload = _offload_hooks(tracker, model) if cfg.offload_activations and tracker else None
-        micro = min(cfg.grad_accum, 2)
-        for _ in range(micro):
-            _phase(tracker, "forward", _ACT)
-            tokens = torch.randint(0, args.vocab_size, (rows, cfg.seq_len), device=device)
-            targets = torch.randint(0, args.vocab_size, (rows, cfg.seq_len), device=device)
-            targets[:, :1] = IGNORE_INDEX
-            with offload or contextlib.nullcontext():
-                hidden = model.hidden_states(tokens)  # [b, s, d]
-            loss = head(hidden, targets)
-            _phase(tracker, "backward", _TEMP)
-            (loss / (rows * cfg.seq_len)).backward()
-            del hidden, loss
-        _phase(tracker, "step", _TEMP)
-        if cfg.max_grad_norm and cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-        optimizer.remove_hooks()
+
+    run = build_run(cfg, env, fake=fake, probe=Probe(scope, observe, device))
+    rows, seq = cfg.data.batch_size, cfg.data.seq_len
+    micro = []
+    for _ in range(min(cfg.data.grad_accum, 2)):
+        tokens = torch.randint(0, run.args.vocab_size, (rows, seq))
+        targets = torch.randint(0, run.args.vocab_size, (rows, seq))
+        targets[:, :1] = IGNORE_INDEX
+        micro.append({"inputs": tokens, "targets": targets})
+    batch = StepBatch(micro, len(micro) * rows * (seq - 1))
+    offload = None
+    if cfg.techniques.offload_activations and tracker is not None:
+        offload = _host_activation_hooks(tracker, run.model)
+    with scope(), offload or contextlib.nullcontext():
+        train_step(run, batch, lr=1e-4)
+        run.optimizer.remove_hooks()
+    return run
 
 
-def _phase(tracker: _Tracker | None, phase: str, category: str) -> None:
-    if tracker is not None:
-        tracker.set_phase(phase, category)
-
-
-def _offload_hooks(tracker: _Tracker, model: Any) -> Any:
+def _host_activation_hooks(tracker: _Tracker, model: Any) -> Any:
     """saved_tensors_hooks that move what a block saves to the host category (and back when
     backward reads it): `--offload-activations` without the compiler."""
     start = {"seq": 0}
@@ -584,18 +533,16 @@ def measure_cpu_step(cfg: TrainConfig, world: int | None = None) -> int:
 
     world: FSDP2 over the process group the caller has set up (gloo), or None.
     """
-    args, dtype, loss = _setup(cfg)
-    return mi.cpu_allocation_peak(lambda: run_step(cfg, args, dtype, loss, world, None, fake=False))
+    return mi.cpu_allocation_peak(lambda: run_step(cfg, world, None))
 
 
 def measure_cuda_step(cfg: TrainConfig) -> int:
     """Peak bytes the same step allocates on the GPU, one process: torch.cuda's
     max_memory_allocated over the step, less what was allocated before it."""
-    args, dtype, loss = _setup(cfg)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    run_step(cfg, args, dtype, loss, None, None, fake=False, device="cuda")
+    run_step(cfg, None, None, device="cuda")
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
 
@@ -649,21 +596,21 @@ def flags_text(changes: dict[str, Any]) -> str:
 def _applies(cfg: TrainConfig, changes: dict[str, Any]) -> bool:
     """Whether a rung's flags are valid for this run (in-backward cannot accumulate; LoRA does
     not take FSDP's bf16-mixed precision)."""
-    if changes.get("lora_rank") and cfg.dtype == "bf16-mixed":
+    if changes.get("lora_rank") and cfg.model.dtype == "bf16-mixed":
         return False
-    return not (changes.get("optimizer_in_backward") and cfg.grad_accum > 1)
+    return not (changes.get("optimizer_in_backward") and cfg.data.grad_accum > 1)
 
 
 def ladder(cfg: TrainConfig, gpus: int) -> list[tuple[str, str, MemoryEstimate | None]]:
     """(rung, flags added, estimate or None when the rung does not apply) from the plain
     baseline of `cfg`'s model, shape, dtype and sharding up to every technique."""
-    current = dataclasses.replace(cfg, **_BASELINE)
+    current = cfg.replace(**_BASELINE)
     rows = []
     for name, changes in LADDER + LORA_RUNGS:
         if not _applies(current, changes):
             rows.append((name, flags_text(changes), None))
             continue
-        candidate = dataclasses.replace(current, **changes)
+        candidate = current.replace(**changes)
         try:
             est = estimate_memory(candidate, gpus)
         except UserError:  # e.g. NF4 blocks that do not divide this model's rows
@@ -685,12 +632,12 @@ def suggest(cfg: TrainConfig, gpus: int, capacity_bytes: int) -> str | None:
     current = cfg
     added: dict[str, Any] = {}
     for _, changes in LADDER[1:]:
-        todo = {k: v for k, v in changes.items() if getattr(current, k) != v}
-        if changes == {"ac": "full"} and current.ac != "none":
+        todo = {k: v for k, v in changes.items() if current.get(k) != v}
+        if changes == {"ac": "full"} and current.techniques.ac != "none":
             todo = {}
         if not todo or not _applies(current, todo):
             continue
-        current = dataclasses.replace(current, **todo)
+        current = current.replace(**todo)
         added.update(todo)
         if fits(estimate_memory(current, gpus), capacity_bytes):
             return flags_text(added)

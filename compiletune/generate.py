@@ -175,7 +175,7 @@ def run_generate(
 ) -> list[str]:
     """The `compiletune generate` command; returns the replies (for tests)."""
     from compiletune.tokenizer import load_tokenizer
-    from compiletune.trainer import pick_device, pick_dtype
+    from compiletune.train.build import pick_device, pick_dtype
 
     out = out or sys.stdout
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))

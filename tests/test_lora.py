@@ -16,7 +16,7 @@ from gloo import free_port, join_gloo
 from safetensors.torch import load_file
 from tiny_run import tiny_run
 
-from compiletune import lora as lora_io
+from compiletune import adapter_io
 from compiletune.cli import main
 from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import resolve
@@ -33,7 +33,7 @@ from compiletune.models.lora import (
 )
 from compiletune.models.nf4 import BLOCK, CODE, MAX_ABS_ERROR, dequantize_nf4, quantize_nf4
 from compiletune.tokenizer import byte_tokenizer
-from compiletune.trainer import train
+from compiletune.train import train
 
 peft = pytest.importorskip("peft")
 
@@ -194,10 +194,10 @@ def test_peft_adapter_loads_and_gives_peft_logits(tmp_path, case, targets):
         ),
     ).eval()
     peft_model.save_pretrained(tmp_path / "adapter")
-    spec = lora_io.read_adapter_spec(tmp_path / "adapter")
+    spec = adapter_io.read_adapter_spec(tmp_path / "adapter")
     assert spec.rank == 4 and spec.scale == 3.0
     model = apply_lora(from_hf(base), spec, dtype=torch.float32).eval()
-    lora_io.load_adapter(model, tmp_path / "adapter")
+    adapter_io.load_adapter(model, tmp_path / "adapter")
     t = tokens()
     with torch.no_grad():
         ours, theirs, plain = model(t), peft_model(t).logits, load_hf(base)(t).logits
@@ -211,8 +211,8 @@ def test_exported_adapter_loads_in_peft_and_merged_equals_base_plus_adapter(tmp_
     spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "k", "o", "gate", "up"))
     model = apply_lora(from_hf(base), spec, dtype=torch.float32, seed=3).eval()
     randomize_adapters(model)
-    lora_io.save_adapter(model, tmp_path / "adapter", base_model=str(base))
-    config = json.loads((tmp_path / "adapter" / lora_io.ADAPTER_CONFIG).read_text())
+    adapter_io.save_adapter(model, tmp_path / "adapter", base_model=str(base))
+    config = json.loads((tmp_path / "adapter" / adapter_io.ADAPTER_CONFIG).read_text())
     assert config["target_modules"] == ["gate_proj", "k_proj", "o_proj", "q_proj", "up_proj"]
     t = tokens(seed=2)
     with torch.no_grad():
@@ -220,8 +220,8 @@ def test_exported_adapter_loads_in_peft_and_merged_equals_base_plus_adapter(tmp_
         loaded = peft.PeftModel.from_pretrained(load_hf(base), tmp_path / "adapter").eval()
         assert rel_err(loaded(t).logits, ours) <= 1e-5
         # Merged: a plain HF folder, no adapter files; W' = W + alpha / r * B A.
-        lora_io.save_merged(model, tmp_path / "merged")
-        assert not (tmp_path / "merged" / lora_io.ADAPTER_CONFIG).exists()
+        adapter_io.save_merged(model, tmp_path / "merged")
+        assert not (tmp_path / "merged" / adapter_io.ADAPTER_CONFIG).exists()
         merged = load_hf(tmp_path / "merged")
         assert rel_err(merged(t).logits, ours) <= 1e-5
     weights = load_file(tmp_path / "merged" / "model.safetensors")
@@ -341,14 +341,14 @@ def test_lora_run_trains_adapters_only_and_merges(tmp_path, corpus, model_dir):
         "chat_template.jinja",
         "trainer_state.pt",
     ]
-    adapters = load_file(step / lora_io.ADAPTER_WEIGHTS)
+    adapters = load_file(step / adapter_io.ADAPTER_WEIGHTS)
     assert len(adapters) == 2 * 7 * 2 and all(".lora_" in k for k in adapters)
     # Optimizer state for the adapters only: 2 fp32 moments each.
     assert summary["trainable_params"] == sum(t.numel() for t in adapters.values())
     assert summary["optimizer_state_bytes"] == 8 * summary["trainable_params"] + 4 * len(adapters)
     rows = read_metrics(out / "metrics.jsonl")
     assert rows[-1]["loss"] < rows[0]["loss"]
-    config = json.loads((step / lora_io.ADAPTER_CONFIG).read_text())
+    config = json.loads((step / adapter_io.ADAPTER_CONFIG).read_text())
     assert config["base_model_name_or_path"] == str(Path(model_dir).resolve())
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
     # The merged folder loads in transformers and equals base + adapter.
@@ -371,8 +371,8 @@ def test_lora_resume_reproduces_the_uninterrupted_run(tmp_path, corpus):
     resumed = read_metrics(part / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
-    a = load_file(tmp_path / "full" / "step_6" / lora_io.ADAPTER_WEIGHTS)
-    b = load_file(part / "step_6" / lora_io.ADAPTER_WEIGHTS)
+    a = load_file(tmp_path / "full" / "step_6" / adapter_io.ADAPTER_WEIGHTS)
+    b = load_file(part / "step_6" / adapter_io.ADAPTER_WEIGHTS)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -583,12 +583,12 @@ def test_fsdp_lora_and_qlora_match_one_process_resume_and_export(tmp_path, corpu
         single, sharded = tmp_path / name / last, tmp_path / f"fsdp-{name}" / last
         files = {p.name for p in single.iterdir()}
         assert {p.name for p in sharded.iterdir()} == files | {"sharded"}
-        assert (sharded / lora_io.ADAPTER_CONFIG).read_text() == (
-            single / lora_io.ADAPTER_CONFIG
+        assert (sharded / adapter_io.ADAPTER_CONFIG).read_text() == (
+            single / adapter_io.ADAPTER_CONFIG
         ).read_text()
         a, b = (
-            load_file(sharded / lora_io.ADAPTER_WEIGHTS),
-            load_file(single / lora_io.ADAPTER_WEIGHTS),
+            load_file(sharded / adapter_io.ADAPTER_WEIGHTS),
+            load_file(single / adapter_io.ADAPTER_WEIGHTS),
         )
         assert a.keys() == b.keys()
         for k in a:
@@ -612,6 +612,6 @@ def test_fsdp_lora_and_qlora_match_one_process_resume_and_export(tmp_path, corpu
     full = read_metrics(tmp_path / "fsdp-lora" / "metrics.jsonl")
     resumed = read_metrics(tmp_path / "part" / "metrics.jsonl")
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
-    a = load_file(tmp_path / "fsdp-lora" / "step_4" / lora_io.ADAPTER_WEIGHTS)
-    b = load_file(tmp_path / "part" / "step_4" / lora_io.ADAPTER_WEIGHTS)
+    a = load_file(tmp_path / "fsdp-lora" / "step_4" / adapter_io.ADAPTER_WEIGHTS)
+    b = load_file(tmp_path / "part" / "step_4" / adapter_io.ADAPTER_WEIGHTS)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from compiletune.config import resolve
-from compiletune.trainer import train
+from compiletune.train import train
 
 
 def tiny_run(tmp_path: Path, data: str, name: str = "run", **overrides: Any) -> dict:

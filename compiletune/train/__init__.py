@@ -1,0 +1,24 @@
+"""Training: `build_run` builds, `train_step` steps, `Trainer` loops, `run_dir` keeps the folder.
+
+build.py     build_run(cfg, env) -> Run: model, techniques, optimizer, data (the one build)
+step.py      train_step(run, micro_batches) -> StepResult; evaluate; the lr schedule
+loop.py      train(cfg) -> Trainer(cfg, env).train(): the loop, logging, the summary
+run_dir.py   the run folder: checks, config.yaml, checkpoint cadence, summary, signals
+"""
+
+from compiletune.train.build import Probe, Run, build_run
+from compiletune.train.loop import Trainer, train
+from compiletune.train.step import StepBatch, StepResult, evaluate, next_batch, train_step
+
+__all__ = [
+    "Probe",
+    "Run",
+    "StepBatch",
+    "StepResult",
+    "next_batch",
+    "Trainer",
+    "build_run",
+    "evaluate",
+    "train",
+    "train_step",
+]

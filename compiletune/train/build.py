@@ -1,0 +1,488 @@
+"""`build_run`: the one place a run is built — model, techniques, optimizer, data.
+
+    config -> device, dtype, architecture -> tokenizer + data (or none, for a probe)
+      -> model (preset or HF folder; LoRA/NF4 as each block loads; on meta under FSDP)
+      -> techniques, in order: activation policy -> compile -> FSDP   (`apply_techniques`)
+      -> materialise (FSDP shards filled from rank 0) -> optimizer -> resume state
+
+`compiletune train` builds with real data and weights. `estimate-memory` builds a *probe*: the
+same model, techniques and optimizer with random weights and no data, inside the estimator's
+fake-tensor scope (`fake=True`), or on real tensors to check the estimate (`fake=False`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from compiletune import adapter_io
+from compiletune import checkpoint as ckpt
+from compiletune import distributed as dist_
+from compiletune.activation import apply_eager_checkpointing, parse_ac
+from compiletune.compile import CompiledRegions, CompileOptions, compile_regions
+from compiletune.config import RunFacts, TrainConfig, fill_defaults
+from compiletune.data import Batches, PackedData, load_examples, pack, split_examples
+from compiletune.errors import UserError
+from compiletune.loss import LossHead, head_kind
+from compiletune.models import (
+    ModelArgs,
+    Transformer,
+    args_from_hf_config,
+    build_model,
+    from_hf,
+    from_name,
+    load_hf_config,
+)
+from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
+from compiletune.optim import Optimizer
+from compiletune.tokenizer import byte_tokenizer, load_tokenizer
+
+# Fields that make two architectures different models (head_dim is compared resolved).
+_ARCH_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "qkv_bias")
+
+
+@dataclass
+class Probe:
+    """How `estimate-memory` watches a build: `scope()` is entered around everything that
+    allocates (materialising the model, the optimizer, each step) and `observe(phase, params)`
+    is told when each part begins ("params", "optimizer", "forward", "backward", "step")."""
+
+    scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    observe: Callable[[str, list[nn.Parameter]], None] = lambda phase, params: None
+    device: str = "cpu"
+
+
+@dataclass
+class Run:
+    """Everything a training step needs, built once."""
+
+    cfg: TrainConfig
+    env: dist_.DistEnv | None
+    device: torch.device
+    dtype: torch.dtype
+    args: ModelArgs
+    model: Transformer
+    head: LossHead
+    optimizer: Optimizer
+    params: list[nn.Parameter]  # the trainable ones
+    lora: LoRASpec | None
+    regions: CompiledRegions | None = None
+    tokenizer: Any = None
+    data: PackedData | None = None
+    eval_set: PackedData | None = None
+    batches: Batches | None = None
+    resume_from: Path | None = None
+    start_step: int = 0
+    probe: Probe | None = None
+    base_dtype: torch.dtype | None = None
+    offload_activations: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.env.world if self.env is not None else 1
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank if self.env is not None else 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.env is None or self.env.is_main
+
+    def observe(self, phase: str) -> None:
+        if self.probe is not None:
+            self.probe.observe(phase, self.params)
+
+
+# ----------------------------------------------------------------------------- choices
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The dtype parameters are stored in (bf16-mixed stores fp32 and computes in bf16)."""
+    if name is None:
+        bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16_ok else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-mixed": torch.float32}[name]
+
+
+def resolve_model_args(cfg: TrainConfig) -> ModelArgs:
+    """The architecture: from --model-dir's config.json, checked against --model if both given."""
+    m = cfg.model
+    if m.model_dir is None:
+        args = from_name(m.preset or "debug")
+        if m.n_layers is not None:
+            args.n_layers = m.n_layers
+        return args
+    args = args_from_hf_config(load_hf_config(m.model_dir))
+    if m.preset is not None:
+        preset = from_name(m.preset)
+        for name in (*_ARCH_FIELDS, "hd", "tie_embeddings"):
+            want, have = getattr(preset, name), getattr(args, name)
+            if want != have:
+                raise UserError(
+                    f"--model {m.preset} has {name}={want} but {m.model_dir}/config.json has "
+                    f"{have}; drop --model or pass the matching preset"
+                )
+    return args
+
+
+def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
+    """What the --lora-* flags ask for (None: full fine-tuning). Values were checked in config."""
+    lo = cfg.lora
+    if not lo.rank:
+        return None
+    return LoRASpec(
+        rank=lo.rank, alpha=float(lo.alpha), dropout=lo.dropout, targets=parse_targets(lo.targets)
+    )
+
+
+def resolve_tokenizer(cfg: TrainConfig) -> Any:
+    if cfg.model.tokenizer is not None:
+        return load_tokenizer(cfg.model.tokenizer)
+    if cfg.model.model_dir is not None:
+        return load_tokenizer(cfg.model.model_dir)
+    # Random-init presets train on raw bytes: no tokenizer files needed, any vocab >= 259 fits.
+    return byte_tokenizer()
+
+
+def check_resume_kind(checkpoint: Path, spec: LoRASpec | None) -> None:
+    """A LoRA run resumes from an adapter checkpoint with the same adapters; a full run from
+    weights."""
+    if adapter_io.is_adapter_folder(checkpoint) and spec is None:
+        raise UserError(
+            f"--resume: {checkpoint} is a LoRA checkpoint; pass the run's --lora-rank (and its "
+            "other --lora-* flags) to continue it"
+        )
+    if spec is None:
+        return
+    if not adapter_io.is_adapter_folder(checkpoint):
+        raise UserError(
+            f"--resume: {checkpoint} holds full weights, not a LoRA adapter; drop --lora-rank "
+            "to continue that run, or start the LoRA run in another --output-dir"
+        )
+    saved = adapter_io.read_adapter_spec(checkpoint)
+    if (saved.rank, saved.alpha, saved.targets) != (spec.rank, spec.alpha, spec.targets):
+        raise UserError(
+            f"--resume: {checkpoint} has rank {saved.rank}, alpha {saved.alpha:g} adapters on "
+            f"{','.join(saved.targets)}; pass --lora-rank {saved.rank} --lora-alpha "
+            f"{saved.alpha:g} --lora-targets {','.join(saved.targets)}"
+        )
+
+
+def _check_shapes(cfg: TrainConfig, args: ModelArgs, tokenizer: Any) -> None:
+    if len(tokenizer) > args.vocab_size:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+            f"{args.vocab_size}; pass a --tokenizer that matches the model"
+        )
+    seq_len = cfg.data.seq_len
+    if seq_len > args.max_seq_len:
+        raise UserError(
+            f"--seq-len {seq_len} is beyond the model's {args.max_seq_len} positions; "
+            f"pass --seq-len {args.max_seq_len} or less"
+        )
+    if args.sliding_window is not None and seq_len > args.sliding_window:
+        raise UserError(
+            f"--seq-len {seq_len} exceeds the model's sliding window of {args.sliding_window}, "
+            f"which compiletune does not implement; pass --seq-len {args.sliding_window} or less"
+        )
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[PackedData, PackedData | None]:
+    """The packed training rows, and the held-out rows (--val-split or --eval-data) if any."""
+    d = cfg.data
+    examples = load_examples(d.source, tokenizer)
+    held_out, held_out_name = None, None
+    if d.val_split > 0:
+        # Whole examples are held out before packing, so none is on both sides.
+        examples, held_out = split_examples(examples, d.val_split, cfg.run.seed)
+        held_out_name = f"the --val-split {d.val_split} held-out examples"
+    elif d.eval_data is not None:
+        held_out = load_examples(d.eval_data, tokenizer)
+        held_out_name = f"--eval-data {d.eval_data}"
+    data = pack(examples, d.seq_len, source=d.source)
+    eval_set = pack(held_out, d.seq_len, source=held_out_name, keep_tail=True) if held_out else None
+    return data, eval_set
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def _model_name(cfg: TrainConfig) -> str:
+    """What adapter_config.json names as the base: the folder, or the (seeded) preset."""
+    m = cfg.model
+    return str(Path(m.model_dir).resolve()) if m.model_dir else m.preset or "debug"
+
+
+def build_model_weights(
+    cfg: TrainConfig,
+    args: ModelArgs,
+    spec: LoRASpec | None,
+    lora_kw: dict[str, Any],
+    device: torch.device | str,
+    resume_from: Path | None,
+) -> Transformer:
+    """The model with its weights: the checkpoint's, --model-dir's, or drawn from the seed.
+    With LoRA each block becomes LoRA (NF4) as soon as it is loaded, so the full-size base never
+    exists, and a LoRA checkpoint's adapters are loaded on top."""
+    m, seed = cfg.model, cfg.run.seed
+    dtype = lora_kw["dtype"]
+    if spec is None:
+        if resume_from is not None:
+            return from_hf(resume_from, dtype=dtype, device=device)
+        if m.model_dir is not None:
+            return from_hf(m.model_dir, dtype=dtype, device=device)
+        return build_model(args, device=device, dtype=dtype, init=True, seed=seed)
+    adapt = block_adapter(spec, **lora_kw, seed=seed)
+    if m.model_dir is not None:
+        model = from_hf(m.model_dir, dtype=dtype, device=device, on_block=adapt)
+    else:
+        model = build_model(args, device, dtype, init=True, seed=seed, on_block=adapt)
+    apply_lora(model, spec, **lora_kw, blocks_adapted=True)
+    model.lora_base = _model_name(cfg)
+    if resume_from is not None:
+        adapter_io.load_adapter(model, resume_from)
+    return model
+
+
+def build_meta_model(
+    cfg: TrainConfig, args: ModelArgs, spec: LoRASpec | None, lora_kw: dict[str, Any]
+) -> Transformer:
+    """The model's structure on the meta device (LoRA adapters and NF4 codes included), as every
+    FSDP rank and the memory probe build it; `materialise` gives it storage."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to(lora_kw["dtype"])
+    if spec is not None:
+        apply_lora(model, spec, **lora_kw, seed=cfg.run.seed)
+        model.lora_base = _model_name(cfg)
+    config_dir = cfg.model.model_dir
+    if config_dir is not None:
+        model.hf_config = load_hf_config(config_dir)
+    return model
+
+
+# ----------------------------------------------------------------------------- techniques
+
+
+def apply_techniques(
+    model: Transformer, head: LossHead, cfg: TrainConfig, env: dist_.DistEnv | None, compile: bool
+) -> CompiledRegions | None:
+    """Every technique that wraps the model, in one place and in this order:
+
+    1. activation policy  (eager: torch.utils.checkpoint per block; compiled: a graph pass)
+    2. compile            (each block and the head through compiletune's backend)
+    3. FSDP2              (after compile, so FSDP's hooks stay outside the compiled blocks)
+    """
+    t = cfg.techniques
+    policy = parse_ac(t.ac, t.ac_every)
+    regions = None
+    if compile:
+        opts = CompileOptions(
+            backend=t.compile_backend,
+            loss=t.loss,
+            dump=t.dump_graphs is not None,
+            ac=policy,
+            offload=offloads_activations(cfg, model_device(env)),
+        )
+        regions = compile_regions(model, head, opts)
+    elif policy.kind != "none":
+        apply_eager_checkpointing(model, policy)
+    if env is not None:
+        dist_.shard_model(model, env, cfg)
+    return regions
+
+
+def model_device(env: dist_.DistEnv | None) -> torch.device:
+    return env.device if env is not None else pick_device()
+
+
+def offloads_activations(cfg: TrainConfig, device: torch.device) -> bool:
+    """--offload-activations, where it means something: on a CPU the device memory is host
+    memory, and offloading would copy every saved activation into a second buffer of the same
+    memory and back, for nothing."""
+    return cfg.techniques.offload_activations and device.type != "cpu"
+
+
+def materialise(
+    model: Transformer,
+    cfg: TrainConfig,
+    device: torch.device,
+    fill: str,
+    full_sd: dict[str, Tensor] | None = None,
+) -> None:
+    """Give a meta model storage on its device (the host with --cpu-offload), then fill it:
+    `fill` is "rank0" (rank 0's full state dict, each rank keeping its shard), "seed" (drawn
+    from the seed: the probe's real-tensor check), or "none" (fake tensors; or a sharded
+    checkpoint, which fills the shards when the training state is loaded)."""
+    model.to_empty(device="cpu" if cfg.parallel.cpu_offload else device)
+    model.tie_weights()
+    if fill == "seed":
+        with torch.no_grad():
+            model.init_weights()
+    elif fill == "rank0":
+        dist_.load_full_state(model, full_sd)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def build_run(
+    cfg: TrainConfig, env: dist_.DistEnv | None, *, fake: bool = False, probe: Probe | None = None
+) -> Run:
+    """Build the run `cfg` describes for this process (`env`: its place in an FSDP job).
+
+    With `probe` (the memory estimate's) nothing is read from disk: random weights, no data, no
+    compile (the estimate models compiled blocks by the same policies run eagerly), and with
+    `fake=True` every allocation happens on fake tensors inside `probe.scope()`.
+    """
+    if fake and probe is None:
+        raise ValueError("a fake build is the memory estimate's: pass its Probe")
+    torch.manual_seed(cfg.run.seed)
+    device = torch.device(probe.device) if probe is not None else model_device(env)
+    if env is not None:
+        device = env.device
+    dtype = pick_dtype(cfg.model.dtype, device) if probe is None else probe_dtype(cfg)
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError("--dtype bf16: this GPU has no bf16 support; pass --dtype fp32")
+    args = resolve_model_args(cfg)
+    spec = lora_spec(cfg)
+    if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
+        raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
+
+    tokenizer = data = eval_set = None
+    resume_from, state = None, None
+    world = env.world if env is not None else 1
+    if probe is None:
+        tokenizer = resolve_tokenizer(cfg)
+        _check_shapes(cfg, args, tokenizer)
+        data, eval_set = build_data(cfg, tokenizer)
+        facts = RunFacts(
+            vocab_size=args.vocab_size,
+            packs_documents=bool((data.doc_ids > 0).any()),
+            rows=data.rows,
+            world=world,
+        )
+        if cfg.run.resume:
+            resume_from = ckpt.latest_checkpoint(Path(cfg.run.output_dir))
+            state = ckpt.load_train_state(resume_from)
+            ckpt.check_resumable(
+                resume_from, state, world if env is not None else None, cfg.parallel.sharding
+            )
+            check_resume_kind(resume_from, spec)
+    else:
+        facts = RunFacts(vocab_size=args.vocab_size, packs_documents=False, world=world)
+    fill_defaults(cfg, facts)
+
+    base_dtype = pick_dtype(cfg.lora.base_dtype, device) if cfg.lora.base_dtype else dtype
+    lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.lora.quantize_base}
+    full_sd = None
+    if probe is not None or env is not None:
+        if probe is None and env.is_main and (resume_from is None or spec is not None):
+            # Rank 0 alone reads the checkpoint (or draws the initial weights, on the host, the
+            # same values a single CPU process draws): host RAM holds one model, not one per
+            # rank. A LoRA checkpoint holds no base, so its adapters come this way too.
+            full_sd = build_model_weights(cfg, args, spec, lora_kw, "cpu", resume_from).state_dict()
+        model = build_meta_model(cfg, args, spec, lora_kw)
+        if resume_from is not None and spec is None:
+            model.hf_config = load_hf_config(resume_from)
+    else:
+        model = build_model_weights(cfg, args, spec, lora_kw, device, resume_from)
+
+    # The head shares the model's output projection; with --compile both are compiled in place.
+    compiled = cfg.techniques.compile and probe is None
+    head = LossHead(model.output, head_kind(cfg.techniques.loss, compiled))
+    regions = apply_techniques(model, head, cfg, env, compiled)
+
+    scope = probe.scope() if probe is not None else contextlib.nullcontext()
+    params: list[nn.Parameter] = []
+    with scope:
+        if probe is not None:
+            probe.observe("params", params)
+        if probe is not None:
+            materialise(model, cfg, device, "none" if fake else "seed")
+        elif env is not None:
+            sharded_resume = resume_from is not None and spec is None
+            materialise(model, cfg, device, "none" if sharded_resume else "rank0", full_sd)
+        del full_sd
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params.extend(p for _, p in named)
+        if probe is not None:
+            probe.observe("optimizer", params)
+        o = cfg.optim
+        optimizer = Optimizer(
+            named,
+            kind=o.optimizer,
+            lr=o.lr,
+            betas=(0.9, 0.95),
+            weight_decay=o.weight_decay,
+            in_backward=o.optimizer_in_backward,
+            bf16_compensation=o.bf16_compensation,
+            device=torch.device("cpu") if cfg.parallel.cpu_offload else device,
+            # The probe's step runs eagerly on fake tensors; its real-tensor check does the same
+            # so that the two compare like with like.
+            compile_step=probe is None,
+        )
+
+    run = Run(
+        cfg=cfg,
+        env=env,
+        device=device,
+        dtype=dtype,
+        args=args,
+        model=model,
+        head=head,
+        optimizer=optimizer,
+        params=params,
+        lora=spec,
+        regions=regions,
+        tokenizer=tokenizer,
+        data=data,
+        eval_set=eval_set,
+        resume_from=resume_from,
+        probe=probe,
+        base_dtype=base_dtype,
+        offload_activations=offloads_activations(cfg, device),
+    )
+    if data is not None:
+        # Every rank draws the same global batch of world x --batch-size rows, trains its slice.
+        run.batches = Batches(data, cfg.data.batch_size * world, cfg.run.seed)
+    if state is not None:
+        _load_train_state(run, state)
+    return run
+
+
+def probe_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype parameters are stored in on the GPU the estimate is for (the default is bf16,
+    as on a GPU that supports it; bf16-mixed stores fp32)."""
+    return {None: torch.bfloat16, "bf16": torch.bfloat16}.get(cfg.model.dtype, torch.float32)
+
+
+def _load_train_state(run: Run, state: dict[str, Any]) -> None:
+    """Optimizer, data position and RNG from a checkpoint's training state."""
+    if run.env is not None:
+        opt_sd = dist_.load_sharded(
+            run.resume_from / dist_.SHARDED_DIR,
+            run.model if run.lora is None else None,  # LoRA: adapters came with rank 0's state
+            run.optimizer.state_dict(),
+        )
+    else:
+        opt_sd = state["optimizer"]
+    run.optimizer.load_state_dict(opt_sd)
+    run.batches.load_state_dict(state["data"])
+    ckpt.set_rng_state(state["rng"])
+    run.start_step = state["step"]

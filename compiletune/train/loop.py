@@ -1,0 +1,357 @@
+"""`compiletune train`: `train(cfg)` -> `Trainer(cfg, env).train()`.
+
+The loop reads as calls: draw a batch -> `train_step` -> (evaluate) -> log -> (checkpoint) ->
+stop on a signal or at the last step. Building is `build.py`'s, the step is `step.py`'s, and
+the run folder's duties are `run_dir.py`'s.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from compiletune import adapter_io, torch_internals
+from compiletune import checkpoint as ckpt
+from compiletune import distributed as dist_
+from compiletune.config import TrainConfig
+from compiletune.errors import UserError
+from compiletune.loggers import check_available, open_loggers, parse_loggers
+from compiletune.metrics import MetricsLog, peak_memory_gib
+from compiletune.models import num_params
+from compiletune.train import run_dir
+from compiletune.train.build import Run, build_run, pick_device
+from compiletune.train.step import StepResult, evaluate, lr_factor, next_batch, train_step
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run a training job described by `cfg`; returns the run summary (the same on every rank).
+
+    With --fsdp every process of the job runs this function; rank 0 alone writes the metrics,
+    the config and the summary, and prints.
+    """
+    if cfg.run.preflight and pick_device().type == "cuda":
+        preflight_check(cfg)
+    env = dist_.init_distributed(pick_device().type) if cfg.parallel.fsdp else None
+    try:
+        return Trainer(cfg, env).train()
+    finally:
+        if env is not None:
+            dist_.shutdown(env)
+
+
+def preflight_check(cfg: TrainConfig) -> None:
+    """Before anything is allocated: refuse a step that cannot fit this GPU, naming flags that
+    would make it fit (estimate.py, fake tensors; seconds for an 8B model). Runs before the
+    process group exists, since the estimate simulates its own. An estimator failure (a torch
+    version without one of its private APIs, say) warns and lets the run go on."""
+    from compiletune import estimate
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    capacity = torch.cuda.mem_get_info(local)[1]
+    world = dist_.launched_world_size() if cfg.parallel.fsdp else 1
+    try:
+        estimate.preflight(cfg, world, capacity)
+    except UserError:
+        raise
+    except Exception as e:  # the estimate is advice; never block a run on its own bug
+        warnings.warn(
+            f"compiletune: the memory pre-flight check failed ({type(e).__name__}: {e}); "
+            "continuing without it",
+            stacklevel=2,
+        )
+
+
+class Trainer:
+    """One process's part of a training job: set up, then `train()`."""
+
+    def __init__(self, cfg: TrainConfig, env: dist_.DistEnv | None) -> None:
+        self.cfg, self.env = cfg, env
+        self.main = env is None or env.is_main
+        self.graphs_before = torch_internals.dynamo_graphs_compiled()
+        # Everything that can be wrong is checked before anything is written.
+        self.out = run_dir.check_output_dir(cfg)
+        self.log_names = parse_loggers(cfg.run.log)
+        check_available(self.log_names)
+        self.run: Run = build_run(cfg, env)
+        if self.main:
+            run_dir.prepare_output_dir(cfg, self.out)
+        self.step = self.run.start_step
+        self.last_saved: Path | None = self.run.resume_from
+        self.first_loss = self.last_loss = float("nan")
+        self.last_eval: dict[str, float] | None = None
+        self.eval_seconds = 0.0
+        self.tokens_done = 0
+
+    def say(self, text: str) -> None:
+        if self.main:
+            print(text, flush=True)
+
+    # ------------------------------------------------------------------------- the loop
+
+    def train(self) -> dict[str, Any]:
+        cfg, run = self.cfg, self.run
+        self.banner()
+        resumed = run.resume_from is not None
+        metrics, loggers = None, []
+        if self.main:
+            at = self.step if resumed else None
+            metrics = MetricsLog(self.out / "metrics.jsonl", resume_step=at)
+            loggers = open_loggers(self.log_names, self.out, cfg.to_dict(), at)
+        interactive = sys.stderr.isatty() and self.main
+        bar = tqdm(
+            total=cfg.run.max_steps,
+            initial=self.step,
+            disable=not interactive,
+            unit="step",
+            ncols=100,
+        )
+        t_start = time.perf_counter()
+        try:
+            with run_dir.StopSignal(distributed=self.env is not None) as stop:
+                run.model.train()
+                while self.step < cfg.run.max_steps and not stop.should_stop():
+                    record = self.one_step(stop)
+                    at_end = self.step == cfg.run.max_steps or stop.should_stop()
+                    self.maybe_evaluate(record, at_end)
+                    if metrics is not None:
+                        metrics.write(record)
+                    for logger in loggers:
+                        logger.log(record)
+                    self.progress(record, bar, interactive)
+                    if self.step == run.start_step + 1:
+                        self.write_dump()  # every region has compiled by now
+                    if run_dir.checkpoint_due(cfg, self.step):
+                        self.last_saved = self.save(final=False)
+                train_peaks = self.gather_peaks()  # before the final save adds its own
+                merged = self.finish()
+        finally:
+            bar.close()
+            if metrics is not None:
+                metrics.close()
+            for logger in loggers:
+                logger.close()
+        return self.summarise(time.perf_counter() - t_start, train_peaks, merged)
+
+    def one_step(self, stop: run_dir.StopSignal) -> dict[str, Any]:
+        """Draw the step's micro-batches, run `train_step`, and return its metrics line."""
+        cfg, run = self.cfg, self.run
+        t0 = time.perf_counter()
+        batch = next_batch(run)
+        # The lr is a function of the step alone, so a resume needs no schedule state.
+        lr = cfg.optim.lr * lr_factor(self.step, cfg)
+        result: StepResult = train_step(run, batch, lr)
+        self.step += 1
+        loss_sum = result.loss_sum.item()
+        if self.env is not None:
+            # One collective per step: the global loss, and a stop request seen by any rank
+            # (so every rank leaves the loop after the same step).
+            loss_sum, votes = dist_.all_reduce_sum([loss_sum, stop.requested], run.device)
+            stop.agreed = votes > 0
+        loss = loss_sum / result.n_targets
+        if not math.isfinite(loss):
+            raise UserError(
+                f"the loss became {loss} at step {self.step}; lower --lr or use --dtype fp32"
+                + (f" (last good checkpoint: {self.last_saved})" if self.last_saved else "")
+            )
+        dt = time.perf_counter() - t0
+        n_tokens = cfg.data.grad_accum * cfg.data.batch_size * run.world * cfg.data.seq_len
+        self.tokens_done += n_tokens
+        grad_norm = result.grad_norm
+        if grad_norm is not None and hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()  # the norm over every rank's shards
+        if self.step == run.start_step + 1:
+            self.first_loss = loss
+        self.last_loss = loss
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens": n_tokens,
+            "targets": result.n_targets,
+            "tokens_per_s": n_tokens / dt,
+            "step_time_s": dt,
+            "peak_mem_gib": peak_memory_gib(run.device),
+            "epoch": run.batches.epoch,
+        }
+
+    def maybe_evaluate(self, record: dict[str, Any], at_end: bool) -> None:
+        """Held-out loss at --eval-every and at the end, onto this step's metrics line."""
+        every = self.cfg.data.eval_every
+        if self.run.eval_set is None or not (at_end or (every and self.step % every == 0)):
+            return
+        t0 = time.perf_counter()
+        self.last_eval = evaluate(self.run, self.run.eval_set)
+        self.eval_seconds += time.perf_counter() - t0
+        record.update(self.last_eval)  # eval_loss, eval_ppl, eval_targets
+
+    def progress(self, record: dict[str, Any], bar: tqdm, interactive: bool) -> None:
+        """The progress bar on a terminal; otherwise a line every tenth of the run."""
+        bar.update(1)
+        postfix = {
+            "loss": f"{record['loss']:.3f}",
+            "tok_s": f"{record['tokens_per_s']:.0f}",
+            "mem": f"{record['peak_mem_gib']:.2f}G",
+        }
+        if self.last_eval is not None:
+            postfix["eval"] = f"{self.last_eval['eval_loss']:.3f}"
+        bar.set_postfix(postfix)
+        max_steps = self.cfg.run.max_steps
+        evaluated = "eval_loss" in record
+        due = self.step % max(1, max_steps // 10) == 0 or self.step == max_steps or evaluated
+        if interactive or not due:
+            return
+        self.say(
+            f"step {self.step}/{max_steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+            f"{record['tokens_per_s']:.0f} tok/s mem {record['peak_mem_gib']:.2f} GiB"
+            + (
+                f" eval_loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}"
+                if evaluated
+                else ""
+            )
+        )
+
+    # ------------------------------------------------------------------------- saving
+
+    def train_state(self) -> dict[str, Any]:
+        state = {
+            "step": self.step,
+            "data": self.run.batches.state_dict(),
+            "rng": ckpt.rng_state(),
+            "config": self.cfg.to_dict(),
+        }
+        if self.env is None:
+            state["optimizer"] = self.run.optimizer.state_dict()
+        else:  # the optimizer state is in the sharded checkpoint, one entry per rank
+            state["world_size"] = self.run.world
+        return state
+
+    def save(self, final: bool) -> Path:
+        run = self.run
+        if self.env is None:
+            return ckpt.save_checkpoint(
+                self.out, self.step, run.model, run.tokenizer, self.train_state()
+            )
+        return ckpt.save_sharded_checkpoint(
+            self.out,
+            self.step,
+            run.model,
+            run.tokenizer,
+            self.train_state(),
+            run.optimizer.state_dict(),
+            is_main=self.main,
+            export_hf=final,
+        )
+
+    def finish(self) -> Path | None:
+        """The final checkpoint, and with --merge the merged model; returns the merged folder."""
+        if self.step > self.run.start_step or self.run.resume_from is None:
+            self.last_saved = self.save(final=True)
+        if not (self.cfg.lora.merge and self.step >= self.cfg.run.max_steps):
+            return None
+        merged = adapter_io.save_merged(
+            self.run.model,
+            self.out / adapter_io.MERGED_DIR,
+            tokenizer=self.run.tokenizer,
+            writer=self.main,
+        )
+        if self.env is not None:
+            torch.distributed.barrier()  # the folder is complete before any rank returns
+        return merged
+
+    def write_dump(self) -> None:
+        if self.run.regions is not None and self.cfg.techniques.dump_graphs and self.main:
+            self.run.regions.write_dump(Path(self.cfg.techniques.dump_graphs))
+
+    # ------------------------------------------------------------------------- reporting
+
+    def gather_peaks(self) -> list[float]:
+        """Every rank's peak memory so far (the busiest rank's is the run's)."""
+        peak = peak_memory_gib(self.run.device)
+        return [peak] if self.env is None else dist_.gather_floats(peak, self.run.device)
+
+    def banner(self) -> None:
+        cfg, run = self.cfg, self.run
+        if cfg.techniques.offload_activations and not run.offload_activations:
+            self.say(
+                "--offload-activations: training on the CPU, where activations already live in "
+                "host memory; nothing to offload, the flag is ignored"
+            )
+        dtype_name = (
+            "bf16-mixed" if cfg.model.dtype == "bf16-mixed" else str(run.dtype).split(".")[-1]
+        )
+        where = f"{dtype_name} on {run.device.type}"
+        if self.env is not None:
+            offload = ", CPU offload" if cfg.parallel.cpu_offload else ""
+            where += f" x {run.world} processes (FSDP2 {cfg.parallel.sharding}{offload})"
+        n_params = num_params(run.args)
+        line = (
+            f"model {cfg.name}: {n_params / 1e6:.1f}M parameters, {where}; data "
+            f"{cfg.data.source}: {run.data.inputs.shape[0]} rows of {cfg.data.seq_len} tokens"
+            + (", document-masked" if cfg.data.doc_mask else "")
+            + (f"; eval {run.eval_set.rows} rows" if run.eval_set is not None else "")
+            + f"; output {self.out}"
+            + (f"; resuming from {run.resume_from.name}" if run.resume_from else "")
+        )
+        self.say(line)
+        if run.lora is not None:
+            n_trainable = sum(p.numel() for p in run.params)
+            stored = cfg.lora.quantize_base or str(run.base_dtype).split(".")[-1]
+            self.say(
+                f"LoRA rank {run.lora.rank} (alpha {run.lora.alpha:g}) on "
+                f"{','.join(run.lora.targets)}: {n_trainable / 1e6:.2f}M trainable parameters "
+                f"({n_trainable / n_params:.2%}), frozen projections stored as {stored}"
+            )
+
+    def summarise(
+        self, seconds: float, train_peaks: list[float], merged: Path | None
+    ) -> dict[str, Any]:
+        cfg, run = self.cfg, self.run
+        elapsed = seconds - self.eval_seconds  # training time alone
+        rank_peaks = self.gather_peaks()
+        compile_stats = run.regions.stats() if run.regions is not None else None
+        # Graphs compiled outside the model's regions: torch.compile'd helpers (the fused
+        # head's row functions and gradient scaling on a CPU, our optimizer step).
+        graphs = torch_internals.dynamo_graphs_compiled() - self.graphs_before
+        helper_graphs = max(0, graphs - (compile_stats["compiles"] if compile_stats else 0))
+        self.write_dump()
+        last_eval = self.last_eval
+        summary = {
+            "steps": self.step,
+            "interrupted": self.step < cfg.run.max_steps,
+            "first_loss": self.first_loss,
+            "final_loss": self.last_loss,
+            "tokens": self.tokens_done,
+            "seconds": elapsed,
+            "tokens_per_s": self.tokens_done / elapsed if elapsed > 0 else 0.0,
+            "peak_mem_gib": max(rank_peaks),  # the busiest rank's peak
+            "peak_mem_gib_per_rank": rank_peaks,
+            "train_peak_mem_gib_per_rank": train_peaks,
+            "checkpoint": str(self.last_saved) if self.last_saved else None,
+            "merged": str(merged) if merged else None,
+            "trainable_params": sum(p.numel() for p in run.params),
+            "optimizer": cfg.optim.optimizer
+            + (" in-backward" if cfg.optim.optimizer_in_backward else ""),
+            "optimizer_state_bytes": run.optimizer.state_bytes(),
+            "output_dir": str(self.out),
+            "loss_kind": cfg.techniques.loss,
+            "doc_mask": cfg.data.doc_mask,
+            "eval_loss": last_eval["eval_loss"] if last_eval else None,
+            "eval_ppl": last_eval["eval_ppl"] if last_eval else None,
+            "eval_seconds": self.eval_seconds,
+            "compile": compile_stats,
+            "helper_graphs": helper_graphs,
+            "processes": run.world,
+        }
+        if self.main:
+            run_dir.write_summary(self.out, summary)
+        self.say(run_dir.closing_line(summary))
+        return summary

@@ -1,0 +1,136 @@
+"""`train_step`: the one training step (the trainer's and the memory estimate's), and `evaluate`.
+
+micro-batches -> forward (hidden states) -> loss head (fused / chunked / plain) -> backward
+  -> (accumulate) -> clip -> optimizer step -> zero grads
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from compiletune import distributed as dist_
+from compiletune.config import TrainConfig
+from compiletune.data import PackedData, count_targets, eval_batches
+from compiletune.loss import IGNORE_INDEX, LossHead
+from compiletune.metrics import perplexity
+from compiletune.train.build import Run
+
+Batch = dict[str, Tensor]
+
+
+@dataclass
+class StepBatch:
+    """The input of one optimizer step."""
+
+    micro: list[Batch]  # --grad-accum global batches of world x --batch-size rows, on the host
+    n_targets: int  # target tokens in all of them: what the loss is normalised by
+
+
+def next_batch(run: Run) -> StepBatch:
+    """The next step's micro-batches from the run's data. Every rank draws the same global
+    batches, so the target count needs no communication."""
+    micro = [run.batches.next() for _ in range(run.cfg.data.grad_accum)]
+    return StepBatch(micro, sum(count_targets(mb) for mb in micro))
+
+
+@dataclass
+class StepResult:
+    loss_sum: Tensor  # fp32 [], this rank's loss summed over its target tokens (not synced)
+    n_targets: int  # target tokens of the whole global batch, every micro-batch
+    grad_norm: Tensor | None  # before clipping; None when clipping is off
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): warmup, then decay."""
+    o = cfg.optim
+    warmup = o.warmup_steps or 0
+    if step < warmup:
+        return (step + 1) / warmup
+    if o.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, cfg.run.max_steps - warmup))
+    floor = o.min_lr_ratio
+    if o.schedule == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def forward_hidden(model: torch.nn.Module, batch: Batch, doc_mask: bool) -> Tensor:
+    """Hidden states [b, s, d] of a batch; with `doc_mask` every packed example attends only to
+    itself, with its positions restarting at 0 (as if it were alone in the row)."""
+    if doc_mask:
+        return model.hidden_states(batch["inputs"], batch["positions"], batch["doc_ids"])
+    return model.hidden_states(batch["inputs"])
+
+
+def train_step(run: Run, batch: StepBatch, lr: float | None = None) -> StepResult:
+    """One optimizer step over `batch` (this rank trains its slice of each global batch).
+    `lr` is set before backward, since --optimizer-in-backward steps during backward."""
+    cfg, device = run.cfg, run.device
+    if lr is not None:
+        run.optimizer.set_lr(lr)
+    b = cfg.data.batch_size
+    rows = slice(run.rank * b, (run.rank + 1) * b)
+    # The loss is normalised by the target tokens of the whole accumulated batch, so
+    # accumulation gives the same gradient as one big batch; FSDP averages gradients over
+    # ranks, which the factor `world` undoes.
+    n_targets = batch.n_targets
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for mb in batch.micro:
+        run.observe("forward")
+        mb = {k: v[rows].to(device, non_blocking=True) for k, v in mb.items()}
+        hidden = forward_hidden(run.model, mb, bool(cfg.data.doc_mask))  # [b, s, d]
+        loss = run.head(hidden, mb["targets"])  # fp32 [], summed over targets
+        run.observe("backward")
+        (loss * (run.world / max(1, n_targets))).backward()
+        total += loss.detach()
+        del hidden, loss
+    run.observe("step")
+    max_norm = cfg.optim.max_grad_norm or 0.0
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm) if max_norm > 0 else None
+    run.optimizer.step()  # a no-op with --optimizer-in-backward: already stepped
+    run.optimizer.zero_grad()
+    return StepResult(total, n_targets, grad_norm)
+
+
+def evaluate(run: Run, data: PackedData) -> dict[str, float]:
+    """Mean loss per target token (and its perplexity) over every row of `data`.
+
+    Runs eagerly even under --compile (`force_eager`): the compiled regions were traced with
+    gradients on, so calling them under no_grad would compile them a second time, and a short
+    last batch a third. Eager gives the same loss (the numerics contract), and without autograd
+    nothing is kept for a backward.
+
+    Under FSDP the rows are split over the ranks as training batches are (each global batch of
+    world x batch_size rows, each rank its slice), and the sums are added up at the end. Every
+    rank runs the same number of forwards (FSDP's gathers are collectives): a rank whose slice
+    of the last global batch is empty runs one row with no targets.
+    """
+    cfg, device, model = run.cfg, run.device, run.model
+    rank, world, b = run.rank, run.world, cfg.data.batch_size
+    head = LossHead(model.output, cfg.techniques.loss)  # shares the weight; the eager form
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    n_targets = 0
+    model.eval()
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            for batch in eval_batches(data, b * world):
+                mine = {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}
+                if mine["inputs"].shape[0] == 0:
+                    mine = {k: v[:1] for k, v in batch.items()}
+                    mine["targets"] = torch.full_like(mine["targets"], IGNORE_INDEX)
+                mine = {k: v.to(device, non_blocking=True) for k, v in mine.items()}
+                total += head(forward_hidden(model, mine, bool(cfg.data.doc_mask)), mine["targets"])
+                n_targets += int((mine["targets"] != IGNORE_INDEX).sum())
+    finally:
+        model.train()
+    loss_sum = total.item()
+    if run.env is not None:
+        loss_sum, n_targets = dist_.all_reduce_sum([loss_sum, n_targets], device)
+        n_targets = int(n_targets)
+    loss = loss_sum / n_targets
+    return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_targets": n_targets}
