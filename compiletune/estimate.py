@@ -484,13 +484,13 @@ def run_step(
 
     run = build_run(cfg, env, fake=fake, probe=Probe(scope, observe, device))
     rows, seq = cfg.data.batch_size, cfg.data.seq_len
-    micro = []
+    micro = []  # global batches, as the trainer draws them; each rank trains its slice
     for _ in range(min(cfg.data.grad_accum, 2)):
-        tokens = torch.randint(0, run.args.vocab_size, (rows, seq))
-        targets = torch.randint(0, run.args.vocab_size, (rows, seq))
+        tokens = torch.randint(0, run.args.vocab_size, (rows * run.world, seq))
+        targets = torch.randint(0, run.args.vocab_size, (rows * run.world, seq))
         targets[:, :1] = IGNORE_INDEX
         micro.append({"inputs": tokens, "targets": targets})
-    batch = StepBatch(micro, len(micro) * rows * (seq - 1))
+    batch = StepBatch(micro, len(micro) * rows * run.world * (seq - 1))
     offload = None
     if cfg.techniques.offload_activations and tracker is not None:
         offload = _host_activation_hooks(tracker, run.model)

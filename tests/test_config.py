@@ -21,15 +21,15 @@ def test_flags_override_yaml_which_overrides_defaults(tmp_path):
     run = tmp_path / "run.yaml"
     run.write_text("seq-len: 64\nbatch_size: 3\nlr: 0.01\n")
     cfg = resolve(load_yaml(str(run)), flags("--batch-size", "5"))
-    assert (cfg.seq_len, cfg.batch_size, cfg.lr) == (64, 5, 0.01)
-    assert cfg.grad_accum == 1  # untouched default
+    assert (cfg.data.seq_len, cfg.data.batch_size, cfg.optim.lr) == (64, 5, 0.01)
+    assert cfg.data.grad_accum == 1  # untouched default
 
 
 def test_derived_defaults():
     cfg = resolve({}, {"max_steps": 100})
-    assert cfg.lr == 1e-3 and cfg.warmup_steps == 5
-    assert cfg.output_dir.startswith("runs/debug-")
-    assert resolve({}, {"model_dir": "/x/Llama"}).lr == 2e-5
+    assert cfg.optim.lr == 1e-3 and cfg.optim.warmup_steps == 5
+    assert cfg.run.output_dir.startswith("runs/debug-")
+    assert resolve({}, {"model_dir": "/x/Llama"}).optim.lr == 2e-5
 
 
 @pytest.mark.parametrize(
@@ -112,3 +112,102 @@ def test_cli_backs_large_cpu_tensors_with_huge_pages(env, advised):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == advised
+
+
+def test_every_field_is_one_flag_and_one_yaml_key_and_round_trips(tmp_path):
+    """A field is declared once: its flag, its YAML key and config.yaml come from it."""
+    from compiletune.config import FIELD_NAMES, TrainConfig, save_yaml
+
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices["train"]
+    dests = {a.dest for a in sub._actions} - {"help", "config"}
+    assert dests == FIELD_NAMES
+    cfg = resolve({}, {"lora_rank": 4, "seq_len": 64, "model": "debug"})
+    save_yaml(cfg, tmp_path / "config.yaml")
+    again = resolve(load_yaml(str(tmp_path / "config.yaml")), {})
+    assert again == cfg and TrainConfig.from_flat(cfg.to_dict()) == cfg
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.model.preset) == (4, 8.0, "debug")
+
+
+def test_help_shows_the_real_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "see README" not in text
+    for needle in (
+        "--lr F peak learning rate (default: 1e-3 from random init; 2e-5 fine-tuning --model-dir, "
+        "2e-4 with LoRA)",
+        "(default: bf16 on a GPU that supports it, else fp32)",
+        "--loss {fused,chunked,plain}",
+        "--seq-len N tokens per row (default: 256)",
+        "--epochs N",
+        "--no-preflight",
+    ):
+        assert needle in text, needle
+
+
+def test_estimate_help_lists_only_flags_that_change_the_estimate(capsys):
+    with pytest.raises(SystemExit):
+        main(["estimate-memory", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--seq-len", "--ac", "--lora-rank", "--quantize-base", "--gpus", "--cpu-offload"):
+        assert flag in text
+    for flag in ("--lr", "--data", "--output-dir", "--max-steps", "--save-every", "--merge"):
+        assert flag not in text
+    with pytest.raises(SystemExit) as e:
+        main(["estimate-memory", "--lr", "1e-4"])  # not a flag of the estimate
+    assert e.value.code == 2
+
+
+def test_version(capsys):
+    from compiletune import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"compiletune {__version__}"
+    assert __version__[0].isdigit()
+
+
+def test_epochs_set_the_steps_once_the_data_is_known():
+    from compiletune.config import RunFacts, fill_defaults
+
+    with pytest.raises(UserError, match="--max-steps and --epochs both"):
+        resolve({}, {"max_steps": 10, "epochs": 1})
+    with pytest.raises(UserError, match="--epochs must be at least 1"):
+        resolve({}, {"epochs": 0})
+    cfg = resolve({}, {"epochs": 2, "batch_size": 8, "grad_accum": 2})
+    assert cfg.run.max_steps is None and cfg.optim.warmup_steps is None
+    fill_defaults(cfg, RunFacts(vocab_size=512, rows=100, world=1))
+    assert cfg.run.max_steps == 2 * 7  # ceil(100 rows / 16 per step) per epoch
+    assert cfg.optim.warmup_steps == 1
+    two = fill_defaults(resolve({}, {"epochs": 1}), RunFacts(rows=100, world=2))
+    assert two.run.max_steps == 7  # ceil(100 / (8 x 2 processes))
+    assert resolve({}, {}).run.max_steps == 100  # neither given
+
+
+def test_derived_loss_and_doc_mask_need_their_facts():
+    from compiletune.config import RunFacts, fill_defaults
+
+    cfg = resolve({}, {})
+    assert cfg.techniques.loss is None and cfg.data.doc_mask is None
+    fill_defaults(cfg, RunFacts(vocab_size=128256, packs_documents=True))
+    assert (cfg.techniques.loss, cfg.data.doc_mask) == ("fused", True)
+    small = fill_defaults(resolve({}, {"doc_mask": False}), RunFacts(vocab_size=512))
+    assert (small.techniques.loss, small.data.doc_mask) == ("plain", False)
+    compiled = fill_defaults(resolve({}, {"compile": True}), RunFacts(vocab_size=512))
+    assert compiled.techniques.loss == "fused"
+
+
+@pytest.mark.parametrize(
+    "values, needle",
+    [
+        ({"loss": "fast"}, "--loss must be one of fused, chunked, plain, got 'fast'"),
+        ({"sharding": "zero3", "fsdp": True}, "--sharding must be one of"),
+        ({"compile": "yes"}, "config: compile must be true or false"),
+        ({"lr": "0.1"}, "config: lr must be float"),
+    ],
+)
+def test_yaml_values_are_checked_against_the_field_types(values, needle):
+    with pytest.raises(UserError, match=needle):
+        resolve(values, {})

@@ -130,11 +130,11 @@ def test_preflight_refuses_a_step_that_cannot_fit_and_names_the_fix(
     with pytest.raises(UserError, match="use more GPUs"):
         estimate.preflight(cfg, 1, estimate.RESERVE_BYTES + 2**20)
     # The trainer's check reads the GPU's capacity; here a fake one.
-    from compiletune import trainer
+    from compiletune.train import loop
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, tight))
     with pytest.raises(UserError, match="--ac full"):
-        trainer.preflight_check(cfg)
+        loop.preflight_check(cfg)
 
 
 def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:

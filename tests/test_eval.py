@@ -19,7 +19,7 @@ from compiletune.data import Example, pack, split_examples
 from compiletune.loss import IGNORE_INDEX, LossHead
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_name
-from compiletune.trainer import evaluate
+from compiletune.train import evaluate
 
 DOCS = [
     f"Note {i}: the {['red', 'blue', 'green'][i % 3]} fox counts {i * 7 % 13} hens." * (i % 4 + 1)

@@ -189,7 +189,16 @@ class Trainer:
         if self.run.eval_set is None or not (at_end or (every and self.step % every == 0)):
             return
         t0 = time.perf_counter()
-        self.last_eval = evaluate(self.run, self.run.eval_set)
+        cfg, run = self.cfg, self.run
+        self.last_eval = evaluate(
+            run.model,
+            run.eval_set,
+            cfg.techniques.loss,
+            cfg.data.batch_size,
+            run.device,
+            bool(cfg.data.doc_mask),
+            self.env,
+        )
         self.eval_seconds += time.perf_counter() - t0
         record.update(self.last_eval)  # eval_loss, eval_ppl, eval_targets
 

@@ -97,7 +97,15 @@ def train_step(run: Run, batch: StepBatch, lr: float | None = None) -> StepResul
     return StepResult(total, n_targets, grad_norm)
 
 
-def evaluate(run: Run, data: PackedData) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    data: PackedData,
+    loss_kind: str,
+    batch_size: int,
+    device: torch.device,
+    doc_mask: bool,
+    env: dist_.DistEnv | None = None,
+) -> dict[str, float]:
     """Mean loss per target token (and its perplexity) over every row of `data`.
 
     Runs eagerly even under --compile (`force_eager`): the compiled regions were traced with
@@ -110,9 +118,8 @@ def evaluate(run: Run, data: PackedData) -> dict[str, float]:
     rank runs the same number of forwards (FSDP's gathers are collectives): a rank whose slice
     of the last global batch is empty runs one row with no targets.
     """
-    cfg, device, model = run.cfg, run.device, run.model
-    rank, world, b = run.rank, run.world, cfg.data.batch_size
-    head = LossHead(model.output, cfg.techniques.loss)  # shares the weight; the eager form
+    rank, world, b = (env.rank, env.world, batch_size) if env is not None else (0, 1, batch_size)
+    head = LossHead(model.output, loss_kind)  # shares the weight; the eager form of the head
     total = torch.zeros((), device=device, dtype=torch.float32)
     n_targets = 0
     model.eval()
@@ -124,12 +131,12 @@ def evaluate(run: Run, data: PackedData) -> dict[str, float]:
                     mine = {k: v[:1] for k, v in batch.items()}
                     mine["targets"] = torch.full_like(mine["targets"], IGNORE_INDEX)
                 mine = {k: v.to(device, non_blocking=True) for k, v in mine.items()}
-                total += head(forward_hidden(model, mine, bool(cfg.data.doc_mask)), mine["targets"])
+                total += head(forward_hidden(model, mine, doc_mask), mine["targets"])
                 n_targets += int((mine["targets"] != IGNORE_INDEX).sum())
     finally:
         model.train()
     loss_sum = total.item()
-    if run.env is not None:
+    if env is not None:
         loss_sum, n_targets = dist_.all_reduce_sum([loss_sum, n_targets], device)
         n_targets = int(n_targets)
     loss = loss_sum / n_targets
