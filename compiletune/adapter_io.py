@@ -250,7 +250,7 @@ def save_merged(
     A sharded (FSDP2) model: every rank calls this and joins the gathers, one tensor at a time
     (each merged weight is built from its gathered base and adapters); only the rank with
     `writer=True` writes."""
-    from compiletune.checkpoint import write_folder_atomically
+    from compiletune.atomic import write_folder_atomically
     from compiletune.models import save_hf
 
     path = Path(path)

@@ -26,12 +26,12 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from compiletune.atomic import fsync_tree, publish, write_folder_atomically
 from compiletune.errors import UserError
 
 STATE_FILE = "trainer_state.pt"
@@ -91,30 +91,6 @@ def save_checkpoint(
         torch.save(train_state, tmp / STATE_FILE)
 
     return write_folder_atomically(output_dir / f"step_{step}", write)
-
-
-def write_folder_atomically(final: Path, write: Callable[[Path], None]) -> Path:
-    """`write(tmp)` fills a temporary sibling `.tmp-<name>`, which then replaces `final`."""
-    tmp = final.parent / f".tmp-{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    write(tmp)
-    _fsync_tree(tmp)
-    _publish(tmp, final)
-    return final
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished `tmp` to `final` (atomic within one folder)."""
-    if final.exists():  # re-saving a step (e.g. after a resume): swap, never delete first
-        old = final.parent / f".old-{final.name}"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
 
 
 def is_sharded(ckpt: Path) -> bool:
@@ -203,8 +179,8 @@ def save_sharded_checkpoint(
     dist.barrier()  # every rank's shards are on disk
     if is_main:
         torch.save(train_state, tmp / STATE_FILE)
-        _fsync_tree(tmp)
-        _publish(tmp, final)
+        fsync_tree(tmp)
+        publish(tmp, final)
     dist.barrier()
     return final
 
@@ -215,17 +191,6 @@ def load_train_state(ckpt: Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a state we cannot read must not be silently skipped
         raise UserError(f"{path}: cannot read the training state ({e}); delete {ckpt}") from e
-
-
-def _fsync_tree(folder: Path) -> None:
-    """Flush file contents to disk before the rename makes the checkpoint visible."""
-    for child in folder.rglob("*"):
-        if child.is_file():
-            fd = os.open(child, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 def convert_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None) -> Path:

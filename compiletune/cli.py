@@ -97,7 +97,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 def _cmd_train(ns: argparse.Namespace) -> int:
     from compiletune.config import load_yaml, resolve
-    from compiletune.train import train
+    from compiletune.train.loop import train
 
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
     yaml_values = load_yaml(ns.config) if ns.config else {}

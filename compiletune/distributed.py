@@ -40,7 +40,7 @@ from compiletune.errors import UserError
 from compiletune.torch_internals import fsdp_completes_partial_groups
 
 if TYPE_CHECKING:
-    from compiletune.config import TrainConfig
+    pass
 
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SHARDED_DIR = "sharded"
@@ -179,18 +179,6 @@ def apply_fsdp(
     # The trainer calls `hidden_states` (the loss head follows outside the model), so the root's
     # hooks (lazy init, gathering the root's own parameters) must run for that method too.
     register_fsdp_forward_method(model, "hidden_states")
-
-
-def shard_model(model: nn.Module, env: DistEnv, cfg: TrainConfig) -> None:
-    """`apply_fsdp` with the run's choices (--sharding, --shard-size, --dtype, --cpu-offload)."""
-    apply_fsdp(
-        model,
-        build_mesh(env, cfg.parallel.sharding, cfg.parallel.shard_size),
-        sharding=cfg.parallel.sharding,
-        param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16-mixed" else None,
-        cpu_offload=cfg.parallel.cpu_offload,
-        grad_hooks=cfg.optim.optimizer_in_backward,
-    )
 
 
 def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -> None:

@@ -30,6 +30,7 @@ from compiletune.errors import UserError
 
 from .decoder import ModelArgs, RopeScaling, Transformer, TransformerBlock
 from .lora import dense_tensors
+from .names import strip_wrappers
 
 # --- names -------------------------------------------------------------------------------
 
@@ -58,15 +59,6 @@ _GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
 _BLOCK_NAMES_INV = {v: k for k, v in _BLOCK_NAMES.items()}
 _NATIVE_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# Wrappers that torch.compile / activation checkpointing insert into parameter names.
-_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def strip_wrappers(native: str) -> str:
-    """A parameter or module name without the parts wrappers insert (`_orig_mod.`, ...)."""
-    for part in _WRAPPER_PARTS:
-        native = native.replace(part, "")
-    return native
 
 
 def to_hf_name(native: str) -> str:

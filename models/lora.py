@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .decoder import ModelArgs, RMSNorm, Transformer
+from .names import strip_wrappers
 from .nf4 import BLOCK, dequantize_nf4, quantize_nf4
 
 # short name -> (attribute path inside a block, HF module name)
@@ -331,7 +332,6 @@ def apply_lora(
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     """(native module name, module) of every adapted projection, in model order; names have
     compile/checkpoint wrapper parts removed."""
-    from .hf import strip_wrappers
 
     return [(strip_wrappers(n), m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 

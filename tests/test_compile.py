@@ -14,7 +14,7 @@ from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import resolve
 from compiletune.loss import LossHead
 from compiletune.models import build_model, from_name
-from compiletune.train import train
+from compiletune.train.loop import train
 
 
 def tiny_args(layers: int = 3):

@@ -30,7 +30,7 @@ from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_name, save_hf
 from compiletune.tokenizer import byte_tokenizer
-from compiletune.train import train
+from compiletune.train.loop import train
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 

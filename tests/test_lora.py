@@ -33,7 +33,7 @@ from compiletune.models.lora import (
 )
 from compiletune.models.nf4 import BLOCK, CODE, MAX_ABS_ERROR, dequantize_nf4, quantize_nf4
 from compiletune.tokenizer import byte_tokenizer
-from compiletune.train import train
+from compiletune.train.loop import train
 
 peft = pytest.importorskip("peft")
 

@@ -14,7 +14,7 @@ from compiletune.config import resolve
 from compiletune.loss import LossHead
 from compiletune.models import build_model, from_name
 from compiletune.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
-from compiletune.train import train
+from compiletune.train.loop import train
 
 V, D = 97, 24  # a vocab that is no multiple of anything
 

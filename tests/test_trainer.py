@@ -24,7 +24,7 @@ from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_name, save_hf
 from compiletune.tokenizer import byte_tokenizer
-from compiletune.train import train
+from compiletune.train.loop import train
 
 TEXT = "\n".join(
     f"Line {i}: the quick brown fox jumps over the lazy dog, and counts to {i * 7 % 13}."

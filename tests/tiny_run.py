@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from compiletune.config import resolve
-from compiletune.train import train
+from compiletune.train.loop import train
 
 
 def tiny_run(tmp_path: Path, data: str, name: str = "run", **overrides: Any) -> dict:

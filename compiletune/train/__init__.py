@@ -7,7 +7,6 @@ run_dir.py   the run folder: checks, config.yaml, checkpoint cadence, summary, s
 """
 
 from compiletune.train.build import Probe, Run, build_run
-from compiletune.train.loop import Trainer, train
 from compiletune.train.step import StepBatch, StepResult, evaluate, next_batch, train_step
 
 __all__ = [
@@ -19,6 +18,5 @@ __all__ = [
     "Trainer",
     "build_run",
     "evaluate",
-    "train",
     "train_step",
 ]

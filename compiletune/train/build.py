@@ -303,7 +303,15 @@ def apply_techniques(
     elif policy.kind != "none":
         apply_eager_checkpointing(model, policy)
     if env is not None:
-        dist_.shard_model(model, env, cfg)
+        p = cfg.parallel
+        dist_.apply_fsdp(
+            model,
+            dist_.build_mesh(env, p.sharding, p.shard_size),
+            sharding=p.sharding,
+            param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16-mixed" else None,
+            cpu_offload=p.cpu_offload,
+            grad_hooks=cfg.optim.optimizer_in_backward,
+        )
     return regions
 
 

@@ -1,0 +1,47 @@
+"""Folders that appear whole or not at all: written under a temporary name, flushed, renamed.
+
+A rename within one folder is atomic, so a crash mid-write leaves only a `.tmp-<name>` folder,
+which readers (`--resume`, `checkpoint.list_checkpoints`) never take for a complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_folder_atomically(final: Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` fills a temporary sibling `.tmp-<name>`, which then replaces `final`."""
+    tmp = final.parent / f".tmp-{final.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    write(tmp)
+    fsync_tree(tmp)
+    publish(tmp, final)
+    return final
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the finished `tmp` to `final` (atomic within one folder)."""
+    if final.exists():  # re-saving a step (e.g. after a resume): swap, never delete first
+        old = final.parent / f".old-{final.name}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush file contents to disk before the rename makes the checkpoint visible."""
+    for child in folder.rglob("*"):
+        if child.is_file():
+            fd = os.open(child, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
