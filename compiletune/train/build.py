@@ -349,6 +349,64 @@ def materialise(
 # ----------------------------------------------------------------------------- the run
 
 
+@dataclass
+class _Inputs:
+    """What a run reads before its model is built (a probe reads nothing)."""
+
+    facts: RunFacts
+    tokenizer: Any = None
+    data: PackedData | None = None
+    eval_set: PackedData | None = None
+    resume_from: Path | None = None
+    state: dict[str, Any] | None = None
+
+
+def _read_inputs(
+    cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs, spec: LoRASpec | None
+) -> _Inputs:
+    """Tokenizer, packed data, and with --resume the latest checkpoint and its state."""
+    world = env.world if env is not None else 1
+    tokenizer = resolve_tokenizer(cfg)
+    _check_shapes(cfg, args, tokenizer)
+    data, eval_set = build_data(cfg, tokenizer)
+    packs = bool((data.doc_ids > 0).any())
+    facts = RunFacts(args.vocab_size, packs_documents=packs, rows=data.rows, world=world)
+    inputs = _Inputs(facts, tokenizer, data, eval_set)
+    if cfg.run.resume:
+        inputs.resume_from = ckpt.latest_checkpoint(Path(cfg.run.output_dir))
+        inputs.state = ckpt.load_train_state(inputs.resume_from)
+        ranks = world if env is not None else None
+        ckpt.check_resumable(inputs.resume_from, inputs.state, ranks, cfg.parallel.sharding)
+        check_resume_kind(inputs.resume_from, spec)
+    return inputs
+
+
+def _build_model(
+    cfg: TrainConfig,
+    env: dist_.DistEnv | None,
+    args: ModelArgs,
+    spec: LoRASpec | None,
+    lora_kw: dict[str, Any],
+    device: torch.device,
+    resume_from: Path | None,
+    meta: bool,
+) -> tuple[Transformer, dict[str, Tensor] | None]:
+    """The model with its weights (one process), or, under FSDP and for a probe, the model on
+    the meta device plus rank 0's full state dict to fill the shards from (None elsewhere)."""
+    if not meta:
+        return build_model_weights(cfg, args, spec, lora_kw, device, resume_from), None
+    full_sd = None
+    if env is not None and env.is_main and (resume_from is None or spec is not None):
+        # Rank 0 alone reads the checkpoint (or draws the initial weights, on the host, the same
+        # values a single CPU process draws): host RAM holds one model, not one per rank. A LoRA
+        # checkpoint holds no base, so its adapters come this way too.
+        full_sd = build_model_weights(cfg, args, spec, lora_kw, "cpu", resume_from).state_dict()
+    model = build_meta_model(cfg, args, spec, lora_kw)
+    if resume_from is not None and spec is None:
+        model.hf_config = load_hf_config(resume_from)
+    return model, full_sd
+
+
 def build_run(
     cfg: TrainConfig, env: dist_.DistEnv | None, *, fake: bool = False, probe: Probe | None = None
 ) -> Run:
@@ -361,9 +419,10 @@ def build_run(
     if fake and probe is None:
         raise ValueError("a fake build is the memory estimate's: pass its Probe")
     torch.manual_seed(cfg.run.seed)
-    device = torch.device(probe.device) if probe is not None else model_device(env)
     if env is not None:
         device = env.device
+    else:
+        device = torch.device(probe.device) if probe is not None else pick_device()
     dtype = pick_dtype(cfg.model.dtype, device) if probe is None else probe_dtype(cfg)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("--dtype bf16: this GPU has no bf16 support; pass --dtype fp32")
@@ -371,57 +430,27 @@ def build_run(
     spec = lora_spec(cfg)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
-
-    tokenizer = data = eval_set = None
-    resume_from, state = None, None
-    world = env.world if env is not None else 1
     if probe is None:
-        tokenizer = resolve_tokenizer(cfg)
-        _check_shapes(cfg, args, tokenizer)
-        data, eval_set = build_data(cfg, tokenizer)
-        facts = RunFacts(
-            vocab_size=args.vocab_size,
-            packs_documents=bool((data.doc_ids > 0).any()),
-            rows=data.rows,
-            world=world,
-        )
-        if cfg.run.resume:
-            resume_from = ckpt.latest_checkpoint(Path(cfg.run.output_dir))
-            state = ckpt.load_train_state(resume_from)
-            ckpt.check_resumable(
-                resume_from, state, world if env is not None else None, cfg.parallel.sharding
-            )
-            check_resume_kind(resume_from, spec)
+        inputs = _read_inputs(cfg, env, args, spec)
     else:
-        facts = RunFacts(vocab_size=args.vocab_size, packs_documents=False, world=world)
-    fill_defaults(cfg, facts)
+        world = env.world if env is not None else 1
+        inputs = _Inputs(RunFacts(args.vocab_size, packs_documents=False, world=world))
+    fill_defaults(cfg, inputs.facts)
 
     base_dtype = pick_dtype(cfg.lora.base_dtype, device) if cfg.lora.base_dtype else dtype
     lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.lora.quantize_base}
-    full_sd = None
-    if probe is not None or env is not None:
-        if probe is None and env.is_main and (resume_from is None or spec is not None):
-            # Rank 0 alone reads the checkpoint (or draws the initial weights, on the host, the
-            # same values a single CPU process draws): host RAM holds one model, not one per
-            # rank. A LoRA checkpoint holds no base, so its adapters come this way too.
-            full_sd = build_model_weights(cfg, args, spec, lora_kw, "cpu", resume_from).state_dict()
-        model = build_meta_model(cfg, args, spec, lora_kw)
-        if resume_from is not None and spec is None:
-            model.hf_config = load_hf_config(resume_from)
-    else:
-        model = build_model_weights(cfg, args, spec, lora_kw, device, resume_from)
-
+    meta = probe is not None or env is not None
+    resume_from = inputs.resume_from
+    model, full_sd = _build_model(cfg, env, args, spec, lora_kw, device, resume_from, meta)
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None
     head = LossHead(model.output, head_kind(cfg.techniques.loss, compiled))
     regions = apply_techniques(model, head, cfg, env, compiled)
 
-    scope = probe.scope() if probe is not None else contextlib.nullcontext()
     params: list[nn.Parameter] = []
-    with scope:
+    with probe.scope() if probe is not None else contextlib.nullcontext():
         if probe is not None:
             probe.observe("params", params)
-        if probe is not None:
             materialise(model, cfg, device, "none" if fake else "seed")
         elif env is not None:
             sharded_resume = resume_from is not None and spec is None
@@ -431,20 +460,7 @@ def build_run(
         params.extend(p for _, p in named)
         if probe is not None:
             probe.observe("optimizer", params)
-        o = cfg.optim
-        optimizer = Optimizer(
-            named,
-            kind=o.optimizer,
-            lr=o.lr,
-            betas=(0.9, 0.95),
-            weight_decay=o.weight_decay,
-            in_backward=o.optimizer_in_backward,
-            bf16_compensation=o.bf16_compensation,
-            device=torch.device("cpu") if cfg.parallel.cpu_offload else device,
-            # The probe's step runs eagerly on fake tensors; its real-tensor check does the same
-            # so that the two compare like with like.
-            compile_step=probe is None,
-        )
+        optimizer = build_optimizer(cfg, named, device, compile_step=probe is None)
 
     run = Run(
         cfg=cfg,
@@ -458,20 +474,43 @@ def build_run(
         params=params,
         lora=spec,
         regions=regions,
-        tokenizer=tokenizer,
-        data=data,
-        eval_set=eval_set,
+        tokenizer=inputs.tokenizer,
+        data=inputs.data,
+        eval_set=inputs.eval_set,
         resume_from=resume_from,
         probe=probe,
         base_dtype=base_dtype,
         offload_activations=offloads_activations(cfg, device),
     )
-    if data is not None:
+    if inputs.data is not None:
         # Every rank draws the same global batch of world x --batch-size rows, trains its slice.
-        run.batches = Batches(data, cfg.data.batch_size * world, cfg.run.seed)
-    if state is not None:
-        _load_train_state(run, state)
+        run.batches = Batches(inputs.data, cfg.data.batch_size * run.world, cfg.run.seed)
+    if inputs.state is not None:
+        _load_train_state(run, inputs.state)
     return run
+
+
+def build_optimizer(
+    cfg: TrainConfig,
+    named: list[tuple[str, nn.Parameter]],
+    device: torch.device,
+    compile_step: bool,
+) -> Optimizer:
+    """The run's optimizer over its trainable parameters. The probe's step runs eagerly
+    (`compile_step=False`) on fake tensors, and its real-tensor check does the same, so that the
+    two compare like with like."""
+    o = cfg.optim
+    return Optimizer(
+        named,
+        kind=o.optimizer,
+        lr=o.lr,
+        betas=(0.9, 0.95),
+        weight_decay=o.weight_decay,
+        in_backward=o.optimizer_in_backward,
+        bf16_compensation=o.bf16_compensation,
+        device=torch.device("cpu") if cfg.parallel.cpu_offload else device,
+        compile_step=compile_step,
+    )
 
 
 def probe_dtype(cfg: TrainConfig) -> torch.dtype:
