@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from compiletune import torch_internals as ti
+from compiletune.choices import CompileBackend, choices
 from compiletune.graph_dump import RegionRecord, logits_like_tensors, saved_for_backward
 
 
@@ -111,12 +112,12 @@ class CompiletuneBackend:
         self,
         region: str,
         passes: list[Pass] | tuple[Pass, ...] = (),
-        mode: Literal["inductor", "aot_eager"] = "inductor",
+        mode: CompileBackend = "inductor",
         memory_budget: float | None = None,
         dump: bool = False,
         watch: Callable[[torch.fx.GraphModule], tuple[int, int] | None] | None = None,
     ) -> None:
-        if mode not in ("inductor", "aot_eager"):
+        if mode not in choices(CompileBackend):
             raise ValueError(f"unknown compile backend mode {mode!r}")
         self.region = region
         self.pre_grad = tuple(p for p in passes if p.stage == "pre_grad")

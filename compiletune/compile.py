@@ -21,10 +21,11 @@ import torch
 
 from compiletune.activation import ActivationPolicy
 from compiletune.backend import CompiletuneBackend, Pass
+from compiletune.choices import CompileBackend, choices
 from compiletune.graph_dump import node_value, write_dump
 from compiletune.loss import LossHead
 
-BACKENDS = ("inductor", "aot_eager")
+BACKENDS = choices(CompileBackend)
 
 
 @dataclass

@@ -36,13 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from compiletune.choices import Sharding, choices
 from compiletune.errors import UserError
 from compiletune.torch_internals import fsdp_completes_partial_groups
 
 if TYPE_CHECKING:
     pass
 
-SHARDINGS = ("full", "grad-op", "hybrid", "none")
+SHARDINGS = choices(Sharding)
 SHARDED_DIR = "sharded"
 
 

@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compiletune.choices import Loss, choices
+
 IGNORE_INDEX = -100
-LOSS_KINDS = ("fused", "chunked", "plain")
+LOSS_KINDS = choices(Loss)
 
 
 def head_kind(loss: str, compiled: bool) -> str:

@@ -77,10 +77,11 @@ import torch
 from torch import Tensor, nn
 
 from compiletune import cpu_kernels, torch_internals
+from compiletune.choices import Bf16Compensation, OptimizerKind, choices
 from compiletune.errors import UserError
 
-OPTIMIZERS = ("adamw", "adamw8bit")
-BF16_COMPENSATIONS = ("none", "kahan", "stochastic")
+OPTIMIZERS = choices(OptimizerKind)
+BF16_COMPENSATIONS = choices(Bf16Compensation)
 
 # Values per quantisation block of the 8-bit moments: one fp32 scale per 256 values costs
 # 4/256 = 0.016 bytes per value per moment, and a block is small enough that one outlier

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from compiletune.choices import Quantize, choices
+
 from .decoder import ModelArgs, RMSNorm, Transformer
 from .names import strip_wrappers
 from .nf4 import BLOCK, dequantize_nf4, quantize_nf4
@@ -47,7 +49,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "up": ("feed_forward.w3", "up_proj"),
     "down": ("feed_forward.w2", "down_proj"),
 }
-QUANTIZE = ("nf4",)
+QUANTIZE = choices(Quantize)
 
 
 @dataclass(frozen=True)
