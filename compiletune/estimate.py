@@ -263,7 +263,7 @@ class _FusedLossTemps:
     hidden-gradient) accumulator and, in a narrow dtype, one product per chunk."""
 
     def bytes(self, name: str, args: tuple) -> int:
-        from compiletune.fused_loss import _chunk_vocab, chunk_tokens, one_pass_chunk_tokens
+        from compiletune.ops.fused_loss import _chunk_vocab, chunk_tokens, one_pass_chunk_tokens
 
         if "with_grads" in name:
             # One pass: a chunk of logits (turned into their gradient in place) and, in a narrow

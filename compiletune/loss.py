@@ -40,7 +40,7 @@ class LossHead(nn.Module):
     def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         w, b = self.output.weight, self.output.bias
         if self.kind != "plain":
-            from compiletune.fused_loss import chunked_cross_entropy, linear_cross_entropy
+            from compiletune.ops.fused_loss import chunked_cross_entropy, linear_cross_entropy
         if self.kind == "fused":
             return linear_cross_entropy(
                 h, w, targets, bias=b, ignore_index=IGNORE_INDEX, reduction="sum"

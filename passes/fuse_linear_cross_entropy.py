@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from compiletune.fused_loss import grads_in_forward  # also registers the ops
+from compiletune.ops.fused_loss import grads_in_forward  # also registers the ops
 
 _LINEAR = (torch._C._nn.linear, F.linear)
 _CROSS_ENTROPY = (F.cross_entropy, torch.ops.aten.cross_entropy_loss.default)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-import compiletune.offload  # noqa: F401  (registers the compiletune::*_host ops)
+import compiletune.ops.host_copy  # noqa: F401  (registers the compiletune::*_host ops)
 from compiletune.torch_internals import fake_call
 
 

@@ -245,7 +245,7 @@ def test_offload_needs_compile():
 
 
 def test_offload_ops_pass_opcheck_and_keep_strides():
-    import compiletune.offload  # noqa: F401
+    import compiletune.ops.host_copy  # noqa: F401
 
     x = torch.randn(4, 6, 5).transpose(1, 2)  # non-contiguous but dense
     torch.library.opcheck(torch.ops.compiletune.offload_to_host.default, (x,))

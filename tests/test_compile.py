@@ -189,7 +189,7 @@ def test_fused_head_row_functions_compile_once(tmp_path, monkeypatch):
     """Under --compile the fused head's custom op runs inside the compiled head, and
     AOTAutograd runs its first call under a checking dispatch mode. The head's compiled row
     functions must not be compiled again for the later steps (they were: ~0.5 s once)."""
-    from compiletune import fused_loss
+    from compiletune.ops import fused_loss
     from compiletune.train import build, loop
 
     for module in (build, loop):  # a GPU would take the Triton path

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiletune import fused_loss
 from compiletune.errors import UserError
-from compiletune.fused_loss import (
+from compiletune.ops import fused_loss
+from compiletune.ops.fused_loss import (
     chunk_tokens,
     chunked_cross_entropy,
     linear_cross_entropy,
@@ -556,7 +556,7 @@ def test_bad_inputs():
 
 def _interpreter_checks() -> None:
     """Run under TRITON_INTERPRET=1: the kernels alone, then the whole op through them."""
-    from compiletune import triton_ce
+    from compiletune.ops import triton_ce
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.float16):

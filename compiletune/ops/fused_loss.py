@@ -13,7 +13,7 @@ forward and one in the backward, which is what the `fuse_linear_cross_entropy` p
 
 Inside the op each chunk is a matmul (cuBLAS / CPU BLAS, fp32 accumulation) followed by row-wise
 work (log-sum-exp, target logit, loss; or softmax - onehot): Triton kernels on CUDA
-(`compiletune.triton_ce`), a `torch.compile`d torch function elsewhere.
+(`compiletune.ops.triton_ce`), a `torch.compile`d torch function elsewhere.
 
 When autograd will need the gradients and the sizes fit (`grads_in_forward`), the head is instead
 the one-pass op `compiletune::linear_cross_entropy_with_grads`: each chunk's logits become
@@ -156,7 +156,7 @@ def _row_ops(device: torch.device) -> tuple[Callable, Callable]:
     """(forward, backward) row-wise functions for tensors on `device`."""
     if device.type == "cuda" or _FORCE_TRITON:
         try:
-            from compiletune import triton_ce
+            from compiletune.ops import triton_ce
         except ImportError:
             pass
         else:
