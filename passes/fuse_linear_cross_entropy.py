@@ -76,6 +76,33 @@ def _token_slice(node: torch.fx.Node) -> bool:
     return len(index) < base.dim()
 
 
+def _walk_back_to_linear(
+    x: torch.fx.Node, vocab: int
+) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
+    """From cross_entropy's input back to the linear that made the logits, through dtype or
+    layout changes, regroupings that keep the vocabulary dimension, and token slices (returned,
+    to re-apply to h). None when the logits reach it any other way or have another user: then
+    they must exist, and the pair is left alone."""
+    slices: list[torch.fx.Node] = []
+    node = x
+    while not (node.op == "call_function" and node.target in _LINEAR):
+        if len(node.users) != 1:
+            return None, slices  # the logits (or a view of them) are used elsewhere
+        if node.op == "call_method" and node.target in _DTYPE_OR_LAYOUT:
+            pass
+        elif node.op == "call_method" and node.target in _REGROUP:
+            if not _keeps_last_dim(node, vocab):
+                return None, slices
+        elif _token_slice(node):
+            slices.append(node)
+        else:
+            return None, slices
+        node = node.args[0]
+        if not isinstance(node, torch.fx.Node):
+            return None, slices
+    return (node if len(node.users) == 1 else None), slices
+
+
 def fuse_linear_cross_entropy(
     gm: torch.fx.GraphModule, chunk_size: int = 0, z_loss: float = 0.0, softcap: float = 0.0
 ) -> tuple[torch.fx.GraphModule, dict[str, Any]]:
@@ -104,32 +131,10 @@ def fuse_linear_cross_entropy(
             continue
         vocab = ce_in.shape[-1]
 
-        # Walk back to the linear, remembering token slices to re-apply to h.
-        slices: list[torch.fx.Node] = []
-        node, ok = x, True
-        while not (node.op == "call_function" and node.target in _LINEAR):
-            if len(node.users) != 1:
-                ok = False  # the logits (or a view of them) are used elsewhere: must exist
-                break
-            if node.op == "call_method" and node.target in _DTYPE_OR_LAYOUT:
-                pass
-            elif node.op == "call_method" and node.target in _REGROUP:
-                if not _keeps_last_dim(node, vocab):
-                    ok = False
-                    break
-            elif _token_slice(node):
-                slices.append(node)
-            else:
-                ok = False
-                break
-            node = node.args[0]
-            if not isinstance(node, torch.fx.Node):
-                ok = False
-                break
-        if not ok or len(node.users) != 1:
+        linear, slices = _walk_back_to_linear(x, vocab)
+        if linear is None:
             skipped["logits reach cross_entropy through other ops or have other users"] += 1
             continue
-        linear = node
         h, weight = linear.args[0], linear.args[1]
         bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
         w_value = _value(weight)

@@ -347,6 +347,10 @@ def linear_cross_entropy_backward_op(
     grad_loss: fp32 [] or None; grad_lse: [N] or None (None = zero).
     Returns (dh [N, d] or [0], dweight [V, d] or [0], dbias [V] or [0]) in the input dtypes;
     [0] where not needed (need_* False, or no bias). dbias is computed with dweight.
+
+    One body on purpose (~110 lines): its two loops, over chunks of tokens or of vocabulary
+    columns, share the selected rows, the softmax coefficients and the output buffers; apart,
+    each would take a dozen of them as arguments.
     """
     d_model = h.shape[1]
     vocab = weight.shape[0]
