@@ -9,9 +9,13 @@ On the 2-core CPU this measured 2.7x faster than the compiled step (4.6 vs 12.3 
 values, in turn in one process); over the 156.5M fp32 values of llama3_150m the optimizer step
 went from 0.390 to 0.166 s, against 0.132 s for torch's fused AdamW (bench/optim.py).
 
-The arithmetic is `optim.adamw8bit_update_`'s, operation for operation in fp32 (Inductor's
-flags keep fp contraction off, so no fused multiply-adds change roundings), and the tests hold
-it to that function. Built on first use with Inductor's C++ toolchain
+The arithmetic is `optim.adamw8bit_update_`'s, operation for operation in fp32, each rounded
+once: IEEE +, -, *, /, sqrt, no fused multiply-adds (`load_cpp_kernel` builds with
+-ffp-contract=off whatever Inductor's setting), so the same numbers on every vector ISA and
+bit for bit those of the Inductor-compiled step. Eager CPU torch differs in two ops, by the CPU:
+its fp32 sqrt is MKL's (within 1 ulp, not correctly rounded) and its lerp one fused
+multiply-add on AVX2/AVX-512; the tests hold the kernel to the function with those two ops
+rounded once. Built on first use with Inductor's C++ toolchain
 (`torch_internals.load_cpp_kernel`: -O3 -march=native, OpenMP, at::vec for the vector ISA) and
 cached on disk; a machine where that fails keeps the compiled torch step (a warning says so).
 COMPILETUNE_CPU_KERNELS=0 turns it off. Kahan and stochastic bf16 rounding are not implemented
@@ -190,8 +194,8 @@ def adamw8bit_step_(
     """One 8-bit AdamW step in place on a whole parameter p [n] with gradient g [n] (check
     `supports` first): codes [ceil(n / 256), 256], scales [ceil(n / 256)], the padding of the
     last block kept at zero; step (the count after this step) and lr fp32 [] tensors.
-    The same arithmetic as `optim.adamw8bit_update_` compiled by Inductor (eager torch's lerp
-    fuses a multiply-add, so eager can differ in the last bit of m)."""
+    The same arithmetic as `optim.adamw8bit_update_` compiled by Inductor (eager CPU torch's
+    sqrt and lerp round differently, so eager can differ in the last bit of m and sqrt(v))."""
     nb = -(-p.numel() // BLOCK)
     for t, dtype in ((m_codes, torch.int8), (v_codes, torch.uint8)):
         if t.dtype != dtype or t.shape != (nb, BLOCK) or not t.is_contiguous():

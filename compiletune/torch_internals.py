@@ -101,10 +101,20 @@ def load_cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:
     """Compile `source` (C++ defining `extern "C" void kernel(...)` with these argument types)
     with Inductor's C++ toolchain and flags (-O3 -march=native, OpenMP, its vector ISA headers
     `torch/csrc/inductor/cpp_prefix.h`), cached on disk by the source's hash like Inductor's own
-    kernels. Tensors are passed by data pointer. Raises whatever compiling or loading raises."""
+    kernels. Tensors are passed by data pointer. Raises whatever compiling or loading raises.
+
+    Always with -ffp-contract=off, Inductor's default, even where its setting says otherwise:
+    a kernel written to round once per operation must not have multiply-adds fused at the
+    compiler's choice (with TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast, g++ fused
+    7 in the 8-bit AdamW kernel on AVX-512 and 6 on AVX2: different numbers per CPU)."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
+    patch = {}
+    if hasattr(inductor_config.cpp, "enable_floating_point_contract_flag"):
+        patch["cpp.enable_floating_point_contract_flag"] = "off"
+    with inductor_config.patch(patch):
+        return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
 
 
 def min_cut_partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):

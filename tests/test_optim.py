@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from gloo import free_port, join_gloo
+from torch.overrides import TorchFunctionMode
 
 from compiletune.data import Batches, load_examples, pack
 from compiletune.errors import UserError
@@ -395,10 +397,11 @@ def step_8bit_runs(
     steps: int,
     settings: dict[str, tuple[bool, str]],
     seed: int = 0,
+    modes: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
 ) -> dict[str, tuple[torch.nn.Parameter, Optimizer]]:
     """One 8-bit optimizer per entry of settings (name: (compile_step, COMPILETUNE_CPU_KERNELS)),
     each on its own copy of one random [n] weight, stepped on the same gradients (the env var
-    set as each one steps)."""
+    set as each one steps, and modes[name]() entered around its steps where given)."""
     g = torch.Generator().manual_seed(seed)
     init = torch.randn(n, generator=g).to(dtype)
     runs = {}
@@ -420,9 +423,40 @@ def step_8bit_runs(
         for name, (p, opt) in runs.items():
             monkeypatch.setenv("COMPILETUNE_CPU_KERNELS", settings[name][1])
             p.grad = grad.clone()
-            opt.step()
+            with (modes or {}).get(name, contextlib.nullcontext)():
+                opt.step()
             opt.zero_grad()
     return runs
+
+
+class RoundedOncePerOp(TorchFunctionMode):
+    """Eager torch with its two CPU-dependent fp32 ops computed as Inductor's C++ and the C++
+    kernel compute them, one IEEE rounding per operation; eager's other ops in the 8-bit step
+    (+, -, *, /, max, round, rsqrt) round once already.
+
+    - sqrt: ATen sends fp32 sqrt to MKL VML (vmsSqrt with VML_HA: within 1 ulp, not correctly
+      rounded), whose code path MKL picks per CPU: on a 2-core AMD EPYC 16% of fp32 square roots
+      come back 1 ulp off, whether ATen runs AVX-512 or AVX2. Here in fp64 (also within 1 ulp, of
+      fp64) rounded to fp32: that is the correctly rounded sqrt, since the square root of a
+      24-bit number is never within 2**-50 of a halfway point between fp32 values without
+      being on it.
+    - lerp with a float weight: ATen's vectorized lerp is one fused multiply-add (vec::fmadd)
+      on AVX2 and AVX-512, two roundings on CPUs without FMA. Here sub, mul, add, as Inductor
+      decomposes it on CPU, in torch.lerp's two forms."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            func in (torch.sqrt, torch.Tensor.sqrt)
+            and args[0].dtype == torch.float32
+            and not kwargs
+        ):
+            return torch.sqrt(args[0].double()).float()
+        if func in (torch.lerp, torch.Tensor.lerp) and isinstance(args[2], float) and not kwargs:
+            start, end, weight = args
+            diff = end - start
+            return start + diff * weight if abs(weight) < 0.5 else end - diff * (1 - weight)
+        return func(*args, **kwargs)
 
 
 @pytest.mark.slow
@@ -433,31 +467,37 @@ def step_8bit_runs(
 def test_cpu_kernel_matches_the_torch_step(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n: int, beta1: float
 ) -> None:
-    """The C++ 8-bit step (cpu_kernels, what CPU runs use) gives the eager torch step's numbers
-    over 4 steps: scales within 1e-6, codes equal but for rare one-step moves, weights with
-    them. (Eager torch's lerp fuses a multiply-add, so m can differ in its last bit and a code
-    sitting on a rounding tie can go the other way.)"""
+    """The C++ 8-bit step (cpu_kernels, what CPU runs use) is the torch step's arithmetic over 4
+    steps: bit for bit against eager torch with each op rounded once (RoundedOncePerOp), on
+    any x86-64 CPU; against plain eager torch, whose sqrt and lerp round differently per CPU,
+    weights, scales and codes within what a few ulps of m and sqrt(v) can move them."""
     from compiletune import cpu_kernels
 
     calls = []
     real = cpu_kernels.adamw8bit_step_
     monkeypatch.setattr(cpu_kernels, "adamw8bit_step_", lambda *a: calls.append(1) or real(*a))
+    settings = {"kernel": (True, "1"), "eager": (False, "1"), "rounded_once": (False, "1")}
     runs = step_8bit_runs(
-        monkeypatch, n, dtype, beta1, 4, {"kernel": (True, "1"), "eager": (False, "1")}
+        monkeypatch, n, dtype, beta1, 4, settings, modes={"rounded_once": RoundedOncePerOp}
     )
     assert len(calls) == 4, "the compiled-step optimizer did not use the C++ kernel"
-    (p, fast), (q, ref) = runs["kernel"], runs["eager"]
+    (p, fast), (q, ref), (r, exact) = runs["kernel"], runs["eager"], runs["rounded_once"]
     assert p._version == 4, "autograd did not see the kernel's writes"
-    # A code one step apart changes that value's update by ~1% of lr at most.
-    torch.testing.assert_close(p.detach(), q.detach(), rtol=torch.finfo(dtype).eps, atol=1e-4)
-    if 1 - beta1 < 0.5:  # eager computes torch.lerp's other form with one more rounding
-        assert (p != q).sum() <= max(1, n // 100)
     a, b = fast._state[0], ref._state[0]
+    assert torch.equal(p, r)
+    for k, t in a.items():
+        assert torch.equal(t, exact._state[0][k]), k
+    # Plain eager: m and sqrt(v) differ by an ulp or so (MKL's sqrt, the fused lerp), so a scale
+    # (a block maximum) by as much, a code by at most one step where round() sat near .5, and
+    # a weight by that code step: ~1% of lr at most. How many weights or codes differ has no
+    # bound: one scale an ulp apart changes the decoded m of its whole block (23 of 805 fp32
+    # weights on an AMD EPYC, 7 with sqrt correctly rounded), so they are not counted here;
+    # the bit-exact comparison above is the exact check.
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=torch.finfo(dtype).eps, atol=1e-4)
     for k in ("exp_avg_scales", "exp_avg_sq_scales"):
         torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=0)
     for k in ("exp_avg_codes", "exp_avg_sq_codes"):
-        diff = (a[k].int() - b[k].int()).abs()
-        assert diff.max() <= 1 and (diff > 0).sum() <= max(1, diff.numel() // 1000), k
+        assert (a[k].int() - b[k].int()).abs().max() <= 1, k
         assert (a[k].view(-1)[n:] == 0).all(), "the padding of the last block moved"
 
 
