@@ -43,7 +43,7 @@ The update itself is always computed in fp32, whatever the parameter and state d
 Pure-bf16 training (`bf16_compensation`, bf16 parameters only; fp32 ones ignore it). bf16 keeps
 8 bits of mantissa, so an update smaller than half an ulp of its weight (0.2% of it: lr 1e-5
 on a weight of 0.01, or any lr under ~4e-3 on a norm weight of 1.0) rounds away. On a tiny model
-at lr 2e-5 plain bf16 makes 20% of the fp32 run's progress (tests/test_optim.py):
+at lr 2e-5 plain bf16 makes 20% of the fp32 run's progress (tests/unit/test_optim.py):
 
     none        plain round-to-nearest                                   costs nothing
     kahan       each step's rounding error is kept in a bf16 buffer and   +2 bytes/param,
@@ -76,9 +76,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from compiletune import cpu_kernels, torch_internals
+from compiletune import torch_internals
 from compiletune.choices import Bf16Compensation, OptimizerKind, choices
 from compiletune.errors import UserError
+from compiletune.ops import cpu_kernels
 
 OPTIMIZERS = choices(OptimizerKind)
 BF16_COMPENSATIONS = choices(Bf16Compensation)

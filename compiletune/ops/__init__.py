@@ -1,10 +1,9 @@
 """compiletune's custom ops: opaque to the compiler, each with its own autograd formula or kernel.
 
-    fused_loss.py   compiletune::linear_cross_entropy*: output projection + cross-entropy in
-                    chunks of tokens, full logits never exist (`--loss fused`)
-    triton_ce.py    the fused head's row-wise steps as Triton kernels (CUDA)
-    host_copy.py    compiletune::offload_to_host / reload_from_host: a saved activation copied
-                    to host memory and back (`--offload-activations`)
-
-The 8-bit AdamW step's C++ kernel for CPUs is `cpu_kernels.py`.
+fused_loss.py   compiletune::linear_cross_entropy*: output projection + cross-entropy in
+                chunks of tokens, full logits never exist (`--loss fused`)
+triton_ce.py    the fused head's row-wise steps as Triton kernels (CUDA)
+host_copy.py    compiletune::offload_to_host / reload_from_host: a saved activation copied
+                to host memory and back (`--offload-activations`)
+cpu_kernels.py  the 8-bit AdamW step as one C++ kernel per CPU parameter (`--optim adamw8bit`)
 """

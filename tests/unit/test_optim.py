@@ -471,7 +471,7 @@ def test_cpu_kernel_matches_the_torch_step(
     steps: bit for bit against eager torch with each op rounded once (RoundedOncePerOp), on
     any x86-64 CPU; against plain eager torch, whose sqrt and lerp round differently per CPU,
     weights, scales and codes within what a few ulps of m and sqrt(v) can move them."""
-    from compiletune import cpu_kernels
+    from compiletune.ops import cpu_kernels
 
     calls = []
     real = cpu_kernels.adamw8bit_step_
@@ -526,7 +526,8 @@ def test_cpu_kernel_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch) ->
     estimate's fake tensors) never reach it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compiletune import cpu_kernels, torch_internals
+    from compiletune import torch_internals
+    from compiletune.ops import cpu_kernels
 
     with FakeTensorMode():
         fake = torch.zeros(300)
