@@ -366,6 +366,24 @@ def _fused_adamw_works(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+def _trainable(
+    params: Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]],
+) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) for each parameter that trains; plain parameters are named "0", "1"..."""
+    named: list[tuple[str, nn.Parameter]] = []
+    for i, item in enumerate(params):
+        name, p = item if isinstance(item, tuple) else (str(i), item)
+        if p.requires_grad:  # frozen weights get no gradient, no state and no hook
+            named.append((name, p))
+    if not named:
+        raise ValueError("the optimizer got no parameters that require grad")
+    if len({id(p) for _, p in named}) != len(named):
+        raise ValueError("a parameter appears twice; pass each tied weight once")
+    if len({n for n, _ in named}) != len(named):
+        raise ValueError("two parameters share a name")
+    return named
+
+
 class Optimizer:
     """AdamW / 8-bit AdamW over `params`, stepped after backward or during it (`in_backward`).
 
@@ -396,19 +414,9 @@ class Optimizer:
         compile_step: bool = True,
     ) -> None:
         check_optimizer_flags(kind, in_backward, 1, 0.0, bf16_compensation)
-        named: list[tuple[str, nn.Parameter]] = []
-        for i, item in enumerate(params):
-            name, p = item if isinstance(item, tuple) else (str(i), item)
-            if p.requires_grad:  # frozen weights get no gradient, no state and no hook
-                named.append((name, p))
+        named = _trainable(params)
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        if not self._params:
-            raise ValueError("the optimizer got no parameters that require grad")
-        if len(set(map(id, self._params))) != len(self._params):
-            raise ValueError("a parameter appears twice; pass each tied weight once")
-        if len(set(self._names)) != len(self._names):
-            raise ValueError("two parameters share a name")
 
         self.kind = kind
         self.lr = float(lr)
@@ -445,25 +453,7 @@ class Optimizer:
         self._torch: list[torch.optim.AdamW] = []
         self._state: list[dict[str, Tensor]] = []
         if self.engine == "torch_fused":
-            groups = [[p] for p in self._params] if in_backward else [self._params]
-            for group in groups:
-                self._torch.append(
-                    torch.optim.AdamW(
-                        group,
-                        lr=self.lr,
-                        betas=self.betas,
-                        eps=self.eps,
-                        weight_decay=self.weight_decay,
-                        fused=True,
-                    )
-                )
-            for i, p in enumerate(self._params):
-                # What torch's fused AdamW would create at its first step (fp32 step on the
-                # parameter's device, moments like the parameter), so it takes these as its own.
-                st = self._torch_for(i).state[p]
-                st["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._new_torch_fused()
         else:
             for p in self._params:
                 self._state.append(self._new_own_state(p))
@@ -472,6 +462,28 @@ class Optimizer:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     # --- construction helpers -------------------------------------------------------------
+
+    def _new_torch_fused(self) -> None:
+        """torch's fused AdamW: one instance, or one per parameter when stepped in backward."""
+        groups = [[p] for p in self._params] if self._in_backward else [self._params]
+        for group in groups:
+            self._torch.append(
+                torch.optim.AdamW(
+                    group,
+                    lr=self.lr,
+                    betas=self.betas,
+                    eps=self.eps,
+                    weight_decay=self.weight_decay,
+                    fused=True,
+                )
+            )
+        for i, p in enumerate(self._params):
+            # What torch's fused AdamW would create at its first step (fp32 step on the
+            # parameter's device, moments like the parameter), so it takes these as its own.
+            st = self._torch_for(i).state[p]
+            st["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _torch_for(self, i: int) -> torch.optim.AdamW:
         return self._torch[i] if self._in_backward else self._torch[0]

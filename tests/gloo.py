@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -18,3 +20,20 @@ def join_gloo(rank: int, world: int, port: int) -> None:
     """Join the default process group as `rank` of `world` over localhost (a spawned worker)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def run_in_gloo(rank: int, world: int, port: int, body: Callable[[], None]) -> None:
+    """Run `body` as `rank` of a gloo group, then tear the group down in a fixed order.
+
+    All ranks meet at a barrier first (every queued collective, FSDP's asynchronous
+    reduce-scatters included, has finished), then what `body` built is collected while the
+    group still exists (FSDP state and DTensors hold the group): destroying gloo with work in
+    flight, or freeing its last reference at interpreter exit, can abort the process.
+    """
+    join_gloo(rank, world, port)
+    try:
+        body()
+        dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
-from gloo import free_port, join_gloo
+from gloo import free_port, run_in_gloo
 from safetensors.torch import load_file
 
 from compiletune.checkpoint import check_resumable, convert_to_hf
@@ -251,14 +251,14 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
 
 def _variant_worker(rank: int, port: int, tmp: str, corpus: str, tied_dir: str) -> None:
     torch.set_num_threads(1)
-    join_gloo(rank, 2, port)
-    try:
+
+    def body() -> None:
         for name, (flags, _) in _variants(Path(tmp), corpus, tied_dir).items():
             cfg = resolve({}, {**flags, "fsdp": True, "output_dir": f"{tmp}/{name}"})
             train(cfg)
             torch.compiler.reset()
-    finally:
-        dist.destroy_process_group()
+
+    run_in_gloo(rank, 2, port, body)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo import free_port, join_gloo
+from gloo import free_port, run_in_gloo
 from lora_cases import load_hf, rel_err, tiny_args, tokens
 from safetensors.torch import load_file
 from tiny_run import tiny_run
@@ -204,8 +204,8 @@ def _lora_fsdp_worker(rank: int, port: int, tmp: str, corpus: str, model_dir: st
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    join_gloo(rank, 2, port)
-    try:
+
+    def body() -> None:
         runs = _fsdp_runs(tmp, corpus, model_dir)
         for name, flags in runs.items():
             train(resolve({}, {**flags, "fsdp": True, "output_dir": f"{tmp}/fsdp-{name}"}))
@@ -218,8 +218,8 @@ def _lora_fsdp_worker(rank: int, port: int, tmp: str, corpus: str, model_dir: st
             (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         dist.barrier()
         train(resolve({}, {**runs["lora"], "fsdp": True, "resume": True, "output_dir": str(part)}))
-    finally:
-        dist.destroy_process_group()
+
+    run_in_gloo(rank, 2, port, body)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import free_port, join_gloo
+from gloo import free_port, run_in_gloo
 
 from compiletune import estimate
 from compiletune.cli import main
@@ -96,14 +96,13 @@ def test_sharding_divides_the_state_and_leaves_no_process_group() -> None:
 
 def _gloo_rank(rank: int, port: int, flags: dict, queue) -> None:
     os.environ["COMPILETUNE_LCE_EAGER"] = "1"
-    join_gloo(rank, 2, port)
-    try:
+
+    def body() -> None:
         peak = estimate.measure_cpu_step(resolve({}, flags), 2)
         if rank == 0:
             queue.put(peak)
-        dist.barrier()  # no collective in flight when the group is torn down
-    finally:
-        dist.destroy_process_group()
+
+    run_in_gloo(rank, 2, port, body)
 
 
 @pytest.mark.slow

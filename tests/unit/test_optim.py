@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from gloo import free_port, join_gloo
+from gloo import free_port, run_in_gloo
 from torch.overrides import TorchFunctionMode
 
 from compiletune.data import Batches, load_examples, pack
@@ -596,7 +596,6 @@ def test_adamw8bit_follows_adamw_on_debug_preset() -> None:
 
 
 def _fsdp_worker(rank: int, world: int, port: int, results: dict) -> None:
-    join_gloo(rank, world, port)
     torch.set_num_threads(1)
     from torch.distributed.fsdp import fully_shard
 
@@ -610,9 +609,11 @@ def _fsdp_worker(rank: int, world: int, port: int, results: dict) -> None:
             fully_shard(layer)
         return fully_shard(model)
 
-    for kind in ("adamw", "adamw8bit"):
-        results[rank, kind] = _fsdp_case(kind, sharded, batches, lrs)
-    dist.destroy_process_group()
+    def body() -> None:
+        for kind in ("adamw", "adamw8bit"):
+            results[rank, kind] = _fsdp_case(kind, sharded, batches, lrs)
+
+    run_in_gloo(rank, world, port, body)
 
 
 def _fsdp_case(

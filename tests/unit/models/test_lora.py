@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from gloo import free_port, join_gloo
+from gloo import free_port, run_in_gloo
 from lora_cases import hf_base, load_hf, randomize_adapters, rel_err, tiny_args, tokens
 from safetensors.torch import load_file
 
@@ -255,13 +255,11 @@ def _qlora_for_fsdp() -> torch.nn.Module:
 
 
 def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
-
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
-    join_gloo(rank, world, port)
-    try:
+
+    def body() -> None:
         model = _qlora_for_fsdp()
         head = LossHead(model.output, "plain")
         # One unit per block: its NF4 codes (uint8), scales and adapters (fp32) together.
@@ -275,11 +273,8 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         kinds = {n: type(p).__name__ for n, p in wq.named_parameters()}
         if rank == 0:
             torch.save((loss.detach(), grads, kinds), out)
-        # Every rank's queued collectives (FSDP's asynchronous reduce-scatters) finish before the
-        # group is torn down: destroying gloo with work in flight aborts the process.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+    run_in_gloo(rank, world, port, body)
 
 
 @pytest.mark.slow
