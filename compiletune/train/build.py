@@ -389,14 +389,14 @@ def _build_model(
     lora_kw: dict[str, Any],
     device: torch.device,
     resume_from: Path | None,
-    meta: bool,
+    probe: bool,
 ) -> tuple[Transformer, dict[str, Tensor] | None]:
     """The model with its weights (one process), or, under FSDP and for a probe, the model on
-    the meta device plus rank 0's full state dict to fill the shards from (None elsewhere)."""
-    if not meta:
+    the meta device plus (FSDP rank 0, not a probe) the full state dict to fill the shards from."""
+    if not probe and env is None:
         return build_model_weights(cfg, args, spec, lora_kw, device, resume_from), None
     full_sd = None
-    if env is not None and env.is_main and (resume_from is None or spec is not None):
+    if not probe and env.is_main and (resume_from is None or spec is not None):
         # Rank 0 alone reads the checkpoint (or draws the initial weights, on the host, the same
         # values a single CPU process draws): host RAM holds one model, not one per rank. A LoRA
         # checkpoint holds no base, so its adapters come this way too.
@@ -439,9 +439,10 @@ def build_run(
 
     base_dtype = pick_dtype(cfg.lora.base_dtype, device) if cfg.lora.base_dtype else dtype
     lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.lora.quantize_base}
-    meta = probe is not None or env is not None
     resume_from = inputs.resume_from
-    model, full_sd = _build_model(cfg, env, args, spec, lora_kw, device, resume_from, meta)
+    model, full_sd = _build_model(
+        cfg, env, args, spec, lora_kw, device, resume_from, probe is not None
+    )
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None
     head = LossHead(model.output, head_kind(cfg.techniques.loss, compiled))

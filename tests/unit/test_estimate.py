@@ -156,3 +156,21 @@ def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert main(["estimate-memory", *small, "--ac", "budget=0.5"]) == 2  # needs --compile
     assert main(["estimate-memory", *small, "--ac", "budget=0.5", "--compile"]) == 0
     assert "interpolated" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+@pytest.mark.parametrize("lora", [False, True])
+def test_estimate_never_draws_real_weights(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, lora: bool
+) -> None:
+    """The estimate of any world size builds on fake tensors only: no rank draws the full model's
+    weights for real (an FSDP estimate once had "rank 0" draw them on the host: 15 GB and 70 s for
+    a 7B model instead of 0.5 GB and 5 s)."""
+    from compiletune.train import build
+
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("the estimate built real weights")
+
+    monkeypatch.setattr(build, "build_model_weights", refuse)
+    est = estimate.estimate_memory(_cfg(lora_rank=8 if lora else 0), gpus)
+    assert est.peak_bytes > 0 and est.setup["fsdp"] == (gpus > 1)
