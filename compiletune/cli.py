@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from compiletune import __version__
-from compiletune.config import add_flags
+from compiletune.config import TrainConfig, add_flags
 from compiletune.errors import UserError
 
 EXIT_BAD_INPUT = 2
@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GIB|GPU",
         help="GPU memory to check against: GiB (80) or a name (h100, a100-40, h200, ...)",
+    )
+    g.add_argument(
+        "--host-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="host memory of one machine, for what --cpu-offload and offloading keep there "
+        "(default: this machine's)",
     )
     g.add_argument("--ladder", action="store_true", help="print the technique ladder (markdown)")
     g.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -95,53 +103,64 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train(ns: argparse.Namespace) -> int:
+def _resolve(ns: argparse.Namespace, flags: dict) -> TrainConfig:
+    """--config (a YAML file, or the name of a shipped recipe) under the flags typed."""
     from compiletune.config import load_yaml, resolve
+
+    return resolve(load_yaml(ns.config) if ns.config else {}, flags)
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
     from compiletune.train.loop import train
 
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
-    yaml_values = load_yaml(ns.config) if ns.config else {}
-    summary = train(resolve(yaml_values, flags))
+    summary = train(_resolve(ns, flags))
     return 130 if summary["interrupted"] else 0
 
 
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import json
 
-    from compiletune.config import load_yaml, resolve
-    from compiletune.estimate import (
-        estimate_memory,
-        format_estimate,
-        format_ladder,
-        ladder,
-        parse_device_memory,
-    )
+    from compiletune import estimate as est_
 
-    own = ("command", "config", "gpus", "device_memory", "ladder", "json")
+    own = ("command", "config", "gpus", "device_memory", "host_memory", "ladder", "json")
     flags = {k: v for k, v in vars(ns).items() if k not in own}
     if ns.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {ns.gpus}")
     if ns.gpus > 1:
         flags["fsdp"] = True  # several GPUs train under torchrun with --fsdp
-    yaml_values = load_yaml(ns.config) if ns.config else {}
-    cfg = resolve(yaml_values, flags)
-    capacity = parse_device_memory(ns.device_memory) if ns.device_memory else None
+    cfg = _resolve(ns, flags)
+    if ns.host_memory is not None and not 0 < ns.host_memory < float("inf"):
+        raise UserError(f"--host-memory {ns.host_memory}: pass this machine's GiB (e.g. 512)")
+    capacity = None
+    if ns.device_memory:
+        host = ns.host_memory * 2**30 if ns.host_memory else est_.machine_host_bytes()
+        capacity = est_.Capacity(est_.parse_device_memory(ns.device_memory), int(host))
     if ns.ladder:
-        rows = ladder(cfg, ns.gpus)
+        rows = est_.ladder(cfg, ns.gpus)
         if ns.json:
             out = [
-                {"rung": name, "flags": f, **(e.to_dict() if e else {"error": "n/a"})}
-                for name, f, e in rows
+                {"rung": r.name, "flags": r.flags, **(r.est.to_dict() if r.est else {"why": r.why})}
+                for r in rows
             ]
             print(json.dumps(out, indent=2))
         else:
-            print(format_ladder(rows, capacity))
+            print(est_.format_ladder(rows, capacity))
         return 0
-    est = estimate_memory(cfg, ns.gpus)
+    est = est_.estimate_memory(cfg, ns.gpus)
+    fix = None
+    if capacity is not None and not est_.fits(est, capacity):
+        print(
+            "does not fit; estimating the ladder's rungs for the cheapest fix...", file=sys.stderr
+        )
+        fix = est_.advice(cfg, ns.gpus, capacity)
     if ns.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        out = est.to_dict()
+        if capacity is not None:
+            out.update(fits=fix is None, to_fit=fix)
+        print(json.dumps(out, indent=2))
     else:
-        print(format_estimate(est, capacity))
+        print(est_.format_estimate(est, capacity, fix))
     return 0
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -52,12 +53,13 @@ from torch.utils._pytree import tree_leaves
 from compiletune import distributed as dist_
 from compiletune import memory_internals as mi
 from compiletune.activation import parse_ac
-from compiletune.config import TrainConfig
+from compiletune.config import RunFacts, TrainConfig, fill_defaults
 from compiletune.errors import UserError
 from compiletune.loss import IGNORE_INDEX
 from compiletune.models import num_params
 from compiletune.optim import _local
 from compiletune.train import Probe, Run, StepBatch, build_run, train_step
+from compiletune.train.build import resolve_model_args
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 # Internal categories: where FSDP keeps a tensor decides whether --cpu-offload moves it.
@@ -550,17 +552,49 @@ def measure_cuda_step(cfg: TrainConfig) -> int:
 # ---------------------------------------------------------------------------------------------
 # The ladder and the pre-flight check.
 
-# Each rung adds flags to the ones before (the cumulative memory ladder).
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a run must fit in: each GPU's memory, and (optionally) one machine's host memory,
+    shared by the ranks that run on it (up to GPUS_PER_NODE)."""
+
+    device_bytes: int
+    host_bytes: int | None = None
+
+
+def machine_host_bytes() -> int:
+    """This machine's physical memory (the default of --host-memory)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_needed(est: MemoryEstimate) -> int:
+    """Host memory the step's offloaded tensors need on one machine: each rank's share times the
+    ranks on that machine."""
+    return est.host_bytes * min(est.gpus, GPUS_PER_NODE)
+
+
+def fits(est: MemoryEstimate, capacity: Capacity) -> bool:
+    """Whether the step's peak plus the reserve for what the estimate cannot see fits each GPU,
+    and what it offloads fits the machine's host memory."""
+    if est.peak_bytes + RESERVE_BYTES > capacity.device_bytes:
+        return False
+    return capacity.host_bytes is None or host_needed(est) <= capacity.host_bytes
+
+
+# The ladder: each rung adds flags to the ones before, cheapest first, by what a rung costs.
+# Fused loss: nothing (it is also faster). 8-bit states: optimizer-state precision. Full
+# activation checkpointing: about a third more compute. Optimizer in backward: no gradient
+# clipping and no accumulation. CPU offload: parameters, gradients and states cross PCIe every
+# step (the slowest). The ladder starts from the run as `train` would run it.
 LADDER: list[tuple[str, dict[str, Any]]] = [
-    ("baseline", {}),
-    ("+ activation checkpointing", {"ac": "full"}),
-    ("+ CPU offload", {"fsdp": True, "cpu_offload": True}),
     ("+ fused loss", {"loss": "fused"}),
-    ("+ optimizer in backward", {"optimizer_in_backward": True, "max_grad_norm": 0.0}),
     ("+ 8-bit states", {"optimizer": "adamw8bit"}),
+    ("+ activation checkpointing", {"ac": "full"}),
+    ("+ optimizer in backward", {"optimizer_in_backward": True, "max_grad_norm": 0.0}),
+    ("+ CPU offload", {"fsdp": True, "cpu_offload": True}),
 ]
-# Rungs that change what is trained (only the adapters): shown by --ladder, never suggested by
-# the pre-flight check, which keeps the run a full fine-tune.
+# Rungs that change what is trained (only the adapters): shown by --ladder, never suggested,
+# which keeps the run a full fine-tune.
 LORA_RUNGS: list[tuple[str, dict[str, Any]]] = [
     ("+ LoRA r16 (adapters only)", {"lora_rank": 16, "lora_alpha": 32.0}),
     ("+ QLoRA (NF4 base)", {"quantize_base": "nf4"}),
@@ -577,85 +611,147 @@ _FLAG_TEXT = {
     "max_grad_norm": lambda v: "",
     "optimizer": lambda v: f"--optimizer {v}",
 }
-_BASELINE = {
-    "ac": "none",
-    "offload_activations": False,
-    "cpu_offload": False,
-    "loss": "plain",
-    "optimizer_in_backward": False,
-    "optimizer": "adamw",
-    "lora_rank": 0,
-    "quantize_base": None,
-}
+
+
+@dataclass
+class Rung:
+    name: str
+    flags: str  # the flags this rung adds ("" for the start)
+    est: MemoryEstimate | None  # None: not estimated (see `why`)
+    why: str = ""  # "already on", or why the rung does not apply
 
 
 def flags_text(changes: dict[str, Any]) -> str:
     return " ".join(t for k, v in changes.items() if (t := _FLAG_TEXT[k](v)))
 
 
-def _applies(cfg: TrainConfig, changes: dict[str, Any]) -> bool:
-    """Whether a rung's flags are valid for this run (in-backward cannot accumulate; LoRA does
-    not take FSDP's bf16-mixed precision)."""
+def _todo(cfg: TrainConfig, changes: dict[str, Any]) -> dict[str, Any]:
+    """The part of a rung's flags that `cfg` does not already have (any --ac policy counts as
+    activation checkpointing being on)."""
+    if "ac" in changes and cfg.techniques.ac != "none":
+        return {}
+    return {k: v for k, v in changes.items() if cfg.get(k) != v}
+
+
+def _not_applicable(cfg: TrainConfig, changes: dict[str, Any]) -> str:
+    """Why a rung's flags are invalid for this run ("" when they are valid)."""
     if changes.get("lora_rank") and cfg.model.dtype == "bf16-mixed":
-        return False
-    return not (changes.get("optimizer_in_backward") and cfg.data.grad_accum > 1)
+        return "n/a (LoRA takes --dtype bf16, not bf16-mixed)"
+    if changes.get("optimizer_in_backward") and cfg.data.grad_accum > 1:
+        return "n/a (needs --grad-accum 1)"
+    return ""
 
 
-def ladder(cfg: TrainConfig, gpus: int) -> list[tuple[str, str, MemoryEstimate | None]]:
-    """(rung, flags added, estimate or None when the rung does not apply) from the plain
-    baseline of `cfg`'s model, shape, dtype and sharding up to every technique."""
-    current = cfg.replace(**_BASELINE)
-    rows = []
+def as_trained(cfg: TrainConfig, gpus: int) -> TrainConfig:
+    """`cfg` with the defaults `train` derives from the model filled in (the loss head, say), so
+    the ladder and the advice start from the run `train` would run."""
+    vocab = resolve_model_args(cfg).vocab_size
+    return fill_defaults(cfg.replace(), RunFacts(vocab, packs_documents=False, world=gpus))
+
+
+def ladder(cfg: TrainConfig, gpus: int) -> list[Rung]:
+    """The run as `train` would run it, then each rung's flags added to those before."""
+    current = as_trained(cfg, gpus)
+    rows = [Rung("as configured", "", estimate_memory(current, gpus))]
     for name, changes in LADDER + LORA_RUNGS:
-        if not _applies(current, changes):
-            rows.append((name, flags_text(changes), None))
+        todo = _todo(current, changes)
+        if not todo:
+            rows.append(Rung(name, flags_text(changes), None, "already on"))
             continue
-        candidate = current.replace(**changes)
+        if why := _not_applicable(current, todo):
+            rows.append(Rung(name, flags_text(todo), None, why))
+            continue
+        candidate = current.replace(**todo)
         try:
             est = estimate_memory(candidate, gpus)
-        except UserError:  # e.g. NF4 blocks that do not divide this model's rows
-            rows.append((name, flags_text(changes), None))
+        except UserError as e:  # e.g. NF4 blocks that do not divide this model's rows
+            rows.append(Rung(name, flags_text(todo), None, f"n/a ({e})"))
             continue
         current = candidate
-        rows.append((name, flags_text(changes), est))
+        rows.append(Rung(name, flags_text(todo), est))
     return rows
 
 
-def fits(est: MemoryEstimate, capacity_bytes: int) -> bool:
-    """Whether the step's peak plus the reserve for what the estimate cannot see fits."""
-    return est.peak_bytes + RESERVE_BYTES <= capacity_bytes
-
-
-def suggest(cfg: TrainConfig, gpus: int, capacity_bytes: int) -> str | None:
-    """The flags that, added to `cfg` rung by rung (the ladder's order, skipping what `cfg`
-    already does), first make the step fit; None when even all of them do not."""
-    current = cfg
-    added: dict[str, Any] = {}
-    for _, changes in LADDER[1:]:
-        todo = {k: v for k, v in changes.items() if current.get(k) != v}
-        if changes == {"ac": "full"} and current.techniques.ac != "none":
-            todo = {}
-        if not todo or not _applies(current, todo):
+def suggest(cfg: TrainConfig, gpus: int, capacity: Capacity) -> tuple[str, MemoryEstimate] | None:
+    """The cheapest flags that make `cfg`'s step fit, with their estimate; None when even every
+    rung of the ladder does not. Rungs are added cheapest first until the step fits, then each
+    earlier rung is dropped again where the step still fits without it (so `--ac full` alone is
+    the answer when it is enough, not `--ac full` plus the cheaper rungs tried on the way)."""
+    cfg = as_trained(cfg, gpus)
+    current, added = cfg, []
+    est = None
+    for _, changes in LADDER:
+        todo = _todo(current, changes)
+        if not todo or _not_applicable(current, todo):
             continue
         current = current.replace(**todo)
-        added.update(todo)
-        if fits(estimate_memory(current, gpus), capacity_bytes):
-            return flags_text(added)
-    return None
+        added.append(todo)
+        est = estimate_memory(current, gpus)
+        if fits(est, capacity):
+            break
+    else:
+        return None
+    for todo in list(reversed(added[:-1])):
+        keep = [t for t in added if t is not todo]
+        trial = cfg.replace(**{k: v for t in keep for k, v in t.items()})
+        trial_est = estimate_memory(trial, gpus)
+        if fits(trial_est, capacity):
+            added, est = keep, trial_est
+    assert est is not None
+    return flags_text({k: v for t in added for k, v in t.items()}), est
 
 
-def preflight(cfg: TrainConfig, gpus: int, capacity_bytes: int) -> MemoryEstimate:
-    """Refuse (UserError) a run whose step will not fit in `capacity_bytes` per GPU, naming the
-    flags that would make it fit; returns the estimate when it fits."""
+def verdict(est: MemoryEstimate, capacity: Capacity) -> str:
+    """One line: whether the step fits each GPU and, when it offloads, the machine's host memory."""
+    gib = 2**30
+    device_ok = est.peak_bytes + RESERVE_BYTES <= capacity.device_bytes
+    line = (
+        f"{'fits' if device_ok else 'does NOT fit'} in {capacity.device_bytes / gib:.0f} GiB "
+        f"per GPU (with {RESERVE_BYTES / gib:.0f} GiB kept for the CUDA context, workspaces and "
+        "fragmentation)"
+    )
+    if est.host_bytes and capacity.host_bytes is not None:
+        need = host_needed(est)
+        ranks = min(est.gpus, GPUS_PER_NODE)
+        ok = need <= capacity.host_bytes
+        line += (
+            f"; host memory: {need / gib:.1f} GiB for {ranks} rank(s) on one machine "
+            f"{'fits' if ok else 'does NOT fit'} in {capacity.host_bytes / gib:.0f} GiB "
+            "(--host-memory)"
+        )
+    return line
+
+
+def advice(cfg: TrainConfig, gpus: int, capacity: Capacity) -> str:
+    """What to do about a step that does not fit: the cheapest flags that fit, or more GPUs."""
+    found = suggest(cfg, gpus, capacity)
+    if found is None:
+        return "no technique flag makes it fit: use more GPUs (--fsdp), a shorter --seq-len or --batch-size"
+    flags, est = found
+    return f"add {flags} (then about {est.peak_bytes / 2**30:.1f} GiB per GPU)"
+
+
+def preflight(cfg: TrainConfig, gpus: int, capacity: Capacity) -> MemoryEstimate:
+    """Refuse (UserError) a run whose step will not fit, naming the flags that would make it fit;
+    returns the estimate when it fits."""
     est = estimate_memory(cfg, gpus)
-    if fits(est, capacity_bytes):
+    if fits(est, capacity):
         return est
     gib = 2**30
-    fix = suggest(cfg, gpus, capacity_bytes)
-    advice = f"add {fix}" if fix else "use more GPUs (--fsdp), a shorter --seq-len or --batch-size"
+    why = []
+    if est.peak_bytes + RESERVE_BYTES > capacity.device_bytes:
+        why.append(
+            f"the step needs about {est.peak_bytes / gib:.1f} GiB per GPU (+"
+            f"{RESERVE_BYTES / gib:.0f} GiB reserve) but the GPU has "
+            f"{capacity.device_bytes / gib:.1f} GiB"
+        )
+    if capacity.host_bytes is not None and host_needed(est) > capacity.host_bytes:
+        why.append(
+            f"what the step offloads needs {host_needed(est) / gib:.1f} GiB of host memory but "
+            f"the machine has {capacity.host_bytes / gib:.1f} GiB"
+        )
     raise UserError(
-        f"the step needs about {est.peak_bytes / gib:.1f} GiB per GPU (+{RESERVE_BYTES / gib:.0f} "
-        f"GiB reserve) but the GPU has {capacity_bytes / gib:.1f} GiB; {advice} "
+        f"{' and '.join(why)}; {advice(cfg, gpus, capacity)} "
         "(`compiletune estimate-memory --ladder` shows each technique; --no-preflight skips "
         "this check)"
     )
@@ -680,7 +776,9 @@ def parse_device_memory(text: str) -> int:
 # Output.
 
 
-def format_estimate(est: MemoryEstimate, capacity_bytes: int | None = None) -> str:
+def format_estimate(
+    est: MemoryEstimate, capacity: Capacity | None = None, fix: str | None = None
+) -> str:
     gib = 2**30
     s = est.setup
     lines = [
@@ -697,35 +795,32 @@ def format_estimate(est: MemoryEstimate, capacity_bytes: int | None = None) -> s
     if est.host_bytes:
         parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in est.host_parts.items() if v)
         lines.append(f"host memory per GPU (offload): {est.host_bytes / gib:.2f} GiB ({parts})")
-    if capacity_bytes is not None:
-        verdict = "fits" if fits(est, capacity_bytes) else "does NOT fit"
-        lines.append(
-            f"{verdict} in {capacity_bytes / gib:.0f} GiB (with {RESERVE_BYTES / gib:.0f} GiB "
-            "kept for the CUDA context, workspaces and fragmentation)"
-        )
+    if capacity is not None:
+        lines.append(verdict(est, capacity))
+        if fix is not None:
+            lines.append(f"to fit: {fix}")
     lines += [f"note: {n}" for n in est.notes]
     lines.append(f"(estimated in {est.seconds:.1f}s on fake tensors)")
     return "\n".join(lines)
 
 
-def format_ladder(
-    rows: list[tuple[str, str, MemoryEstimate | None]], capacity_bytes: int | None = None
-) -> str:
+def format_ladder(rows: list[Rung], capacity: Capacity | None = None) -> str:
     gib = 2**30
     head = "| rung | flags added | peak GiB / GPU | host GiB / GPU |"
     sep = "|---|---|---:|---:|"
-    if capacity_bytes is not None:
-        head += f" fits {capacity_bytes / gib:.0f} GiB |"
+    if capacity is not None:
+        head += f" fits {capacity.device_bytes / gib:.0f} GiB |"
         sep += "---|"
     lines = [head, sep]
-    for name, flags, est in rows:
-        if est is None:
-            lines.append(f"| {name} | {flags} | n/a (needs --grad-accum 1) | |")
+    for r in rows:
+        if r.est is None:
+            lines.append(f"| {r.name} | {r.flags} | {r.why} | |" + (" |" if capacity else ""))
             continue
         row = (
-            f"| {name} | {flags or '—'} | {est.peak_bytes / gib:.2f} | {est.host_bytes / gib:.2f} |"
+            f"| {r.name} | {r.flags or '—'} | {r.est.peak_bytes / gib:.2f} | "
+            f"{r.est.host_bytes / gib:.2f} |"
         )
-        if capacity_bytes is not None:
-            row += f" {'yes' if fits(est, capacity_bytes) else 'no'} |"
+        if capacity is not None:
+            row += f" {'yes' if fits(r.est, capacity) else 'no'} |"
         lines.append(row)
     return "\n".join(lines)

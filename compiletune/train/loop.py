@@ -55,7 +55,7 @@ def preflight_check(cfg: TrainConfig) -> None:
     from compiletune import estimate
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    capacity = torch.cuda.mem_get_info(local)[1]
+    capacity = estimate.Capacity(torch.cuda.mem_get_info(local)[1], estimate.machine_host_bytes())
     world = dist_.launched_world_size() if cfg.parallel.fsdp else 1
     try:
         estimate.preflight(cfg, world, capacity)

@@ -119,21 +119,45 @@ def test_fake_world_of_two_matches_gloo_world_of_two() -> None:
 def test_preflight_refuses_a_step_that_cannot_fit_and_names_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    cfg = _cfg(loss="plain")
+    Capacity = estimate.Capacity
+    cfg = _cfg(loss="plain", seq_len=512)  # activations dominate: --ac full saves the most
     peak = estimate.estimate_memory(cfg).peak_bytes
-    roomy = peak + estimate.RESERVE_BYTES + 2**20
+    roomy = Capacity(peak + estimate.RESERVE_BYTES + 2**20)
     assert estimate.preflight(cfg, 1, roomy).peak_bytes == peak
-    tight = int(0.8 * peak) + estimate.RESERVE_BYTES  # --ac full saves more than 20% here
-    with pytest.raises(UserError, match=r"add --ac full .*--no-preflight"):
+    ac = estimate.estimate_memory(cfg.replace(ac="full")).peak_bytes
+    cheap = estimate.estimate_memory(cfg.replace(optimizer="adamw8bit", loss="fused")).peak_bytes
+    assert ac < cheap
+    tight = Capacity(ac + estimate.RESERVE_BYTES)
+    # The cheaper rungs (fused loss, 8-bit states) are tried first and do not fit; with --ac
+    # full the step fits, and then the cheaper rungs are dropped again: --ac full alone is enough.
+    with pytest.raises(UserError, match=r"but the GPU has .*; add --ac full \(then about .*"):
         estimate.preflight(cfg, 1, tight)
     with pytest.raises(UserError, match="use more GPUs"):
-        estimate.preflight(cfg, 1, estimate.RESERVE_BYTES + 2**20)
+        estimate.preflight(cfg, 1, Capacity(estimate.RESERVE_BYTES + 2**20))
     # The trainer's check reads the GPU's capacity; here a fake one.
     from compiletune.train import loop
 
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, tight))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, tight.device_bytes))
     with pytest.raises(UserError, match="--ac full"):
         loop.preflight_check(cfg)
+
+
+def test_advice_is_the_cheapest_fit_and_judges_host_memory() -> None:
+    """Past full AC, the ladder's next rungs are in-backward and then CPU offload; a step that
+    fits only offloaded is refused when the machine's host memory cannot hold the offload."""
+    cfg = _cfg(loss="plain", seq_len=256)
+    full = estimate.estimate_memory(cfg.replace(ac="full", optimizer="adamw8bit", loss="fused"))
+    offloaded = estimate.estimate_memory(
+        cfg.replace(ac="full", optimizer="adamw8bit", loss="fused", fsdp=True, cpu_offload=True)
+    )
+    assert offloaded.host_bytes > 0 and offloaded.peak_bytes < full.peak_bytes
+    device = offloaded.peak_bytes + estimate.RESERVE_BYTES + 2**20  # in-backward rounds up
+    flags, est = estimate.suggest(cfg, 1, estimate.Capacity(device))
+    assert "--cpu-offload" in flags and est.peak_bytes <= offloaded.peak_bytes
+    short_host = estimate.Capacity(device, host_bytes=offloaded.host_bytes // 2)
+    assert estimate.suggest(cfg, 1, short_host) is None
+    line = estimate.verdict(offloaded, short_host)
+    assert "fits in" in line and "host memory" in line and "does NOT fit" in line
 
 
 def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
@@ -146,9 +170,15 @@ def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert table.startswith("| rung |") and "+ 8-bit states" in table
     assert "--optimizer-in-backward" in table
     assert "--lora-rank 16" in table and "--quantize-base nf4" in table
-    rows = {name: est for name, _, est in estimate.ladder(_cfg(seq_len=64, batch_size=2), 1)}
-    peak = {name: est.peak_bytes for name, est in rows.items() if est is not None}
+    rows = {r.name: r for r in estimate.ladder(_cfg(seq_len=64, batch_size=2), 1)}
+    # The ladder starts from what train runs: a small vocabulary trains with the plain head...
+    assert rows["as configured"].est.setup["loss"] == "plain" and rows["+ fused loss"].est
+    # ...a large one with the fused head, which is then on from the start.
+    big = estimate.as_trained(_cfg(model="debug_128k"), 1)
+    assert big.techniques.loss == "fused" and not estimate._todo(big, {"loss": "fused"})
+    peak = {name: r.est.peak_bytes for name, r in rows.items() if r.est is not None}
     assert peak["+ QLoRA (NF4 base)"] < peak["+ LoRA r16 (adapters only)"] < peak["+ 8-bit states"]
+    assert peak["+ activation checkpointing"] < peak["as configured"]
     assert main(["estimate-memory", *small, "--gpus", "0"]) == 2
     assert "--gpus must be at least 1" in capsys.readouterr().err
     assert main(["estimate-memory", *small, "--device-memory", "lots"]) == 2
