@@ -1,4 +1,4 @@
-"""Command line: `compiletune train | generate | estimate-memory | models | convert`.
+"""Command line: `compiletune train | generate | estimate-memory | models | configs | convert`.
 
 Flags override `--config run.yaml`, which overrides the defaults in `config.TrainConfig`.
 Bad input prints one line, `compiletune: error: ...`, and exits with code 2.
@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from compiletune import __version__
 from compiletune.config import TrainConfig, add_flags
@@ -65,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ladder", action="store_true", help="print the technique ladder (markdown)")
     g.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub.add_parser("models", help="list the model presets with parameter counts")
+    configs = sub.add_parser(
+        "configs",
+        help="list the shipped recipes; `configs show NAME`, `configs copy NAME PATH`",
+        description="Shipped recipes: YAML run files for common model x technique x GPU cases, "
+        "each checked by estimate-memory to fit its GPUs. Run one with `compiletune train "
+        "--config NAME` (flags override it) after setting its <placeholders>.",
+    )
+    configs.add_argument("action", nargs="?", choices=("list", "show", "copy"), default="list")
+    configs.add_argument("name", nargs="?", help="a recipe name (show, copy)")
+    configs.add_argument("path", nargs="?", help="where to copy it (copy)")
     convert = sub.add_parser("convert", help="turn a sharded (--fsdp) checkpoint into an HF folder")
     convert.add_argument("checkpoint", help="a step_N folder of an --fsdp run")
     convert.add_argument("output", help="new folder for the HF checkpoint")
@@ -180,6 +191,37 @@ def _cmd_models(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_configs(ns: argparse.Namespace) -> int:
+    from compiletune import recipes
+
+    if ns.action == "list":
+        if ns.name:
+            raise UserError(
+                f"configs: unexpected '{ns.name}'; did you mean `configs show {ns.name}`?"
+            )
+        print(recipes.format_table(recipes.all_recipes()))
+        return 0
+    if not ns.name:
+        raise UserError(f"configs {ns.action}: name a recipe (see `compiletune configs`)")
+    recipe = recipes.get(ns.name)
+    if ns.action == "show":
+        print(recipe.path.read_text(), end="")
+        return 0
+    if not ns.path:
+        raise UserError("configs copy: give the path to copy to, e.g. run.yaml")
+    dest = Path(ns.path)
+    if dest.is_dir():
+        dest = dest / recipe.path.name
+    if dest.exists():
+        raise UserError(f"configs copy: {dest} exists; pick another path or remove it first")
+    try:
+        dest.write_text(recipe.path.read_text())
+    except OSError as e:
+        raise UserError(f"configs copy: cannot write {dest} ({e.strerror})") from e
+    print(f"wrote {dest}; set its <placeholders>, then `compiletune train --config {dest}`")
+    return 0
+
+
 def _cmd_convert(ns: argparse.Namespace) -> int:
     import time
 
@@ -221,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_generate(ns)
         if ns.command == "estimate-memory":
             return _cmd_estimate(ns)
+        if ns.command == "configs":
+            return _cmd_configs(ns)
         return _cmd_models(ns)
     except UserError as e:
         sys.stderr.write(f"compiletune: error: {e}\n")

@@ -26,6 +26,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from compiletune import recipes
 from compiletune.choices import (
     BaseDtype,
     Bf16Compensation,
@@ -556,10 +557,17 @@ def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfi
 
 
 def load_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML run file into a dict of config keys (dashes or underscores accepted)."""
+    """Read a YAML run file, or a shipped recipe by name (`compiletune configs`), into a dict of
+    config keys (dashes or underscores accepted)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"--config {path}: no such file; pass the path of a YAML run file")
+        shipped = recipes.find(path)
+        if shipped is None:
+            raise UserError(
+                f"--config {path}: no such file or shipped recipe; pass the path of a YAML run "
+                "file or a name from `compiletune configs`"
+            )
+        p = shipped
     try:
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:

@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_leaves
 
 from compiletune import distributed as dist_
 from compiletune import memory_internals as mi
+from compiletune import recipes
 from compiletune.activation import parse_ac
 from compiletune.config import RunFacts, TrainConfig, fill_defaults
 from compiletune.errors import UserError
@@ -341,6 +342,16 @@ def _reported(totals: dict[str, int], keep: set[str] | None = None) -> dict[str,
     return out
 
 
+def shapes_only(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` as the estimate reads it: a recipe's placeholder model folder is dropped, so its
+    `--model` preset gives the architecture (the estimate needs shapes, not weights)."""
+    if recipes.is_placeholder(cfg.model.model_dir):
+        if cfg.model.preset is None:
+            raise UserError("--model-dir is a placeholder; set it, or pass --model PRESET")
+        return cfg.replace(model_dir=None)
+    return cfg
+
+
 def estimate_memory(
     cfg: TrainConfig, gpus: int = 1, round_bytes: int = GPU_ROUND_BYTES
 ) -> MemoryEstimate:
@@ -351,6 +362,7 @@ def estimate_memory(
     """
     if gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {gpus}")
+    cfg = shapes_only(cfg)
     t0 = time.perf_counter()
     policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
     notes = []
@@ -645,6 +657,7 @@ def _not_applicable(cfg: TrainConfig, changes: dict[str, Any]) -> str:
 def as_trained(cfg: TrainConfig, gpus: int) -> TrainConfig:
     """`cfg` with the defaults `train` derives from the model filled in (the loss head, say), so
     the ladder and the advice start from the run `train` would run."""
+    cfg = shapes_only(cfg)
     vocab = resolve_model_args(cfg).vocab_size
     return fill_defaults(cfg.replace(), RunFacts(vocab, packs_documents=False, world=gpus))
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from compiletune import adapter_io, torch_internals
+from compiletune import adapter_io, recipes, torch_internals
 from compiletune import checkpoint as ckpt
 from compiletune import distributed as dist_
 from compiletune.config import TrainConfig
@@ -37,6 +37,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     With --fsdp every process of the job runs this function; rank 0 alone writes the metrics,
     the config and the summary, and prints.
     """
+    recipes.check_no_placeholders(cfg)
     if cfg.run.preflight and pick_device().type == "cuda":
         preflight_check(cfg)
     env = dist_.init_distributed(pick_device().type) if cfg.parallel.fsdp else None
