@@ -143,6 +143,8 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     cfg = _resolve(ns, flags)
     if ns.host_memory is not None and not 0 < ns.host_memory < float("inf"):
         raise UserError(f"--host-memory {ns.host_memory}: pass this machine's GiB (e.g. 512)")
+    if ns.host_memory is not None and not ns.device_memory:
+        raise UserError("--host-memory is judged with --device-memory; pass both")
     capacity = None
     if ns.device_memory:
         host = ns.host_memory * 2**30 if ns.host_memory else est_.machine_host_bytes()

@@ -96,14 +96,19 @@ def init_distributed(device_type: str) -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, device, owns)
 
 
+def close_group() -> None:
+    """Destroy the default process group in a fixed order: what the run built (FSDP state and
+    DTensors hold the group) is collected first, while the group lives. Destroying gloo and
+    freeing its last reference later, at interpreter exit, aborted a rank ('terminate called
+    without an active exception') in two of three CI runs of this project on one day, in
+    different 2-process tests. No barrier: after a failure on one rank it would hang the rest."""
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def shutdown(env: DistEnv) -> None:
-    """Tear the group down in a fixed order: what the run built (FSDP state and DTensors hold the
-    group) is collected while the group lives, then the group goes.
-    Destroying gloo first and freeing its last reference at interpreter exit aborted a rank
-    ('terminate called without an active exception') in about one CI run in three."""
     if env.owns_group and dist.is_initialized():
-        gc.collect()  # no barrier here: after a failure on one rank it would hang the others
-        dist.destroy_process_group()
+        close_group()
 
 
 def _free_port() -> int:

@@ -585,12 +585,18 @@ def host_needed(est: MemoryEstimate) -> int:
     return est.host_bytes * min(est.gpus, GPUS_PER_NODE)
 
 
-def fits(est: MemoryEstimate, capacity: Capacity) -> bool:
-    """Whether the step's peak plus the reserve for what the estimate cannot see fits each GPU,
-    and what it offloads fits the machine's host memory."""
-    if est.peak_bytes + RESERVE_BYTES > capacity.device_bytes:
-        return False
+def _device_fits(est: MemoryEstimate, capacity: Capacity) -> bool:
+    """The step's peak plus the reserve for what the estimate cannot see fits each GPU."""
+    return est.peak_bytes + RESERVE_BYTES <= capacity.device_bytes
+
+
+def _host_fits(est: MemoryEstimate, capacity: Capacity) -> bool:
+    """What the step offloads fits the machine's host memory (unchecked without one)."""
     return capacity.host_bytes is None or host_needed(est) <= capacity.host_bytes
+
+
+def fits(est: MemoryEstimate, capacity: Capacity) -> bool:
+    return _device_fits(est, capacity) and _host_fits(est, capacity)
 
 
 # The ladder: each rung adds flags to the ones before, cheapest first, by what a rung costs.
@@ -717,19 +723,16 @@ def suggest(cfg: TrainConfig, gpus: int, capacity: Capacity) -> tuple[str, Memor
 def verdict(est: MemoryEstimate, capacity: Capacity) -> str:
     """One line: whether the step fits each GPU and, when it offloads, the machine's host memory."""
     gib = 2**30
-    device_ok = est.peak_bytes + RESERVE_BYTES <= capacity.device_bytes
     line = (
-        f"{'fits' if device_ok else 'does NOT fit'} in {capacity.device_bytes / gib:.0f} GiB "
+        f"{'fits' if _device_fits(est, capacity) else 'does NOT fit'} in {capacity.device_bytes / gib:.0f} GiB "
         f"per GPU (with {RESERVE_BYTES / gib:.0f} GiB kept for the CUDA context, workspaces and "
         "fragmentation)"
     )
     if est.host_bytes and capacity.host_bytes is not None:
-        need = host_needed(est)
         ranks = min(est.gpus, GPUS_PER_NODE)
-        ok = need <= capacity.host_bytes
         line += (
-            f"; host memory: {need / gib:.1f} GiB for {ranks} rank(s) on one machine "
-            f"{'fits' if ok else 'does NOT fit'} in {capacity.host_bytes / gib:.0f} GiB "
+            f"; host memory: {host_needed(est) / gib:.1f} GiB for {ranks} rank(s) on one machine "
+            f"{'fits' if _host_fits(est, capacity) else 'does NOT fit'} in {capacity.host_bytes / gib:.0f} GiB "
             "(--host-memory)"
         )
     return line
@@ -752,13 +755,13 @@ def preflight(cfg: TrainConfig, gpus: int, capacity: Capacity) -> MemoryEstimate
         return est
     gib = 2**30
     why = []
-    if est.peak_bytes + RESERVE_BYTES > capacity.device_bytes:
+    if not _device_fits(est, capacity):
         why.append(
             f"the step needs about {est.peak_bytes / gib:.1f} GiB per GPU (+"
             f"{RESERVE_BYTES / gib:.0f} GiB reserve) but the GPU has "
             f"{capacity.device_bytes / gib:.1f} GiB"
         )
-    if capacity.host_bytes is not None and host_needed(est) > capacity.host_bytes:
+    if not _host_fits(est, capacity):
         why.append(
             f"what the step offloads needs {host_needed(est) / gib:.1f} GiB of host memory but "
             f"the machine has {capacity.host_bytes / gib:.1f} GiB"

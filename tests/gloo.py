@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 from collections.abc import Callable
 
 import torch.distributed as dist
+
+from compiletune.distributed import close_group
 
 
 def free_port() -> int:
@@ -26,14 +27,12 @@ def run_in_gloo(rank: int, world: int, port: int, body: Callable[[], None]) -> N
     """Run `body` as `rank` of a gloo group, then tear the group down in a fixed order.
 
     All ranks meet at a barrier first (every queued collective, FSDP's asynchronous
-    reduce-scatters included, has finished), then what `body` built is collected while the
-    group still exists (FSDP state and DTensors hold the group): destroying gloo with work in
-    flight, or freeing its last reference at interpreter exit, can abort the process.
+    reduce-scatters included, has finished), then the group is closed the way the trainer
+    closes it (`distributed.close_group`).
     """
     join_gloo(rank, world, port)
     try:
         body()
         dist.barrier()
     finally:
-        gc.collect()
-        dist.destroy_process_group()
+        close_group()

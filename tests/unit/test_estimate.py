@@ -204,3 +204,13 @@ def test_estimate_never_draws_real_weights(
     monkeypatch.setattr(build, "build_model_weights", refuse)
     est = estimate.estimate_memory(_cfg(lora_rank=8 if lora else 0), gpus)
     assert est.peak_bytes > 0 and est.setup["fsdp"] == (gpus > 1)
+
+
+def test_host_memory_needs_device_memory(capsys: pytest.CaptureFixture) -> None:
+    small = ["--model", "debug", "--n-layers", "2", "--seq-len", "64", "--batch-size", "2"]
+    assert main(["estimate-memory", *small, "--host-memory", "64"]) == 2
+    assert "pass both" in capsys.readouterr().err
+    args = [*small, "--host-memory", "64", "--device-memory", "24", "--fsdp", "--cpu-offload"]
+    assert main(["estimate-memory", *args]) == 0
+    out = capsys.readouterr().out
+    assert "host memory:" in out and "fits in 64 GiB (--host-memory)" in out
