@@ -34,6 +34,7 @@ from common import bench_out, result_header, write_result  # noqa: E402
 
 from compiletune import estimate  # noqa: E402
 from compiletune.config import resolve  # noqa: E402
+from compiletune.distributed import close_group  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "plain loss": {"loss": "plain"},
@@ -55,8 +56,9 @@ def _gloo_rank(rank: int, port: int, flags: dict, queue: Any) -> None:
         peak = estimate.measure_cpu_step(resolve({}, flags), 2)
         if rank == 0:
             queue.put(peak)
+        dist.barrier()  # no collective in flight when the group is closed
     finally:
-        dist.destroy_process_group()
+        close_group()
 
 
 def _gloo_peak(flags: dict) -> int:
