@@ -86,7 +86,7 @@ def generate_ids(
     tokens = torch.tensor([prompt], device=device)  # [1, s]
     for _ in range(max_new_tokens):
         hidden = model.hidden_states_cached(tokens, cache)  # [1, s, d]
-        logits = model.output(hidden[0, -1])  # [v]
+        logits = model.logits(hidden[0, -1])  # [v]
         token = next_token(logits, sampling, generator)
         yield token
         if token in stop_ids:

@@ -1,7 +1,9 @@
 """The loss head: output projection + next-token cross-entropy, summed over target tokens.
 
-`LossHead(output, kind)(h [b, s, d], targets [b, s]) -> fp32 []` (sum over targets; the trainer
-divides by the target count of the whole accumulated batch).
+`LossHead(output, kind, softcap)(h [b, s, d], targets [b, s]) -> fp32 []` (sum over targets; the
+trainer divides by the target count of the whole accumulated batch). `softcap` > 0 (Gemma 2's
+final_logit_softcapping): logits -> softcap * tanh(logits / softcap) before the softmax, in every
+kind (the fused op applies it per chunk, so full logits still never exist).
 
 kind:
     plain    linear -> fp32 upcast -> cross_entropy: [b*s, V] logits and their fp32 copy exist.
@@ -30,12 +32,13 @@ def head_kind(loss: str, compiled: bool) -> str:
 
 
 class LossHead(nn.Module):
-    def __init__(self, output: nn.Linear, kind: str = "plain") -> None:
+    def __init__(self, output: nn.Linear, kind: str = "plain", softcap: float | None = None) -> None:
         super().__init__()
         if kind not in LOSS_KINDS:
             raise ValueError(f"unknown loss kind {kind!r}")
         self.output = output  # shared with the model: the same weight, tied or not
         self.kind = kind
+        self.softcap = float(softcap or 0.0)
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         w, b = self.output.weight, self.output.bias
@@ -43,15 +46,29 @@ class LossHead(nn.Module):
             from compiletune.ops.fused_loss import chunked_cross_entropy, linear_cross_entropy
         if self.kind == "fused":
             return linear_cross_entropy(
-                h, w, targets, bias=b, ignore_index=IGNORE_INDEX, reduction="sum"
+                h,
+                w,
+                targets,
+                bias=b,
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+                softcap=self.softcap,
             )
         if self.kind == "chunked":
             return chunked_cross_entropy(
-                h, w, targets, bias=b, ignore_index=IGNORE_INDEX, reduction="sum"
+                h,
+                w,
+                targets,
+                bias=b,
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+                softcap=self.softcap,
             )
         # F.linear, not self.output(h): under FSDP the output projection's unit has hooks that
         # must not run inside the compiled head (its weight is gathered by the norm's hook).
         logits = F.linear(h, w, b)  # [b, s, V]
+        if self.softcap:  # the fuse pass recognises this form: tanh(x / c) * c
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         return F.cross_entropy(
             logits.flatten(0, 1).float(),
             targets.flatten(),

@@ -1,31 +1,46 @@
-"""Causal attention, optionally confined to documents: packed rows without cross-contamination.
+"""Causal attention with the masks the supported families need, without a [seq, seq] matrix.
 
-A packed row holds several examples back to back. `doc_ids [b, s]` numbers them (0, 1, 2, ...
-within a row, contiguous); with it, token i attends to token j only when j <= i and both
-belong to the same document, so each example sees exactly what it would see alone.
+    documents      doc_ids [b, s] numbers the examples of a packed row (0, 1, 2 ... contiguous);
+                   token i attends to token j only when both belong to the same document, so each
+                   example sees exactly what it would see alone.
+    sliding window window W > 0 (Mistral v0.1, Phi-3, Gemma's local layers): token i attends to
+                   j only when i - W < j <= i (HF's convention: W tokens, itself included).
+                   Composes with documents: a token sees its own document within the window.
+    soft-capping   softcap c > 0 (Gemma 2): scores become c * tanh(scores / c) before the
+                   softmax. SDPA cannot do this, so it has its own exact kernel (below).
 
-How: `compiletune::doc_causal_attention` runs ordinary causal SDPA on each document's slice of
-the row (block-diagonal attention). That is
-    exact      each document is the same SDPA call it would be on its own;
-    lean       no [s, s] mask or score matrix exists: SDPA's fused kernels run per document,
-               so a 32k-token row costs what its longest document costs;
-    data       doc_ids is a tensor argument of an opaque custom op, so under torch.compile a
-               new set of boundaries is a new input value, not a new graph (no recompiles),
-               and every block still traces to the same graph.
-Why not flex attention: on CPU (torch 2.13) FlexAttention refuses backward, and uncompiled it
-computes the full [b, h, s, s] score matrix; a dense SDPA mask is [s, s] too. The price of the
-per-document loop is one kernel launch per document and layer, small next to the matmuls on
-CPU. The backward recomputes each document's forward under `torch.func.vjp` (the custom op's
-kernel runs below autograd, where `torch.autograd.grad` sees no graph).
+`attention(q, k, v, scale, doc_ids, window, softcap)` runs plain causal SDPA when none of the
+three is in play (the numerics of a run without them are unchanged). Otherwise it calls the
+opaque custom op `compiletune::attention`, which works segment by segment (a segment is one
+document, or one whole row without doc_ids):
+
+    causal       a segment no longer than the window and without softcap: one causal SDPA call
+                 on the segment (SDPA's fused kernels, no mask tensor);
+    windowed     longer segments: queries in chunks of `_CHUNK`; each chunk calls SDPA on the
+                 keys it can see (at most chunk + W - 1) with a [chunk, keys] mask;
+    soft-capped  tiles of `_TILE` queries x `_TILE` keys with an online (streaming) softmax in
+                 fp32; the backward is its own (flash-attention style: recompute each tile's
+                 probabilities from the saved log-sum-exp), so neither direction ever holds more
+                 than one [b, h, tile, tile] block of scores.
+
+Everything is data: doc_ids is a tensor argument, window and softcap are constants of the
+layer, so under torch.compile new document boundaries are new input values (no recompiles) and
+a layer kind (local or global) traces to one graph. The backward of the SDPA paths recomputes
+each piece's forward under `torch.func.vjp` (the op's kernel runs below autograd).
 
 Shapes: b = batch, h = heads, s = sequence, hd = head dim.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+_CHUNK = 512  # queries per SDPA call on a windowed segment
+_TILE = 256  # queries and keys per block of the soft-capped kernel
 
 
 def doc_segments(doc_ids: Tensor) -> list[tuple[int, int, int]]:
@@ -44,83 +59,233 @@ def doc_segments(doc_ids: Tensor) -> list[tuple[int, int, int]]:
     ]
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+def _segments(q: Tensor, doc_ids: Tensor | None) -> list[tuple[slice, int, int]]:
+    """(rows, start, end): the whole batch at once without doc_ids, else one per document."""
+    if doc_ids is None:
+        return [(slice(None), 0, q.shape[2])]
+    return [(slice(r, r + 1), a, e) for r, a, e in doc_segments(doc_ids)]
 
 
-@torch.library.custom_op("compiletune::doc_causal_attention", mutates_args=())
-def doc_causal_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, scale: float
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None) -> Tensor:
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def visible(
+    q_start: int, q_end: int, k_start: int, k_end: int, window: int, device: torch.device
 ) -> Tensor:
-    """q, k, v [b, h, s, hd], doc_ids [b, s] -> out [b, h, s, hd] (contiguous)."""
-    segments = doc_segments(doc_ids)
-    out = q.new_empty(q.shape)
-    if len(segments) == q.shape[0]:  # one document per row: a single causal call
-        out.copy_(_sdpa(q, k, v, scale))
-        return out
-    for r, a, e in segments:
-        sl = (slice(r, r + 1), slice(None), slice(a, e))
-        out[sl] = _sdpa(q[sl], k[sl], v[sl], scale)
-    return out
+    """[q, k] bool: query position i sees key position j (causal, within `window` when > 0)."""
+    qi = torch.arange(q_start, q_end, device=device)[:, None]
+    kj = torch.arange(k_start, k_end, device=device)[None, :]
+    ok = kj <= qi
+    return ok & (qi - kj < window) if window > 0 else ok
 
 
-@doc_causal_attention_op.register_fake
-def _(q, k, v, doc_ids, scale):
-    return q.new_empty(q.shape)
+def _windowed_pieces(a: int, e: int, window: int) -> list[tuple[int, int, int]]:
+    """(query start, query end, first key) of the chunks of segment [a, e) under `window`."""
+    return [(qa, min(qa + _CHUNK, e), max(a, qa - window + 1)) for qa in range(a, e, _CHUNK)]
 
 
-@torch.library.custom_op("compiletune::doc_causal_attention_backward", mutates_args=())
-def doc_causal_attention_backward_op(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, scale: float
+# --- soft-capped tiles -------------------------------------------------------------------
+
+
+def _tile_scores(
+    q: Tensor, k: Tensor, qa: int, ka: int, scale: float, softcap: float, window: int
+) -> tuple[Tensor, Tensor]:
+    """Capped scores [.., tq, tk] (fp32, -inf where hidden) and tanh (for the backward)."""
+    raw = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    t = torch.tanh(raw / softcap)
+    scores = softcap * t
+    seen = visible(qa, qa + q.shape[-2], ka, ka + k.shape[-2], window, q.device)
+    return scores.masked_fill(~seen, -math.inf), t
+
+
+def _key_tiles(qa: int, qe: int, window: int) -> range:
+    """Start of every key tile a query tile [qa, qe) of a segment (positions from 0) can see."""
+    first = max(0, qa - window + 1) if window > 0 else 0
+    return range(first, qe, _TILE)
+
+
+def _softcap_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float, window: int
+) -> tuple[Tensor, Tensor]:
+    """One segment, q k v [.., n, hd] -> out [.., n, hd] (q's dtype), lse [.., n] (fp32)."""
+    n = q.shape[-2]
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    for qa in range(0, n, _TILE):
+        qe = min(qa + _TILE, n)
+        qt = q[..., qa:qe, :]
+        m = torch.full(qt.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        total = torch.zeros_like(m)
+        acc = torch.zeros(qt.shape, dtype=torch.float32, device=q.device)
+        for ka in _key_tiles(qa, qe, window):
+            ke = min(ka + _TILE, qe)
+            scores, _ = _tile_scores(qt, k[..., ka:ke, :], qa, ka, scale, softcap, window)
+            m_new = torch.maximum(m, scores.amax(-1))
+            base = torch.where(m_new == -math.inf, 0.0, m_new)  # rows with nothing seen yet
+            p = torch.exp(scores - base[..., None])
+            keep = torch.exp(m - base)
+            total = total * keep + p.sum(-1)
+            acc = acc * keep[..., None] + torch.matmul(p, v[..., ka:ke, :].float())
+            m = m_new
+        out[..., qa:qe, :] = (acc / total[..., None]).to(q.dtype)
+        lse[..., qa:qe] = m + torch.log(total)
+    return out, lse
+
+
+def _softcap_backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) [b, h, s, hd] of `doc_causal_attention`, document by document."""
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    """Gradients of one segment of `_softcap_forward`, tile by tile (fp32 accumulators)."""
+    n = q.shape[-2]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    delta = (grad.float() * out.float()).sum(-1)  # [.., n]: rowsum(dO * O)
+    for qa in range(0, n, _TILE):
+        qe = min(qa + _TILE, n)
+        qt, gt = q[..., qa:qe, :], grad[..., qa:qe, :].float()
+        for ka in _key_tiles(qa, qe, window):
+            ke = min(ka + _TILE, qe)
+            kt, vt = k[..., ka:ke, :], v[..., ka:ke, :]
+            scores, t = _tile_scores(qt, kt, qa, ka, scale, softcap, window)
+            p = torch.exp(scores - lse[..., qa:qe, None])  # hidden entries: exp(-inf) = 0
+            dv[..., ka:ke, :] += torch.matmul(p.transpose(-1, -2), gt)
+            dp = torch.matmul(gt, vt.float().transpose(-1, -2))
+            # through the softmax, then through c * tanh(x / c) (derivative 1 - tanh^2)
+            ds = p * (dp - delta[..., qa:qe, None]) * (1 - t * t) * scale
+            dq[..., qa:qe, :] += torch.matmul(ds, kt.float())
+            dk[..., ka:ke, :] += torch.matmul(ds.transpose(-1, -2), qt.float())
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    def vjp(sl: tuple) -> None:
+
+# --- the op ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("compiletune::attention", mutates_args=())
+def attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_ids: Tensor | None,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """q, k, v [b, h, s, hd] -> (out [b, h, s, hd], lse [b, h, s] fp32 or [0] without softcap)."""
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((*q.shape[:-1],) if softcap > 0 else (0,), dtype=torch.float32)
+    for rows, a, e in _segments(q, doc_ids):
+        sl = (rows, slice(None), slice(a, e))
+        if softcap > 0:
+            out[sl], lse[sl] = _softcap_forward(q[sl], k[sl], v[sl], scale, softcap, window)
+        elif window <= 0 or e - a <= window:
+            out[sl] = _sdpa(q[sl], k[sl], v[sl], scale)
+        else:
+            for qa, qe, ka in _windowed_pieces(a, e, window):
+                mask = visible(qa, qe, ka, qe, window, q.device)
+                out[rows, :, qa:qe] = _sdpa(
+                    q[rows, :, qa:qe], k[rows, :, ka:qe], v[rows, :, ka:qe], scale, mask
+                )
+    return out, lse
+
+
+@attention_op.register_fake
+def _(q, k, v, doc_ids, scale, window, softcap):
+    lse_shape = (*q.shape[:-1],) if softcap > 0 else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("compiletune::attention_backward", mutates_args=())
+def attention_backward_op(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    doc_ids: Tensor | None,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) [b, h, s, hd] of `attention`, segment by segment."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def vjp(rows: slice, qa: int, qe: int, ka: int, mask: Tensor | None) -> None:
+        qs, ks = (rows, slice(None), slice(qa, qe)), (rows, slice(None), slice(ka, qe))
         _, pullback = torch.func.vjp(
-            lambda q_, k_, v_: _sdpa(q_, k_, v_, scale), q[sl], k[sl], v[sl]
+            lambda q_, k_, v_: _sdpa(q_, k_, v_, scale, mask), q[qs], k[ks], v[ks]
         )
-        dq[sl], dk[sl], dv[sl] = pullback(grad_out[sl].contiguous())
+        gq, gk, gv = pullback(grad_out[qs].contiguous())
+        dq[qs] += gq
+        dk[ks] += gk
+        dv[ks] += gv
 
-    segments = doc_segments(doc_ids)
-    if len(segments) == q.shape[0]:
-        vjp((slice(None),))
-    else:
-        for r, a, e in segments:
-            vjp((slice(r, r + 1), slice(None), slice(a, e)))
+    for rows, a, e in _segments(q, doc_ids):
+        sl = (rows, slice(None), slice(a, e))
+        if softcap > 0:
+            dq[sl], dk[sl], dv[sl] = _softcap_backward(
+                grad_out[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], scale, softcap, window
+            )
+        elif window <= 0 or e - a <= window:
+            vjp(rows, a, e, a, None)
+        else:
+            for qa, qe, ka in _windowed_pieces(a, e, window):
+                vjp(rows, qa, qe, ka, visible(qa, qe, ka, qe, window, q.device))
     return dq, dk, dv
 
 
-@doc_causal_attention_backward_op.register_fake
-def _(grad_out, q, k, v, doc_ids, scale):
+@attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, doc_ids, scale, window, softcap):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, doc_ids, scale = inputs
-    ctx.save_for_backward(q, k, v, doc_ids)
-    ctx.scale = scale
+    q, k, v, doc_ids, scale, window, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out if softcap > 0 else None, lse, doc_ids)
+    ctx.constants = (scale, window, softcap)
 
 
-def _backward(ctx, grad_out):
-    q, k, v, doc_ids = ctx.saved_tensors
-    dq, dk, dv = torch.ops.compiletune.doc_causal_attention_backward(
-        grad_out, q, k, v, doc_ids, ctx.scale
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, doc_ids = ctx.saved_tensors
+    if out is None:
+        out = q.new_empty(0)
+    dq, dk, dv = torch.ops.compiletune.attention_backward(
+        grad_out, q, k, v, out, lse, doc_ids, *ctx.constants
     )
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None, None
 
 
-doc_causal_attention_op.register_autograd(_backward, setup_context=_setup_context)
+attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, doc_ids: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    doc_ids: Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """q, k, v [b, h, s, hd] -> [b, h, s, hd]: causal, and within documents when `doc_ids`.
+    """q, k, v [b, h, s, hd] -> [b, h, s, hd]: causal; within documents when `doc_ids`; within
+    `window` tokens when > 0; scores soft-capped at `softcap` when > 0.
 
-    Without `doc_ids` this is plain causal SDPA, the same call as before document masking
-    existed, so unmasked runs keep their numerics.
+    With none of them this is plain causal SDPA, the same call as before any of them existed,
+    so unmasked runs keep their numerics.
     """
-    if doc_ids is None:
+    if doc_ids is None and window <= 0 and softcap <= 0:
         return _sdpa(q, k, v, scale)
-    return doc_causal_attention_op(q, k, v, doc_ids, scale)
+    return attention_op(q, k, v, doc_ids, scale, int(window), float(softcap))[0]

@@ -1,8 +1,12 @@
-"""One decoder for every supported family (Llama 2/3/3.x, Qwen2.5, Mistral).
+"""One decoder for every supported family (Llama 2/3/3.x, Qwen2.5, Qwen3, Mistral, Gemma 2/3,
+Phi-3/4).
 
-The families differ only in data (`ModelArgs`): sizes, GQA ratio, rope base and scaling, q/k/v
-bias (Qwen2) and tied embeddings. Parameter layout follows the HF checkpoints, including the
-"rotate_half" rope convention, so HF weights load by renaming alone (see `hf.py`).
+The families differ only in data (`ModelArgs`): sizes, GQA ratio, rope base, scaling and
+rotary fraction, q/k/v bias (Qwen2), q/k norms (Qwen3, Gemma 3), Gemma's (1 + w) norms, scaled
+embeddings, GeGLU, sandwich norms and soft-capping, sliding windows and their layer pattern,
+fused q/k/v and gate/up projections (Phi-3) and tied embeddings. Parameter layout follows the HF
+checkpoints, including the "rotate_half" rope convention, so HF weights load by renaming alone
+(see `hf.py`).
 
 Shapes: b = batch, s = sequence, d = dim, h = n_heads, k = n_kv_heads, hd = head dim, v = vocab.
 
@@ -21,17 +25,53 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import causal_attention
+from .attention import causal_attention, visible
+
+
+ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")
 
 
 @dataclass
 class RopeScaling:
-    """Llama-3.1 rope frequency scaling (HF rope_type "llama3")."""
+    """Rope frequency scaling (HF `rope_scaling` / `rope_parameters`), by `rope_type`:
+
+    llama3    Llama 3.1: low frequencies divided by `factor`, high ones kept, smooth between
+              (`low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`)
+    linear    every frequency divided by `factor`
+    yarn      Qwen2.5/Qwen3 long context: interpolation blended with extrapolation over a ramp
+              set by `beta_fast` / `beta_slow`; cos/sin scaled by `attention_factor`
+    longrope  Phi-3: per-frequency `short_factor` (up to `original_max_position_embeddings`
+              positions) or `long_factor` (beyond); cos/sin scaled by `attention_factor`
+
+    `attention_factor` None means the published default for the type (derived from `factor`).
+    """
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def cos_sin_scale(self) -> float:
+        """The factor cos and sin are multiplied by (yarn, longrope; 1 otherwise)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.rope_type == "yarn":
+            return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        if self.rope_type == "longrope" and self.factor > 1:
+            return math.sqrt(
+                1 + math.log(self.factor) / math.log(self.original_max_position_embeddings)
+            )
+        return 1.0
+
+
+LAYER_KINDS = ("full", "sliding")
 
 
 @dataclass
@@ -50,28 +90,48 @@ class ModelArgs:
     max_seq_len: int = 4096  # HF max_position_embeddings
     qkv_bias: bool = False  # Qwen2
     tie_embeddings: bool = False
-    # Only recorded: the model attends to the full causal context, which equals sliding-window
-    # attention while seq_len <= sliding_window.
+    # Tokens a query sees in a sliding layer, itself included (None: no sliding layers).
     sliding_window: int | None = None
-    family: str = "llama"  # "llama" | "qwen2" | "mistral": the HF architecture save_hf writes
+    # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else
+    # every layer full. Gemma 2 alternates, Gemma 3 has one full layer in six.
+    layer_types: tuple[str, ...] | None = None
+    family: str = "llama"  # the HF architecture save_hf writes (see hf.py)
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before rope
+    norm_plus_one: bool = False  # Gemma: norms scale by (1 + w), in fp32
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(dim)
+    activation: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and after the MLP too
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not hd
+    attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c)
+    final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
+    local_rope_theta: float | None = None  # Gemma 3: sliding layers' rope base (no scaling)
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): leading dims rotated; None: hd
+    fused_projections: bool = False  # Phi-3: one qkv and one gate_up projection
 
     @property
     def hd(self) -> int:
         """Resolved head dimension."""
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
+    def layer_kind(self, index: int) -> str:
+        """"full" or "sliding" for layer `index`."""
+        if self.layer_types is not None:
+            return self.layer_types[index]
+        return "sliding" if self.sliding_window is not None else "full"
 
-def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> Tensor:
-    """Rope inverse frequencies [hd // 2] in fp32, with Llama-3.1 scaling when configured.
+    def window(self, index: int) -> int:
+        """Sliding window of layer `index` (0: none)."""
+        return (self.sliding_window or 0) if self.layer_kind(index) == "sliding" else 0
 
-    Computed in the same order of fp32 operations as HF so that cos/sin match bit for bit.
-    """
-    hd = args.hd
-    exponent = torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd
-    inv_freq = 1.0 / (args.rope_theta**exponent)
-    rs = args.rope_scaling
-    if rs is None:
-        return inv_freq
+    @property
+    def attn_scale(self) -> float:
+        """Multiplier of the attention scores."""
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar**-0.5
+        return self.hd**-0.5
+
+
+def _llama3_scale(inv_freq: Tensor, rs: RopeScaling) -> Tensor:
     # Llama 3.1: keep high frequencies (wavelength < original_ctx / high_freq_factor), divide low
     # frequencies (wavelength > original_ctx / low_freq_factor) by `factor`, and interpolate
     # smoothly in between.
@@ -87,13 +147,82 @@ def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> 
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(args: ModelArgs, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [b, s, hd] for integer `positions` [b, s], math in fp32, cast to `dtype`."""
-    inv_freq = rope_inv_freq(args, positions.device)
-    freqs = positions[..., None].float() * inv_freq  # [b, s, hd // 2]
-    # rotate_half layout: the two halves of a head share frequencies.
-    emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+def _yarn(theta: float, dim: int, rs: RopeScaling, device: torch.device | str | None) -> Tensor:
+    # YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), those turning more than beta_fast times are kept, with a
+    # linear ramp over the dimensions in between.
+    def correction_dim(rotations: float) -> float:
+        ctx = rs.original_max_position_embeddings
+        return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rs.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp.to(device)
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_inv_freq(
+    args: ModelArgs,
+    device: torch.device | str | None = None,
+    kind: str = "full",
+    long: bool = False,
+) -> Tensor:
+    """Rope inverse frequencies [rotary_dim // 2] in fp32 for layers of `kind`, with the
+    configured scaling (`long`: longrope's long factors).
+
+    Computed in the same order of fp32 operations as HF so that cos/sin match bit for bit.
+    Gemma 3's sliding layers use their own base (`local_rope_theta`) and no scaling.
+    """
+    dim = args.rotary_dim or args.hd
+    local = kind == "sliding" and args.local_rope_theta is not None
+    theta = args.local_rope_theta if local else args.rope_theta
+    rs = None if local else args.rope_scaling
+    if rs is not None and rs.rope_type == "yarn":
+        return _yarn(theta, dim, rs, device)
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    if rs is not None and rs.rope_type == "longrope":
+        factors = rs.long_factor if long else rs.short_factor
+        ext = torch.tensor(factors, dtype=torch.float32, device=device)
+        return 1.0 / (ext * theta**exponent)
+    inv_freq = 1.0 / (theta**exponent)
+    if rs is None:
+        return inv_freq
+    if rs.rope_type == "linear":
+        return inv_freq / rs.factor
+    return _llama3_scale(inv_freq, rs)
+
+
+def rope_cos_sin(
+    args: ModelArgs, positions: Tensor, dtype: torch.dtype, kind: str = "full"
+) -> tuple[Tensor, Tensor]:
+    """cos, sin [b, s, rotary_dim] for integer `positions` [b, s] and layers of `kind`, math in
+    fp32, cast to `dtype`.
+
+    longrope picks its long factors when the largest position reaches past the original
+    context (as HF does), with a tensor `where`, so under compile it is data, not a guard.
+    """
+    inv_freq = rope_inv_freq(args, positions.device, kind)
+    local = kind == "sliding" and args.local_rope_theta is not None
+    rs = None if local else args.rope_scaling
+    if rs is not None and rs.rope_type == "longrope":
+        long = rope_inv_freq(args, positions.device, kind, long=True)
+        past = positions.max() + 1 > rs.original_max_position_embeddings
+        inv_freq = torch.where(past, long, inv_freq)
+    freqs = positions[..., None].float() * inv_freq  # [b, s, rotary_dim // 2]
+    # rotate_half layout: the two halves of the rotated part share frequencies.
+    emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, rotary_dim]
+    cos, sin = emb.cos(), emb.sin()
+    scale = 1.0 if rs is None else rs.cos_sin_scale()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -102,49 +231,85 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [b, heads, s, hd], cos/sin [b, s, hd] -> [b, heads, s, hd]."""
+    """x [b, heads, s, hd], cos/sin [b, s, rd] -> [b, heads, s, hd]; with partial rotary
+    (rd < hd) the leading rd dims rotate and the rest pass through."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :rd], x[..., rd:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    """RMSNorm over the last dim. `plus_one` (Gemma): the weight is stored as w and applied as
+    (1 + w), in fp32 before the cast back; otherwise (Llama) the weight multiplies after it."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Same op order as HF LlamaRMSNorm (fp32 statistics, cast back before the weight) so bf16
-        # runs round identically.
+        # Same op order as HF (fp32 statistics; Llama casts back before the weight, Gemma after
+        # it) so bf16 runs round identically.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        if self.plus_one:
+            nn.init.zeros_(self.weight)
+        else:
+            nn.init.ones_(self.weight)
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with rope."""
+    """Causal grouped-query attention with rope; a sliding window and score soft-capping when
+    the layer has them, q/k norms when the family has them.
 
-    def __init__(self, args: ModelArgs):
+    Projections: wq, wk, wv, or (fused_projections, Phi-3) one wqkv whose output rows are q,
+    then k, then v, as in the checkpoint."""
+
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
-        self.head_dim = args.hd
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.head_dim = hd = args.hd
+        self.scale = args.attn_scale
+        self.window = args.window(layer)
+        self.softcap = args.attn_softcap or 0.0
+        q_out, kv_out = args.n_heads * hd, args.n_kv_heads * hd
+        self.fused = args.fused_projections
+        if self.fused:
+            self.wqkv = nn.Linear(args.dim, q_out + 2 * kv_out, bias=args.qkv_bias)
+        else:
+            self.wq = nn.Linear(args.dim, q_out, bias=args.qkv_bias)
+            self.wk = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
+            self.wv = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
+        self.wo = nn.Linear(q_out, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(hd, args.norm_eps, args.norm_plus_one)
+            self.k_norm = RMSNorm(hd, args.norm_eps, args.norm_plus_one)
+        else:
+            self.q_norm = self.k_norm = None
 
     def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [b, s, d] -> q [b, h, s, hd], k and v [b, k, s, hd], rope applied to q and k."""
         b, s, _ = x.shape
         h, k, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.wq(x).view(b, s, h, hd).transpose(1, 2)  # [b, h, s, hd]
-        kk = self.wk(x).view(b, s, k, hd).transpose(1, 2)  # [b, k, s, hd]
-        v = self.wv(x).view(b, s, k, hd).transpose(1, 2)  # [b, k, s, hd]
+        if self.fused:
+            q, kk, v = self.wqkv(x).split([h * hd, k * hd, k * hd], dim=-1)
+        else:
+            q, kk, v = self.wq(x), self.wk(x), self.wv(x)
+        q, kk, v = q.view(b, s, h, hd), kk.view(b, s, k, hd), v.view(b, s, k, hd)
+        if self.q_norm is not None:
+            q, kk = self.q_norm(q), self.k_norm(kk)  # per head, before rope
+        q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
         return apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v
 
     def _repeat_kv(self, t: Tensor) -> Tensor:
@@ -158,14 +323,14 @@ class Attention(nn.Module):
         return t[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, self.n_heads, s, hd)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        """x [b, s, d], cos/sin [b, s, hd], doc_ids [b, s] or None -> [b, s, d].
+        """x [b, s, d], cos/sin [b, s, rd], doc_ids [b, s] or None -> [b, s, d].
 
         With `doc_ids`, a token attends only to earlier tokens of its own document.
         """
         b, s, _ = x.shape
         q, kk, v = self._qkv(x, cos, sin)
         kk, v = self._repeat_kv(kk), self._repeat_kv(v)  # [b, h, s, hd]
-        out = causal_attention(q, kk, v, self.head_dim**-0.5, doc_ids)  # [b, h, s, hd]
+        out = causal_attention(q, kk, v, self.scale, doc_ids, self.window, self.softcap)
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, h * hd]
         return self.wo(out)
 
@@ -174,8 +339,8 @@ class Attention(nn.Module):
     ) -> Tensor:
         """Inference: x [b, s, d] are the tokens after the `cache.length` cached ones.
 
-        Their keys and values are written into the cache; each new token attends to every
-        cached token and to the new ones up to itself.
+        Their keys and values are written into the cache; each new token attends to the cached
+        and new tokens up to itself (within the window, if the layer has one).
         """
         b, s, _ = x.shape
         q, kk, v = self._qkv(x, cos, sin)
@@ -184,54 +349,100 @@ class Attention(nn.Module):
         cache.v[layer][:, :, start:end] = v
         keys = self._repeat_kv(cache.k[layer][:, :, :end])  # [b, h, end, hd]
         values = self._repeat_kv(cache.v[layer][:, :, :end])
-        scale = self.head_dim**-0.5
-        if start == 0:  # the prompt: ordinary causal attention
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+        if start == 0:  # the prompt: the training path's attention
+            out = causal_attention(q, keys, values, self.scale, None, self.window, self.softcap)
         else:
-            # new token i sits at position start + i and sees keys 0 .. start + i: [s, end]
-            visible = (
-                torch.arange(end, device=x.device)[None, :]
-                <= torch.arange(start, end, device=x.device)[:, None]
-            )
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+            # new token i sits at position start + i and sees keys up to start + i: [s, end]
+            seen = visible(start, end, 0, end, self.window, x.device)
+            if self.softcap > 0:
+                scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
+                scores = self.softcap * torch.tanh(scores / self.softcap)
+                scores = scores.masked_fill(~seen, float("-inf"))
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                out = torch.matmul(probs, values)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=seen, scale=self.scale
+                )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x). w1 = gate, w3 = up, w2 = down."""
+    """Gated MLP: w2(act(w1 x) * w3 x), act = silu (SwiGLU) or tanh-GELU (Gemma's GeGLU).
+    w1 = gate, w3 = up, w2 = down; fused (Phi-3): one w13 whose rows are gate, then up."""
 
-    def __init__(self, dim: int, ffn_dim: int):
+    def __init__(self, dim: int, ffn_dim: int, activation: str = "silu", fused: bool = False):
         super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        self.fused = fused
+        # Registration order fixes the order init_weights draws in: w1, w2, w3 as always.
+        if fused:
+            self.w13 = nn.Linear(dim, 2 * ffn_dim, bias=False)
+            self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        else:
+            self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+            self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+            self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
         """x [b, s, d] -> [b, s, d] (hidden [b, s, ffn_dim])."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.fused:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        if self.activation == "silu":
+            gate = F.silu(gate)
+        else:
+            gate = F.gelu(gate, approximate="tanh")
+        return self.w2(gate * up)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then h + ffn(norm(h))."""
+    """Pre-norm residual block: x + attn(norm(x)), then h + ffn(norm(h)); with sandwich norms
+    (Gemma) the attention and MLP outputs are normed again before each residual add."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        eps, plus_one = args.norm_eps, args.norm_plus_one
+        self.kind = args.layer_kind(layer)
+        self.attention_norm = RMSNorm(args.dim, eps, plus_one)
+        self.attention = Attention(args, layer)
+        self.ffn_norm = RMSNorm(args.dim, eps, plus_one)
+        self.feed_forward = FeedForward(
+            args.dim, args.ffn_dim, args.activation, args.fused_projections
+        )
+        if args.sandwich_norms:
+            self.post_attention_norm = RMSNorm(args.dim, eps, plus_one)
+            self.post_ffn_norm = RMSNorm(args.dim, eps, plus_one)
+        else:
+            self.post_attention_norm = self.post_ffn_norm = None
+
+    def _residuals(self, x: Tensor, attention: Callable[[Tensor], Tensor]) -> Tensor:
+        a = attention(self.attention_norm(x))
+        if self.post_attention_norm is not None:
+            a = self.post_attention_norm(a)
+        h = x + a
+        f = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            f = self.post_ffn_norm(f)
+        return h + f
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        """x [b, s, d], cos/sin [b, s, hd], doc_ids [b, s] or None -> [b, s, d]."""
-        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids)
-        return h + self.feed_forward(self.ffn_norm(h))
+        """x [b, s, d], cos/sin [b, s, rd], doc_ids [b, s] or None -> [b, s, d]."""
+        return self._residuals(x, lambda n: self.attention(n, cos, sin, doc_ids))
 
     def forward_cached(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int
     ) -> Tensor:
         """`forward` for incremental decoding with a KV cache (see `Attention.forward_cached`)."""
-        h = x + self.attention.forward_cached(self.attention_norm(x), cos, sin, cache, layer)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return self._residuals(
+            x, lambda n: self.attention.forward_cached(n, cos, sin, cache, layer)
+        )
 
 
 class KVCache:
@@ -262,8 +473,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
 
@@ -321,19 +532,39 @@ class Transformer(nn.Module):
         each document with them, and every document is computed exactly as if alone. Every
         block gets the same inputs (h, cos, sin, doc_ids), so one compiled graph serves all.
         """
-        h = self.tok_embeddings(tokens)  # [b, s, d]
+        h = self.embed(tokens)  # [b, s, d]
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # [1, s]
-        cos, sin = rope_cos_sin(self.args, positions, h.dtype)  # [b, s, hd]
+        ropes = self.ropes(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, doc_ids)
+            h = layer(h, *ropes[layer.kind], doc_ids)
         return self.norm(h)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens [b, s] -> [b, s, d], times sqrt(dim) rounded to the dtype when the family
+        scales embeddings (Gemma, as HF: its scale is a tensor in the weight's dtype)."""
+        h = self.tok_embeddings(tokens)
+        if self.args.embed_scale:
+            h = h * float(torch.tensor(self.args.dim**0.5).to(h.dtype))
+        return h
+
+    def ropes(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
+        """(cos, sin) per layer kind present, each [b, s, rd]."""
+        kinds = {layer.kind for layer in self.layers}
+        return {kind: rope_cos_sin(self.args, positions, dtype, kind) for kind in kinds}
 
     def forward(
         self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None
     ) -> Tensor:
-        """tokens [b, s] -> logits [b, s, v] in the parameter dtype."""
-        return self.output(self.hidden_states(tokens, positions, doc_ids))
+        """tokens [b, s] -> logits [b, s, v] in the parameter dtype (soft-capped when the
+        family caps them)."""
+        return self.logits(self.hidden_states(tokens, positions, doc_ids))
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Final hidden [.., d] -> logits [.., v]: the head, then the final soft-cap if any."""
+        logits = self.output(h)
+        cap = self.args.final_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def hidden_states_cached(self, tokens: Tensor, cache: KVCache) -> Tensor:
         """Inference: tokens [b, s] following the `cache.length` cached ones -> hidden [b, s, d].
@@ -344,11 +575,11 @@ class Transformer(nn.Module):
         start, s = cache.length, tokens.shape[1]
         if start + s > cache.max_len:
             raise ValueError(f"KV cache of {cache.max_len} positions cannot take {start + s}")
-        h = self.tok_embeddings(tokens)  # [b, s, d]
+        h = self.embed(tokens)  # [b, s, d]
         positions = torch.arange(start, start + s, device=tokens.device)[None]  # [1, s]
-        cos, sin = rope_cos_sin(self.args, positions, h.dtype)
+        ropes = self.ropes(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer.forward_cached(h, cos, sin, cache, i)
+            h = layer.forward_cached(h, *ropes[layer.kind], cache, i)
         cache.length += s
         return self.norm(h)
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from compiletune.models.attention import doc_causal_attention_op
+from compiletune.models.attention import attention_op
 
 POLICIES = ("full", "selective")
 
@@ -56,8 +56,9 @@ def _resolve(name: str) -> Any:
 
 
 SAVE_OPS = frozenset(op for op in map(_resolve, _SAVE_NAMES) if op is not None) | {
-    # Document-masked attention of packed rows (an opaque custom op: attention FLOPs inside).
-    doc_causal_attention_op._opoverload
+    # Document-masked / windowed / soft-capped attention (an opaque custom op: attention FLOPs
+    # inside).
+    attention_op._opoverload
 }
 
 

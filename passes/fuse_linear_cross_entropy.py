@@ -3,7 +3,8 @@
 Matches, in a dynamo (torch-level) graph:
 
     logits = linear(h, W[, b])                    # [..., V]
-    x = logits <views / reshapes / flatten / a token slice / .float() / .to(dtype) / .contiguous()>
+    x = logits <views / reshapes / flatten / a token slice / .float() / .to(dtype) / .contiguous()
+               / a soft-cap tanh(logits / c) * c (Gemma 2's final_logit_softcapping)>
     loss = cross_entropy(x [N, V], y [N], ignore_index=i, reduction="mean"|"sum")
 
 and rewrites it to
@@ -25,7 +26,8 @@ four) and saves them for a backward that only scales them by the incoming gradie
 Why it is safe: the chain between the linear and the loss may only regroup or slice the token
 dimensions (the last dimension must stay V, untouched) and change the dtype. The op upcasts to
 fp32 itself, so dropping `.float()` changes nothing, and slicing tokens commutes with a linear map
-applied per token. The rewrite is skipped (and the reason counted) when the logits have another
+applied per token. A soft-cap is elementwise and the op applies it itself (its `softcap`
+argument), in fp32 per chunk. The rewrite is skipped (and the reason counted) when the logits have another
 user, when cross_entropy has class weights, label smoothing, `reduction="none"`, or a class
 dimension other than the last.
 """
@@ -76,31 +78,56 @@ def _token_slice(node: torch.fx.Node) -> bool:
     return len(index) < base.dim()
 
 
+def _softcap_input(node: torch.fx.Node) -> tuple[torch.fx.Node, float] | None:
+    """(x, c) when `node` is tanh(x / c) * c (or c * tanh(x / c)) with a constant c > 0 and
+    single-use intermediates, else None."""
+    if node.op != "call_function" or node.target not in (operator.mul, torch.mul):
+        return None
+    a, b = node.args[:2]
+    tanh, c = (a, b) if isinstance(a, torch.fx.Node) else (b, a)
+    if not isinstance(c, (int, float)) or c <= 0 or not isinstance(tanh, torch.fx.Node):
+        return None
+    if tanh.target not in (torch.tanh, "tanh") or len(tanh.users) != 1:
+        return None
+    div = tanh.args[0]
+    if not isinstance(div, torch.fx.Node) or len(div.users) != 1:
+        return None
+    if div.target not in (operator.truediv, torch.div) or div.args[1] != c:
+        return None
+    return div.args[0], float(c)
+
+
 def _walk_back_to_linear(
     x: torch.fx.Node, vocab: int
-) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
+) -> tuple[torch.fx.Node | None, list[torch.fx.Node], float]:
     """From cross_entropy's input back to the linear that made the logits, through dtype or
-    layout changes, regroupings that keep the vocabulary dimension, and token slices (returned,
-    to re-apply to h). None when the logits reach it any other way or have another user: then
-    they must exist, and the pair is left alone."""
+    layout changes, regroupings that keep the vocabulary dimension, token slices (returned, to
+    re-apply to h) and at most one soft-cap (its constant returned, 0.0 without). None when the
+    logits reach it any other way or have another user: then they must exist, and the pair is
+    left alone."""
     slices: list[torch.fx.Node] = []
+    softcap = 0.0
     node = x
     while not (node.op == "call_function" and node.target in _LINEAR):
         if len(node.users) != 1:
-            return None, slices  # the logits (or a view of them) are used elsewhere
+            return None, slices, softcap  # the logits (or a view of them) are used elsewhere
+        capped = _softcap_input(node) if softcap == 0.0 else None
+        if capped is not None:
+            node, softcap = capped
+            continue
         if node.op == "call_method" and node.target in _DTYPE_OR_LAYOUT:
             pass
         elif node.op == "call_method" and node.target in _REGROUP:
             if not _keeps_last_dim(node, vocab):
-                return None, slices
+                return None, slices, softcap
         elif _token_slice(node):
             slices.append(node)
         else:
-            return None, slices
+            return None, slices, softcap
         node = node.args[0]
         if not isinstance(node, torch.fx.Node):
-            return None, slices
-    return (node if len(node.users) == 1 else None), slices
+            return None, slices, softcap
+    return (node if len(node.users) == 1 else None), slices, softcap
 
 
 def fuse_linear_cross_entropy(
@@ -131,7 +158,7 @@ def fuse_linear_cross_entropy(
             continue
         vocab = ce_in.shape[-1]
 
-        linear, slices = _walk_back_to_linear(x, vocab)
+        linear, slices, capped = _walk_back_to_linear(x, vocab)
         if linear is None:
             skipped["logits reach cross_entropy through other ops or have other users"] += 1
             continue
@@ -160,7 +187,7 @@ def fuse_linear_cross_entropy(
                 reduction,
                 chunk_size,
                 z_loss,
-                softcap,
+                capped or softcap,
             )
             if one_pass:
                 op = torch.ops.compiletune.linear_cross_entropy_with_grads.default

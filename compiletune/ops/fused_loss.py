@@ -812,16 +812,20 @@ def chunked_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunks: int = 8,
+    softcap: float = 0.0,
 ) -> Tensor:
     """The chunked-logits baseline (torchtune's CEWithChunkedOutputLoss): h [..., d] split into
     `chunks` pieces of tokens, each projected and upcast to fp32 on its own. Avoids holding the
     input-dtype and the fp32 logits of all tokens at once, but autograd still saves every
     chunk's fp32 log-probabilities: [N, V] fp32 in total. -> fp32 []."""
     h2, t2 = _flatten(h, targets)
+
+    def logits(h_c: Tensor) -> Tensor:
+        x = F.linear(h_c, weight, bias).float()
+        return softcap * torch.tanh(x / softcap) if softcap > 0 else x
+
     total = sum(
-        F.cross_entropy(
-            F.linear(h_c, weight, bias).float(), t_c, ignore_index=ignore_index, reduction="sum"
-        )
+        F.cross_entropy(logits(h_c), t_c, ignore_index=ignore_index, reduction="sum")
         for h_c, t_c in zip(h2.chunk(chunks), t2.chunk(chunks), strict=True)
     )
     return _reduce(total, t2, ignore_index, reduction)

@@ -445,7 +445,9 @@ def build_run(
     )
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None
-    head = LossHead(model.output, head_kind(cfg.techniques.loss, compiled))
+    head = LossHead(
+        model.output, head_kind(cfg.techniques.loss, compiled), model.args.final_softcap
+    )
     regions = apply_techniques(model, head, cfg, env, compiled)
 
     params: list[nn.Parameter] = []

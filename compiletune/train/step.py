@@ -119,7 +119,8 @@ def evaluate(
     of the last global batch is empty runs one row with no targets.
     """
     rank, world, b = (env.rank, env.world, batch_size) if env is not None else (0, 1, batch_size)
-    head = LossHead(model.output, loss_kind)  # shares the weight; the eager form of the head
+    # shares the weight; the eager form of the head
+    head = LossHead(model.output, loss_kind, model.args.final_softcap)
     total = torch.zeros((), device=device, dtype=torch.float32)
     n_targets = 0
     model.eval()
