@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 from .attention import causal_attention, visible
 
-
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")
 
 
@@ -114,7 +113,7 @@ class ModelArgs:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
     def layer_kind(self, index: int) -> str:
-        """"full" or "sliding" for layer `index`."""
+        """ "full" or "sliding" for layer `index`."""
         if self.layer_types is not None:
             return self.layer_types[index]
         return "sliding" if self.sliding_window is not None else "full"
@@ -392,10 +391,7 @@ class FeedForward(nn.Module):
             gate, up = self.w13(x).chunk(2, dim=-1)
         else:
             gate, up = self.w1(x), self.w3(x)
-        if self.activation == "silu":
-            gate = F.silu(gate)
-        else:
-            gate = F.gelu(gate, approximate="tanh")
+        gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
         return self.w2(gate * up)
 
 
