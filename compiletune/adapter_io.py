@@ -53,8 +53,17 @@ def native_module_name(peft_module: str) -> str:
     return to_native_name(hf + ".weight").removesuffix(".weight")
 
 
-def adapter_config(spec: LoRASpec, base_model: str | None) -> dict[str, Any]:
-    """The adapter_config.json of a run (PEFT's LoraConfig fields; defaults written out)."""
+def adapter_config(
+    spec: LoRASpec, base_model: str | None, modules: list[str] | None = None
+) -> dict[str, Any]:
+    """The adapter_config.json of a run (PEFT's LoraConfig fields; defaults written out).
+    `modules`: the native names of the adapted projections; their HF names are the
+    target_modules (a fused model's qkv_proj, not q_proj), else the spec's targets'."""
+    if modules is not None:
+        hf_names = {to_hf_name(m + ".weight").removesuffix(".weight") for m in modules}
+        target_modules = sorted({n.rsplit(".", 1)[-1] for n in hf_names})
+    else:
+        target_modules = sorted(TARGETS[t][1] for t in spec.targets)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -62,7 +71,7 @@ def adapter_config(spec: LoRASpec, base_model: str | None) -> dict[str, Any]:
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": sorted(TARGETS[t][1] for t in spec.targets),
+        "target_modules": target_modules,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -112,7 +121,7 @@ def save_adapter(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = adapter_config(spec, base_model)
+    config = adapter_config(spec, base_model, [name for name, _ in lora_modules(model)])
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))

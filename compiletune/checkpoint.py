@@ -236,7 +236,7 @@ def convert_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | N
             raise UserError(f"{src}: {name} is {shape} but config.json implies {tuple(p.shape)}")
         entries.append(
             (
-                to_hf_name(name),
+                to_hf_name(name, args.family),
                 shape,
                 lambda n=name, s=shape, d=saved_dtype: read_sharded_tensor(
                     src / SHARDED_DIR, n, s, d

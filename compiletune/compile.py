@@ -1,7 +1,8 @@
 """`--compile`: compile each transformer block and the loss head through compiletune's backend.
 
 Regions:
-    block  one backend object for all blocks, so N identical blocks compile once
+    block  one backend object for all blocks, so N identical blocks compile once (layers of
+           another kind, sliding-window ones, are a second region: `block.sliding`)
     head   the loss head (output projection + cross-entropy), where the fused-loss pass works
 
 Each block is compiled in place (`module.compile`), so parameter names, checkpoints and, later,
@@ -131,8 +132,11 @@ def compile_regions(
     for index, block in enumerate(model.layers):
         # Blocks under the policy and blocks outside it are two regions (two compiles); within a
         # region one backend object serves every block, so each region compiles once.
+        # Sliding-window layers (a layer kind) are a region of their own: one graph per kind.
         with_policy = opts.ac.applies_to(index)
         name = "block" if with_policy or opts.ac.kind == "none" else "block.no_ac"
+        if getattr(block, "kind", "full") != "full":
+            name += f".{block.kind}"
         if name not in backends:
             backends[name] = CompiletuneBackend(
                 name,

@@ -32,7 +32,9 @@ def head_kind(loss: str, compiled: bool) -> str:
 
 
 class LossHead(nn.Module):
-    def __init__(self, output: nn.Linear, kind: str = "plain", softcap: float | None = None) -> None:
+    def __init__(
+        self, output: nn.Linear, kind: str = "plain", softcap: float | None = None
+    ) -> None:
         super().__init__()
         if kind not in LOSS_KINDS:
             raise ValueError(f"unknown loss kind {kind!r}")

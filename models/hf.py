@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from compiletune.errors import UserError
 
-from .decoder import ModelArgs, RopeScaling, Transformer, TransformerBlock
+from .decoder import ROPE_TYPES, ModelArgs, RopeScaling, Transformer, TransformerBlock
 from .lora import dense_tensors
 from .names import strip_wrappers
 
@@ -40,7 +40,8 @@ _GLOBAL_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# native suffix <-> HF suffix inside block i ("layers.{i}." <-> "model.layers.{i}.")
+# native suffix <-> HF suffix inside block i ("layers.{i}." <-> "model.layers.{i}."). A model has
+# only the tensors its ModelArgs give it (q/k norms: Qwen3; wqkv and w13: Phi-3's fused ones).
 _BLOCK_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wq.bias": "self_attn.q_proj.bias",
@@ -48,51 +49,69 @@ _BLOCK_NAMES = {
     "attention.wk.bias": "self_attn.k_proj.bias",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wqkv.weight": "self_attn.qkv_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w13.weight": "mlp.gate_up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
-_BLOCK_NAMES_INV = {v: k for k, v in _BLOCK_NAMES.items()}
+# Gemma's four norms: HF's post_attention_layernorm is the one *after* attention there.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
 _NATIVE_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def to_hf_name(native: str) -> str:
+def _block_names(family: str) -> dict[str, str]:
+    return _GEMMA_BLOCK_NAMES if family.startswith("gemma") else _BLOCK_NAMES
+
+
+def to_hf_name(native: str, family: str = "llama") -> str:
     """`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     native = strip_wrappers(native)
     if native in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[native]
     m = _NATIVE_BLOCK.fullmatch(native)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    names = _block_names(family)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     raise UserError(
         f"parameter {native!r} has no HF name; only compiletune decoder models can be saved"
     )
 
 
-def to_native_name(hf: str) -> str:
+def to_native_name(hf: str, family: str = "llama") -> str:
     """`model.layers.3.mlp.gate_proj.weight` -> `layers.3.feed_forward.w1.weight`."""
-    if hf in _GLOBAL_NAMES_INV:
-        return _GLOBAL_NAMES_INV[hf]
+    inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
+    if hf in inverse:
+        return inverse[hf]
     m = _HF_BLOCK.fullmatch(hf)
-    if m and m.group(2) in _BLOCK_NAMES_INV:
-        return f"layers.{m.group(1)}.{_BLOCK_NAMES_INV[m.group(2)]}"
+    inverse = {v: k for k, v in _block_names(family).items()}
+    if m and m.group(2) in inverse:
+        return f"layers.{m.group(1)}.{inverse[m.group(2)]}"
     raise UserError(
-        f"checkpoint tensor {hf!r} is not part of a Llama/Qwen2/Mistral decoder; "
-        "use a checkpoint of a supported architecture"
+        f"checkpoint tensor {hf!r} is not part of a supported decoder "
+        f"({', '.join(_ARCHITECTURES)}); use a checkpoint of a supported architecture"
     )
 
 
-def state_dict_to_hf(sd: dict[str, Tensor], tie_embeddings: bool = False) -> dict[str, Tensor]:
+def state_dict_to_hf(
+    sd: dict[str, Tensor], tie_embeddings: bool = False, family: str = "llama"
+) -> dict[str, Tensor]:
     """Rename a native state dict to HF names (dropping `output.weight` when tied)."""
     return {
-        to_hf_name(k): v
+        to_hf_name(k, family): v
         for k, v in sd.items()
-        if not (tie_embeddings and to_hf_name(k) == "lm_head.weight")
+        if not (tie_embeddings and to_hf_name(k, family) == "lm_head.weight")
     }
 
 
@@ -101,20 +120,76 @@ def state_dict_to_hf(sd: dict[str, Tensor], tie_embeddings: bool = False) -> dic
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
 _FAMILY_ARCH = {family: arch for arch, family in _ARCHITECTURES.items()}
+# Multimodal checkpoints whose text model is one of the above (weights renamed at load).
+_TEXT_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Mixture-of-experts architectures: named in the refusal until MoE support lands.
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 # What transformers assumes when a key is absent, per family (so we build what it would load).
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+    },
     "mistral": {
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 4096 * 32,
         "num_key_value_heads": 8,
         "sliding_window": 4096,
     },
+    "gemma2": {
+        "vocab_size": 256000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
+    "gemma3_text": {
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window_pattern": 6,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
+    "phi3": {
+        "vocab_size": 32064,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
 }
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -137,13 +212,37 @@ def load_hf_config(path: str | os.PathLike) -> dict:
     return cfg
 
 
+def text_config(cfg: dict) -> dict:
+    """The decoder's config: `cfg` itself, or the `text_config` of a multimodal checkpoint whose
+    text weights map onto a supported decoder (Gemma 3 with vision)."""
+    archs = cfg.get("architectures") or []
+    if not archs or archs[0] not in _TEXT_OF:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(
+            f"config.json architecture {archs[0]!r} has no 'text_config' object; re-export the "
+            "checkpoint's config"
+        )
+    out = {k: v for k, v in text.items() if k != "architectures"}
+    for key in ("torch_dtype", "dtype"):
+        if key in cfg:
+            out.setdefault(key, cfg[key])
+    out["architectures"] = [_TEXT_OF[archs[0]]]
+    out["tie_word_embeddings"] = text.get(
+        "tie_word_embeddings", cfg.get("tie_word_embeddings", True)
+    )
+    return out
+
+
 def _family(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
     if archs:
         arch = archs[0]
         if arch not in _ARCHITECTURES:
+            moe = " (a mixture-of-experts model)" if "Moe" in arch or "Mixtral" in arch else ""
             raise UserError(
-                f"config.json architecture {arch!r} is not supported; use one of "
+                f"config.json architectures: {arch!r}{moe} is not supported; use one of "
                 f"{', '.join(_ARCHITECTURES)}"
             )
         return _ARCHITECTURES[arch]
@@ -156,13 +255,14 @@ def _family(cfg: dict) -> str:
     )
 
 
-def _rope_params(cfg: dict) -> dict:
-    """The rope dict in either config style ({} when absent). 5.x gives `rope_scaling` priority."""
+def _rope_params(cfg: dict, kind: str = "full_attention") -> dict:
+    """The rope dict in either config style ({} when absent). 5.x gives `rope_scaling` priority.
+    A dict nested per layer type (Gemma 3, 5.x) gives the entry of `kind`."""
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise UserError(f"config.json 'rope_scaling' must be an object or null, got {rope!r}")
     if "full_attention" in rope and isinstance(rope["full_attention"], dict):
-        rope = rope["full_attention"]  # nested per layer type
+        rope = rope.get(kind) or {}  # nested per layer type
     return rope
 
 
@@ -178,75 +278,167 @@ def _dtype_from_config(cfg: dict) -> torch.dtype | None:
     return _DTYPES[name]
 
 
+def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None:
+    """RopeScaling for an HF rope dict; an unsupported type or option is refused by name."""
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise UserError(
+            f"config.json rope_scaling.rope_type {rope_type!r} is not supported; use one of "
+            f"default, {', '.join(ROPE_TYPES)}"
+        )
+    for key in ("mscale", "mscale_all_dim", "long_mscale", "short_mscale"):
+        if rope.get(key):
+            raise UserError(f"config.json rope_scaling.{key} is not supported; remove it")
+    original = int(
+        rope.get("original_max_position_embeddings")
+        or cfg.get("original_max_position_embeddings")
+        or max_seq_len
+    )
+    needed = {
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+        "linear": ("factor",),
+        "yarn": (),
+        "longrope": ("short_factor", "long_factor"),
+    }[rope_type]
+    missing = [k for k in needed if rope.get(k) is None]
+    if missing:
+        raise UserError(
+            f"config.json rope_scaling ({rope_type}) is missing the field {missing[0]!r}; add it"
+        )
+    factor = rope.get("factor") or max_seq_len / original
+    attention_factor = rope.get("attention_factor")
+    return RopeScaling(
+        factor=float(factor),
+        low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=original,
+        rope_type=rope_type,
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        truncate=bool(rope.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        short_factor=tuple(map(float, rope["short_factor"])) if "short_factor" in rope else None,
+        long_factor=tuple(map(float, rope["long_factor"])) if "long_factor" in rope else None,
+    )
+
+
+def _layer_types(cfg: dict, family: str, n_layers: int) -> tuple[str, ...] | None:
+    """Per-layer "full"/"sliding" for the families that mix them (Gemma), else None."""
+    listed = cfg.get("layer_types")
+    if listed:
+        if len(listed) != n_layers or any(
+            t not in ("full_attention", "sliding_attention") for t in listed
+        ):
+            raise UserError(
+                "config.json layer_types must list 'full_attention' or 'sliding_attention' for "
+                f"each of the {n_layers} layers"
+            )
+        kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in listed)
+    elif family == "gemma2":
+        kinds = tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers))
+    elif family == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        kinds = tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
+    else:
+        return None
+    return kinds
+
+
 def args_from_hf_config(cfg: dict) -> ModelArgs:
-    """ModelArgs for an HF config.json dict (Llama, Qwen2 or Mistral)."""
+    """ModelArgs for an HF config.json dict of a supported architecture (`_ARCHITECTURES`)."""
+    cfg = text_config(cfg)
     family = _family(cfg)
     defaults = _HF_DEFAULTS[family]
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         value = cfg.get(key)
         if value is None:
-            if required:
+            if required and key not in defaults:
                 raise UserError(
                     f"config.json is missing the field {key!r}; add it or re-export the config"
                 )
             return defaults.get(key, default)
         return value
 
+    for key in _MOE_FIELDS:
+        if cfg.get(key):
+            raise UserError(
+                f"config.json sets {key}: {cfg[key]} (mixture of experts), which is not "
+                "supported yet; use a dense checkpoint"
+            )
     dim = get("hidden_size", required=True)
     n_heads = get("num_attention_heads", required=True)
-    if get("hidden_act", "silu") != "silu":
+    n_layers = get("num_hidden_layers", required=True)
+    gemma = family.startswith("gemma")
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    act = get(act_key) or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if act not in ("silu", *_GELU_TANH):
         raise UserError(
-            f"config.json hidden_act {cfg['hidden_act']!r} is not supported; only 'silu' (SwiGLU) is"
+            f"config.json {act_key} {act!r} is not supported; use 'silu' (SwiGLU) or "
+            "'gelu_pytorch_tanh' (GeGLU)"
         )
     if get("mlp_bias", False):
         raise UserError(
             "config.json sets mlp_bias: true, which is not supported; only bias-free MLPs are"
         )
-    if family == "llama" and get("attention_bias", False):
+    if family != "qwen2" and get("attention_bias", False):
         # Llama's attention_bias also puts a bias on o_proj, which the decoder does not have.
         raise UserError(
-            "config.json sets attention_bias: true for Llama, which is not supported; set it false"
+            f"config.json sets attention_bias: true for {family}, which is not supported; "
+            "set it false"
         )
-    if family == "qwen2" and get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and get("use_sliding_window", False):
         raise UserError(
             "config.json sets use_sliding_window: true, which is not supported; set it false "
-            "(Qwen2.5 checkpoints ship with it false)"
+            "(Qwen checkpoints ship with it false)"
+        )
+    if gemma and cfg.get("use_bidirectional_attention"):
+        raise UserError(
+            "config.json sets use_bidirectional_attention: true (an encoder), which is not "
+            "supported; use a causal checkpoint"
         )
 
     rope = _rope_params(cfg)
-    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
-    if rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0)) != 1.0:
+    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+    max_seq_len = int(get("max_position_embeddings"))
+    head_dim = get("head_dim") or dim // n_heads
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
         raise UserError(
-            "config.json sets partial_rotary_factor != 1, which is not supported; remove it"
+            f"config.json partial_rotary_factor {partial} gives a rotary dimension of "
+            f"{rotary_dim}, which must be even and within head_dim {head_dim}"
         )
-    max_seq_len = get("max_position_embeddings")
-    rope_scaling = None
-    if rope_type == "llama3":
-        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in rope]
-        if missing:
-            raise UserError(
-                f"config.json rope_scaling (llama3) is missing the field {missing[0]!r}; add it"
-            )
-        rope_scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(
-                rope.get("original_max_position_embeddings", max_seq_len)
-            ),
-        )
-    elif rope_type != "default":
-        raise UserError(
-            f"config.json rope type {rope_type!r} is not supported; only the default rope and "
-            "'llama3' scaling are (remove rope_scaling or use a supported checkpoint)"
-        )
+    rope_scaling = _rope_scaling(rope, cfg, max_seq_len)
+    if rope_scaling is not None and rope_scaling.rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(getattr(rope_scaling, key)) != rotary_dim // 2:
+                raise UserError(
+                    f"config.json rope_scaling.{key} has {len(getattr(rope_scaling, key))} "
+                    f"values; the rotary dimension {rotary_dim} needs {rotary_dim // 2}"
+                )
 
-    head_dim = get("head_dim")
+    window = cfg.get("sliding_window", defaults.get("sliding_window"))
+    if family in ("llama", "qwen2", "qwen3"):
+        window = None  # Qwen's window is off (use_sliding_window false); Llama has none
+    layer_types = _layer_types(cfg, family, n_layers) if window else None
+    if layer_types is not None and "sliding" not in layer_types:
+        window, layer_types = None, None
+    local_theta = None
+    if family == "gemma3_text":
+        local = _rope_params(cfg, "sliding_attention")
+        local_theta = float(local.get("rope_theta") or get("rope_local_base_freq"))
+    qpas = get("query_pre_attn_scalar") if gemma else None
+
+    def softcap(key: str) -> float | None:
+        value = cfg.get(key, defaults.get(key)) if family == "gemma2" else cfg.get(key)
+        return float(value) if value else None
+
     return ModelArgs(
         dim=dim,
-        n_layers=get("num_hidden_layers", required=True),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=get("num_key_value_heads", n_heads),
         vocab_size=get("vocab_size", required=True),
@@ -255,52 +447,82 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         norm_eps=float(get("rms_norm_eps")),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
-        max_seq_len=int(max_seq_len),
+        max_seq_len=max_seq_len,
         qkv_bias=family == "qwen2",
         tie_embeddings=bool(get("tie_word_embeddings", False)),
-        # An explicit null means no window; only a missing key takes Mistral's 4096 default.
-        sliding_window=cfg.get("sliding_window", 4096) if family == "mistral" else None,
+        sliding_window=int(window) if window else None,
+        layer_types=layer_types,
         family=family,
+        qk_norm=family in ("qwen3", "gemma3_text"),
+        norm_plus_one=gemma,
+        embed_scale=gemma,
+        activation="silu" if act == "silu" else "gelu_tanh",
+        sandwich_norms=gemma,
+        query_pre_attn_scalar=float(qpas) if qpas is not None else None,
+        attn_softcap=softcap("attn_logit_softcapping"),
+        final_softcap=softcap("final_logit_softcapping"),
+        local_rope_theta=local_theta,
+        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+        fused_projections=family == "phi3",
     )
+
+
+def _rope_dict(rs: RopeScaling | None) -> dict | None:
+    """The HF rope_scaling dict of `rs` (None without scaling)."""
+    if rs is None:
+        return None
+    out: dict[str, Any] = {"rope_type": rs.rope_type}
+    if rs.rope_type == "longrope":
+        out.update(short_factor=list(rs.short_factor), long_factor=list(rs.long_factor))
+    else:
+        out["factor"] = rs.factor
+    if rs.rope_type in ("llama3", "yarn", "longrope"):
+        out["original_max_position_embeddings"] = rs.original_max_position_embeddings
+    if rs.rope_type == "llama3":
+        out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+    if rs.rope_type == "yarn":
+        out.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
+    if rs.attention_factor is not None:
+        out["attention_factor"] = rs.attention_factor
+    return out
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    """HF types query_pre_attn_scalar as int (strictly, in 5.x) but configs may hold floats."""
+    return int(x) if x is not None and float(x).is_integer() else x
 
 
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None = None) -> dict:
     """A config.json dict that transformers (4.45+ and 5.x) loads as the same model.
 
     With `base` (the checkpoint's original config), its other fields (token ids, etc.) are kept.
+    A multimodal base (Gemma 3 with vision) is written as its text model.
     """
-    if args.family not in _FAMILY_ARCH:
+    family = args.family
+    if family not in _FAMILY_ARCH:
         raise UserError(
-            f"model family {args.family!r} cannot be saved; use llama, qwen2 or mistral"
+            f"model family {family!r} cannot be saved; use one of {', '.join(_FAMILY_ARCH)}"
         )
-    if args.qkv_bias != (args.family == "qwen2"):
+    if args.qkv_bias != (family == "qwen2"):
         raise UserError(
-            f"family {args.family!r} with qkv_bias={args.qkv_bias} has no HF architecture; "
+            f"family {family!r} with qkv_bias={args.qkv_bias} has no HF architecture; "
             "q/k/v bias is only saveable as family 'qwen2'"
         )
     dtype_name = str(dtype).removeprefix("torch.")
-    cfg = dict(base or {})
-    for key in ("rope_scaling", "rope_theta", "torch_dtype"):
+    cfg = dict(text_config(base) if base else {})
+    for key in ("rope_scaling", "rope_theta", "torch_dtype", "sliding_window_pattern"):
         cfg.pop(key, None)
-    rope_scaling = None
-    if args.rope_scaling is not None:
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": args.rope_scaling.factor,
-            "low_freq_factor": args.rope_scaling.low_freq_factor,
-            "high_freq_factor": args.rope_scaling.high_freq_factor,
-            "original_max_position_embeddings": args.rope_scaling.original_max_position_embeddings,
-        }
+    rope_scaling = _rope_dict(args.rope_scaling)
     cfg.update(
-        architectures=[_FAMILY_ARCH[args.family]],
-        model_type=args.family,
+        architectures=[_FAMILY_ARCH[family]],
+        model_type=family,
         hidden_size=args.dim,
         intermediate_size=args.ffn_dim,
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
         num_key_value_heads=args.n_kv_heads,
         head_dim=args.hd,
-        hidden_act="silu",
+        hidden_act="silu" if args.activation == "silu" else "gelu_pytorch_tanh",
         rms_norm_eps=args.norm_eps,
         rope_theta=args.rope_theta,
         rope_scaling=rope_scaling,
@@ -308,25 +530,43 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
         vocab_size=args.vocab_size,
         tie_word_embeddings=args.tie_embeddings,
         torch_dtype=dtype_name,
+        sliding_window=args.sliding_window,
     )
-    if "rope_parameters" in cfg:  # 5.x-style original: keep its style in sync
-        cfg["rope_parameters"] = {
-            "rope_type": "default",
-            "rope_theta": args.rope_theta,
-            **(rope_scaling or {}),
-        }
+    full_rope = {"rope_type": "default", "rope_theta": args.rope_theta, **(rope_scaling or {})}
+    if args.rotary_dim is not None:
+        cfg["partial_rotary_factor"] = args.rotary_dim / args.hd
+        full_rope["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    if args.layer_types is not None or family.startswith("gemma"):
+        cfg["layer_types"] = [f"{args.layer_kind(i)}_attention" for i in range(args.n_layers)]
+    elif "layer_types" in cfg:
+        cfg["layer_types"] = ["full_attention"] * args.n_layers
+    if "rope_parameters" in cfg or family == "gemma3_text":  # 5.x style: keep it in sync
+        cfg["rope_parameters"] = full_rope
+    if family == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": args.local_rope_theta}
+        cfg["rope_parameters"] = {"full_attention": full_rope, "sliding_attention": local}
+        cfg["rope_local_base_freq"] = args.local_rope_theta
     if "dtype" in cfg:
         cfg["dtype"] = dtype_name
-    if "layer_types" in cfg:
-        cfg["layer_types"] = ["full_attention"] * args.n_layers
-    if args.family == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False)
-    elif args.family == "qwen2":
+    if family.startswith("gemma"):
+        cfg.update(
+            hidden_activation=cfg["hidden_act"],
+            query_pre_attn_scalar=_int_if_whole(args.query_pre_attn_scalar),
+            attn_logit_softcapping=args.attn_softcap,
+            final_logit_softcapping=args.final_softcap,
+        )
+    if family in ("llama", "qwen3", "gemma2", "gemma3_text"):
+        cfg.update(attention_bias=False)
+    if family == "llama":
+        cfg.update(mlp_bias=False)
+    if family in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
-        cfg.setdefault("sliding_window", None)
         cfg.setdefault("max_window_layers", args.n_layers)
-    else:
-        cfg["sliding_window"] = args.sliding_window
+    if family == "phi3":
+        original = args.max_seq_len
+        if args.rope_scaling is not None:
+            original = args.rope_scaling.original_max_position_embeddings
+        cfg["original_max_position_embeddings"] = original
     return cfg
 
 
@@ -366,13 +606,34 @@ def _checkpoint_files(path: Path) -> list[Path]:
     )
 
 
+# Where a multimodal checkpoint keeps its text model (transformers 4.5x, then 5.x naming).
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."))
+_TEXT_HEADS = ("language_model.lm_head.weight",)
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
+_NOT_TEXT += ("model.multi_modal_projector.",)
+
+
+def _text_tensor_name(stored: str) -> str | None:
+    """The decoder name of a stored tensor (a multimodal checkpoint's text weights renamed), or
+    None for a tensor of another part of the model (vision tower, projector)."""
+    if stored.startswith(_NOT_TEXT):
+        return None
+    if stored in _TEXT_HEADS:
+        return "lm_head.weight"
+    for old, new in _TEXT_PREFIXES:
+        if stored.startswith(old):
+            return new + stored.removeprefix(old)
+    return stored
+
+
 def from_hf(
     path: str | os.PathLike,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     on_block: Callable[[TransformerBlock], None] | None = None,
 ) -> Transformer:
-    """Load an HF Llama/Qwen2/Mistral checkpoint folder as a native `Transformer`.
+    """Load an HF checkpoint folder of a supported architecture as a native `Transformer` (of
+    a Gemma 3 checkpoint with vision: its text model).
 
     dtype defaults to the config's torch_dtype/dtype, else fp32. Every tensor name and shape is
     checked before anything is allocated; then the model is allocated a part at a time
@@ -394,29 +655,32 @@ def from_hf(
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)
-    expected = {to_hf_name(n): p.shape for n, p in model.named_parameters()}  # tied: no lm_head
-    where: dict[str, Path] = {}
+    family = args.family
+    # HF name -> shape; a tied model has no lm_head
+    expected = {to_hf_name(n, family): p.shape for n, p in model.named_parameters()}
+    where: dict[str, tuple[Path, str]] = {}  # HF name -> (file, name in that file)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name.endswith("rotary_emb.inv_freq"):  # old exports saved the rope buffer
-                    continue
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = _text_tensor_name(stored)
+                if name is None or name.endswith("rotary_emb.inv_freq"):
+                    continue  # vision tower, or the rope buffer old exports saved
                 if args.tie_embeddings and name == "lm_head.weight":
                     continue  # a tied checkpoint may carry the shared tensor twice
                 if name not in expected:
-                    to_native_name(name)  # raises for names foreign to the architecture
+                    to_native_name(name, family)  # raises for names foreign to the family
                     raise UserError(
-                        f"{file.name}: unexpected tensor {name!r} (config.json describes a model "
-                        "without it); use the config.json that came with these weights"
+                        f"{file.name}: unexpected tensor {stored!r} (config.json describes a "
+                        "model without it); use the config.json that came with these weights"
                     )
-                shape = f.get_slice(name).get_shape()
+                shape = f.get_slice(stored).get_shape()
                 if list(shape) != list(expected[name]):
                     raise UserError(
-                        f"{name}: checkpoint has {_shape(shape)}, model expects "
+                        f"{stored}: checkpoint has {_shape(shape)}, model expects "
                         f"{_shape(expected[name])}; config.json does not match the weights in "
                         f"{file.name}"
                     )
-                where[name] = file
+                where[name] = (file, stored)
     missing = [n for n in expected if n not in where]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -437,8 +701,8 @@ def from_hf(
             module.to_empty(device=device)
             model.tie_weights()
             for name, param in module.named_parameters(prefix=prefix):
-                hf = to_hf_name(name)
-                param.copy_(readers[where[hf]].get_tensor(hf))
+                file, stored = where[to_hf_name(name, family)]
+                param.copy_(readers[file].get_tensor(stored))
             if on_block is not None and prefix.startswith("layers."):
                 on_block(module)
     model.hf_config = cfg
@@ -453,7 +717,7 @@ def _hf_tensors(
     args: ModelArgs = model.args
     out = []
     for name, shape, make in dense_tensors(model, merge):
-        hf = to_hf_name(name)
+        hf = to_hf_name(name, args.family)
         if args.tie_embeddings and hf == "lm_head.weight":
             continue
         out.append((hf, shape, make))

@@ -34,12 +34,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiletune.choices import Quantize, choices
+from compiletune.errors import UserError
 
 from .decoder import ModelArgs, RMSNorm, Transformer
 from .names import strip_wrappers
 from .nf4 import BLOCK, dequantize_nf4, quantize_nf4
 
-# short name -> (attribute path inside a block, HF module name)
+# short name -> (attribute path inside a block, HF module name). The last two exist only in
+# models with fused projections (Phi-3), where they stand for q+k+v and gate+up.
 TARGETS: dict[str, tuple[str, str]] = {
     "q": ("attention.wq", "q_proj"),
     "k": ("attention.wk", "k_proj"),
@@ -48,7 +50,11 @@ TARGETS: dict[str, tuple[str, str]] = {
     "gate": ("feed_forward.w1", "gate_proj"),
     "up": ("feed_forward.w3", "up_proj"),
     "down": ("feed_forward.w2", "down_proj"),
+    "qkv": ("attention.wqkv", "qkv_proj"),
+    "gate_up": ("feed_forward.w13", "gate_up_proj"),
 }
+# A fused projection is adapted when all of its parts are targets (PEFT adapts qkv_proj whole).
+FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 QUANTIZE = choices(Quantize)
 
 
@@ -266,12 +272,23 @@ def block_adapter(
         for short, (path, _) in TARGETS.items():
             parent_path, attr = path.rsplit(".", 1)
             parent = block.get_submodule(parent_path)
-            linear = getattr(parent, attr)
+            linear = getattr(parent, attr, None)
+            if linear is None:
+                continue  # the other form (fused or split) of these projections
+            adapted = short in spec.targets
+            if short in FUSED_PARTS:
+                targeted = [t in spec.targets for t in FUSED_PARTS[short]]
+                if any(targeted) and not all(targeted):
+                    raise UserError(
+                        f"this model fuses {'/'.join(FUSED_PARTS[short])} into one projection "
+                        f"({TARGETS[short][1]}); --lora-targets must name all of them or none"
+                    )
+                adapted = adapted or all(targeted)
             if isinstance(linear, FrozenLinear):
                 raise ValueError("this block has LoRA already")
             if linear.bias is not None:
                 linear.bias.data = linear.bias.data.to(dtype)
-            if short in spec.targets:
+            if adapted:
                 new = LoRALinear(linear, spec, base_dtype, quantize, dtype, generator)
             else:
                 new = FrozenLinear(linear, base_dtype, quantize)

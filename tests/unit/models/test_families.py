@@ -1,0 +1,302 @@
+"""Qwen3, Gemma 2, Gemma 3, Phi-3, sliding-window Mistral and rope types, each against transformers.
+
+Every case is a tiny transformers model built from a config (non-trivial norms and biases) whose
+mechanisms matter at the test length: windows shorter than the sequence, soft-caps small enough
+to bite, longrope's long factors past a short original context, head_dim != hidden / heads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from compiletune import adapter_io
+from compiletune.cli import main
+from compiletune.compile import CompileOptions, compile_regions
+from compiletune.errors import UserError
+from compiletune.generate import generate_ids
+from compiletune.loss import LossHead
+from compiletune.models import args_from_hf_config, from_hf, save_hf
+from compiletune.models.lora import LoRASpec, apply_lora
+
+peft = pytest.importorskip("peft")
+
+VOCAB = 128
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+GEMMA = dict(SMALL, num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=24)
+
+CASES = {
+    # q/k norms, head_dim 32 != 64 / 4, tied embeddings
+    "qwen3": (transformers.Qwen3Config, dict(SMALL, head_dim=32, tie_word_embeddings=True)),
+    # yarn long-context scaling (Qwen2.5/Qwen3 configs)
+    "qwen3_yarn": (
+        transformers.Qwen3Config,
+        dict(
+            SMALL,
+            head_dim=16,
+            rope_theta=1000000.0,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    # DeepSeek-R1-Distill-Qwen shape: Qwen2 with an (inactive) window and max_window_layers
+    "r1_distill_qwen": (
+        transformers.Qwen2Config,
+        dict(
+            SMALL,
+            sliding_window=4096,
+            use_sliding_window=False,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+        ),
+    ),
+    # linear rope scaling on a Llama
+    "llama_linear": (
+        transformers.LlamaConfig,
+        dict(SMALL, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
+    # alternating window 8 / global, attention soft-cap 5 and final soft-cap 3 (small: they bite)
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    ),
+    # local layers with their own rope base, linear scaling on the global one, q/k norms
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            GEMMA,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 1
+            + ["sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+    # fused qkv/gate_up, partial rotary 0.5, longrope (original context 16), window 12
+    "phi3": (
+        transformers.Phi3Config,
+        dict(
+            SMALL,
+            sliding_window=12,
+            original_max_position_embeddings=16,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [1.2, 2.0, 4.0, 8.0],
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    # Mistral v0.1 / Nemo: every layer windowed, head_dim 32 != 64 / 4
+    "mistral_window": (transformers.MistralConfig, dict(SMALL, head_dim=32, sliding_window=8)),
+}
+
+
+def make_hf(case: str, seed: int = 0) -> transformers.PreTrainedModel:
+    config_cls, kwargs = CASES[case]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config_cls(**kwargs), attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():  # non-trivial norms and biases (HF initialises them to 1/0 or 0)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    return model
+
+
+def checkpoint(tmp_path, case: str):
+    hf = make_hf(case)
+    folder = tmp_path / f"hf-{case}"
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+def load_hf(path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def tokens(seq: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def lm_loss(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), t[:, 1:].flatten())
+
+
+def assert_parity(ours, hf, seqs=(12, 40)) -> None:
+    for seq in seqs:  # 12: inside the windows (and longrope's short factors); 40: past them
+        t = tokens(seq)
+        with torch.no_grad():
+            want, got = hf(t).logits, ours(t)
+        assert rel(got, want) <= 1e-5, (seq, rel(got, want))
+        assert rel(lm_loss(got, t), lm_loss(want, t)) <= 1e-5
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_equal_transformers_and_save_roundtrip(case, tmp_path):
+    hf, folder = checkpoint(tmp_path, case)
+    ours = from_hf(folder)
+    assert_parity(ours, hf)
+    save_hf(ours, tmp_path / "ours")
+    reloaded = load_hf(tmp_path / "ours")
+    assert type(reloaded) is type(hf)
+    assert_parity(ours, reloaded)
+    assert from_hf(tmp_path / "ours").args == ours.args
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_generate_equals_transformers(case, tmp_path):
+    hf, folder = checkpoint(tmp_path, case)
+    prompt = tokens(6, seed=5)[0].tolist()
+    want = hf.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=34,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    assert list(generate_ids(from_hf(folder).eval(), prompt, 34)) == want
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "phi3", "qwen3"])
+def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
+    _, folder = checkpoint(tmp_path, case)
+    model = from_hf(folder)
+    head = LossHead(model.output, "plain", model.args.final_softcap)
+
+    def loss_and_grads(t):
+        model.zero_grad()
+        loss = head(model.hidden_states(t[:, :-1]), t[:, 1:])
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    batches = [tokens(33, seed=s) for s in range(3)]
+    eager = [loss_and_grads(t) for t in batches]
+    regions = compile_regions(model, head, CompileOptions(backend="aot_eager", loss="fused"))
+    for t, (want_loss, want_grads) in zip(batches, eager, strict=True):
+        loss, grads = loss_and_grads(t)
+        assert rel(loss, want_loss) <= 1e-5
+        assert all(rel(g, w) <= 1e-4 for g, w in zip(grads, want_grads, strict=True))
+    stats = regions.stats()
+    kinds = {layer.kind for layer in model.layers}
+    blocks = {k: v for k, v in stats["regions"].items() if k.startswith("block")}
+    assert len(blocks) == len(kinds) and stats["recompiles"] == 0, stats
+    # The soft-capped head was fused all the same: no [N, V] logits.
+    (record,) = regions.backends["head"].records
+    (fuse,) = [p for p in record.passes if p["pass"] == "fuse_linear_cross_entropy"]
+    assert fuse["matched"] == 1, fuse
+
+
+@pytest.mark.parametrize("case", ["phi3", "gemma2", "qwen3"])
+def test_lora_adapter_loads_in_peft(case, tmp_path):
+    hf, folder = checkpoint(tmp_path, case)
+    spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    model = apply_lora(from_hf(folder), spec, dtype=torch.float32, seed=3).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    adapter_io.save_adapter(model, tmp_path / "adapter", base_model=str(folder))
+    config = json.loads((tmp_path / "adapter" / adapter_io.ADAPTER_CONFIG).read_text())
+    if case == "phi3":  # PEFT's names for the fused projections
+        assert config["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    t = tokens(20)
+    with torch.no_grad():
+        ours = model(t)
+        loaded = peft.PeftModel.from_pretrained(load_hf(folder), tmp_path / "adapter").eval()
+        assert rel(loaded(t).logits, ours) <= 1e-5
+        adapter_io.save_merged(model, tmp_path / "merged")
+        assert rel(load_hf(tmp_path / "merged")(t).logits, ours) <= 1e-5
+    # and the adapter folder reads back as the same spec (targets from the tensors)
+    assert adapter_io.read_adapter_spec(tmp_path / "adapter").targets in (
+        spec.targets,
+        ("o", "down", "qkv", "gate_up"),
+    )
+
+
+def test_fused_projection_targets_must_be_whole(tmp_path):
+    _, folder = checkpoint(tmp_path, "phi3")
+    with pytest.raises(UserError, match="qkv_proj"):
+        apply_lora(from_hf(folder), LoRASpec(4, 8.0, targets=("q", "v")), dtype=torch.float32)
+
+
+def test_gemma3_vision_checkpoint_loads_its_text_model(tmp_path):
+    text = transformers.Gemma3TextConfig(**CASES["gemma3"][1])
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
+    )
+    torch.manual_seed(0)
+    mm = transformers.Gemma3ForConditionalGeneration(config).eval()
+    mm.save_pretrained(tmp_path / "mm")
+    ours = from_hf(tmp_path / "mm")
+    assert ours.args.family == "gemma3_text"
+    t = tokens(20)
+    with torch.no_grad():
+        assert rel(ours(t), mm(input_ids=t).logits) <= 1e-5
+    save_hf(ours, tmp_path / "text")  # written as the text model
+    assert rel(load_hf(tmp_path / "text")(t).logits, ours(t).detach()) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"architectures": ["Qwen3MoeForCausalLM"]}, "architectures"),
+        ({"num_experts": 8}, "num_experts"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": 0.7}}, "mscale"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "long_factor"),
+    ],
+)
+def test_unsupported_options_exit_2_naming_the_field(tmp_path, capsys, change, field):
+    _, folder = checkpoint(tmp_path, "qwen3")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update(change)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=field):
+        args_from_hf_config(cfg)
+    capsys.readouterr()
+    code = main(["estimate-memory", "--model-dir", str(folder), "--device-memory", "80"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and field in err[0], err
