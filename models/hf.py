@@ -296,6 +296,8 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
         or cfg.get("original_max_position_embeddings")
         or max_seq_len
     )
+    if rope_type == "linear":  # unused by linear scaling: the canonical default
+        original = RopeScaling.original_max_position_embeddings
     needed = {
         "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
         "linear": ("factor",),

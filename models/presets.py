@@ -1,14 +1,15 @@
 """Named model shapes, as data.
 
 Published shapes are those of each model's HF config.json (base models). `head_dim` is left
-None wherever it equals dim // n_heads (true for every published preset here, e.g. Llama 3.2's
-explicit 64 and 128), the same canonical form `args_from_hf_config` produces, so a preset and a
-checkpoint's config compare equal. `num_params` counts parameters from the shape alone.
+None wherever it equals dim // n_heads (e.g. Llama 3.2's explicit 64 and 128) and set where it
+differs (Qwen3 0.6B/4B/32B, Gemma, Mistral-Nemo), the same canonical form `args_from_hf_config`
+produces, so a preset and a checkpoint's config compare equal. `num_params` counts parameters from the shape alone.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from compiletune.errors import UserError
 
@@ -88,6 +89,128 @@ def _qwen2_5(
     )
 
 
+def _qwen3(
+    dim: int, n_layers: int, n_heads: int, ffn_dim: int, tie: bool, max_seq_len: int = 40960
+) -> ModelArgs:
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        vocab_size=151936,
+        ffn_dim=ffn_dim,
+        head_dim=128 if dim // n_heads != 128 else None,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_seq_len=max_seq_len,
+        tie_embeddings=tie,
+        family="qwen3",
+        qk_norm=True,
+    )
+
+
+def _gemma_common(n_layers: int, kinds: tuple[str, ...]) -> dict:
+    return dict(
+        n_layers=n_layers,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        layer_types=kinds,
+        norm_plus_one=True,
+        embed_scale=True,
+        activation="gelu_tanh",
+        sandwich_norms=True,
+    )
+
+
+def _gemma2(
+    dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hd: int, ffn_dim: int, qpas: float
+) -> ModelArgs:
+    # layer 0 sliding, then alternating
+    kinds = tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers))
+    return ModelArgs(
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=256000,
+        ffn_dim=ffn_dim,
+        head_dim=hd if dim // n_heads != hd else None,
+        rope_theta=10000.0,
+        max_seq_len=8192,
+        sliding_window=4096,
+        family="gemma2",
+        query_pre_attn_scalar=qpas,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        **_gemma_common(n_layers, kinds),
+    )
+
+
+def _gemma3(
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    hd: int,
+    ffn_dim: int,
+    vocab_size: int,
+    window: int,
+    max_seq_len: int,
+    qpas: float,
+    rope_factor: float | None,
+) -> ModelArgs:
+    # five sliding layers, then a global one
+    kinds = tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(n_layers))
+    scaling = None if rope_factor is None else RopeScaling(rope_factor, rope_type="linear")
+    return ModelArgs(
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=vocab_size,
+        ffn_dim=ffn_dim,
+        head_dim=hd if dim // n_heads != hd else None,
+        rope_theta=1000000.0,
+        rope_scaling=scaling,
+        max_seq_len=max_seq_len,
+        sliding_window=window,
+        family="gemma3_text",
+        qk_norm=True,
+        query_pre_attn_scalar=qpas,
+        local_rope_theta=10000.0,
+        **_gemma_common(n_layers, kinds),
+    )
+
+
+def _phi3(
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_dim: int,
+    vocab_size: int,
+    rope_theta: float,
+    max_seq_len: int,
+    window: int | None,
+    tie: bool = False,
+    rotary_dim: int | None = None,
+) -> ModelArgs:
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=vocab_size,
+        ffn_dim=ffn_dim,
+        norm_eps=1e-5,
+        rope_theta=rope_theta,
+        max_seq_len=max_seq_len,
+        sliding_window=window,
+        tie_embeddings=tie,
+        family="phi3",
+        rotary_dim=rotary_dim,
+        fused_projections=True,
+    )
+
+
 def _debug(vocab_size: int) -> ModelArgs:
     return ModelArgs(
         dim=256,
@@ -100,6 +223,10 @@ def _debug(vocab_size: int) -> ModelArgs:
         rope_theta=500000.0,
         max_seq_len=32768,  # long-context checks on CPU (README "Long context")
     )
+
+
+def _debug_like(**changes) -> ModelArgs:
+    return dataclasses.replace(_debug(512), **changes)
 
 
 PRESETS: dict[str, ModelArgs] = {
@@ -140,9 +267,83 @@ PRESETS: dict[str, ModelArgs] = {
         sliding_window=None,
         family="mistral",
     ),
+    # Qwen/Qwen3-*: q/k norms, head_dim 128 always, small ones tie embeddings
+    "qwen3_0_6b": _qwen3(1024, 28, 16, 3072, tie=True),
+    "qwen3_1_7b": _qwen3(2048, 28, 16, 6144, tie=True),
+    "qwen3_4b": _qwen3(2560, 36, 32, 9728, tie=True),
+    "qwen3_8b": _qwen3(4096, 36, 32, 12288, tie=False),
+    "qwen3_14b": _qwen3(5120, 40, 40, 17408, tie=False),
+    "qwen3_32b": _qwen3(5120, 64, 64, 25600, tie=False),
+    # google/gemma-2-{2b,9b,27b}: soft-capping, alternating 4096-token windows
+    "gemma2_2b": _gemma2(2304, 26, 8, 4, 256, 9216, 256),
+    "gemma2_9b": _gemma2(3584, 42, 16, 8, 256, 14336, 256),
+    "gemma2_27b": _gemma2(4608, 46, 32, 16, 128, 36864, 144),
+    # google/gemma-3-{1b,4b,12b,27b}-pt (the text model of the multimodal 4b/12b/27b)
+    "gemma3_1b": _gemma3(1152, 26, 4, 1, 256, 6912, 262144, 512, 32768, 256, None),
+    "gemma3_4b": _gemma3(2560, 34, 8, 4, 256, 10240, 262208, 1024, 131072, 256, 8.0),
+    "gemma3_12b": _gemma3(3840, 48, 16, 8, 256, 15360, 262208, 1024, 131072, 256, 8.0),
+    "gemma3_27b": _gemma3(5376, 62, 32, 16, 128, 21504, 262208, 1024, 131072, 168, 8.0),
+    # microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct, phi-4, Phi-4-mini-instruct: fused
+    # projections. Phi-3.5-mini and Phi-4-mini reach 128k positions with longrope factor lists
+    # that only their checkpoints carry: the presets stop at the 4096 positions those lists
+    # start from (load the checkpoint with --model-dir for the long context).
+    "phi3_mini": _phi3(3072, 32, 32, 32, 8192, 32064, 10000.0, 4096, 2047),
+    "phi3_5_mini": _phi3(3072, 32, 32, 32, 8192, 32064, 10000.0, 4096, 262144),
+    "phi4": _phi3(5120, 40, 40, 10, 17920, 100352, 250000.0, 16384, None),
+    "phi4_mini": _phi3(3072, 32, 24, 8, 8192, 200064, 10000.0, 4096, 262144, True, 96),
+    # mistralai/Mistral-7B-v0.1 (4096-token window on every layer), Mistral-Nemo-Base-2407
+    "mistral_7b_v0_1": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        ffn_dim=14336,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_seq_len=32768,
+        sliding_window=4096,
+        family="mistral",
+    ),
+    "mistral_nemo_12b": ModelArgs(
+        dim=5120,
+        n_layers=40,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=131072,
+        ffn_dim=14336,
+        head_dim=128,
+        norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_seq_len=128000,
+        family="mistral",
+    ),
     # Small Llama-3-shaped models for tests, the embedded default run and benches.
     "debug": _debug(512),
     "debug_128k": _debug(128256),
+    # One small model per new mechanism (tests, CPU benches): q/k norms and a wide head_dim;
+    # Gemma 2's soft-caps, windows and sandwich norms; Gemma 3's layer pattern and local rope;
+    # Phi-3's fused projections and partial rotary; Mistral v0.1's window on every layer.
+    "debug_qwen3": _debug_like(family="qwen3", qk_norm=True, head_dim=64),
+    "debug_gemma2": _debug_like(
+        family="gemma2",
+        query_pre_attn_scalar=32.0,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        sliding_window=256,
+        **_gemma_common(4, ("sliding", "full", "sliding", "full")),
+    ),
+    "debug_gemma3": _debug_like(
+        family="gemma3_text",
+        qk_norm=True,
+        query_pre_attn_scalar=32.0,
+        sliding_window=256,
+        local_rope_theta=10000.0,
+        rope_scaling=RopeScaling(8.0, rope_type="linear"),
+        **_gemma_common(4, ("sliding", "sliding", "sliding", "full")),
+    ),
+    "debug_phi3": _debug_like(family="phi3", fused_projections=True, rotary_dim=24),
+    "debug_window": _debug_like(family="mistral", sliding_window=256),
     "llama3_150m": ModelArgs(
         dim=512,
         n_layers=8,
@@ -174,7 +375,10 @@ def num_params(args: ModelArgs) -> int:
     attention = d * q_out + 2 * d * kv_out + q_out * d
     if args.qkv_bias:
         attention += q_out + 2 * kv_out
-    feed_forward = 3 * d * args.ffn_dim
-    block = attention + feed_forward + 2 * d  # two norms
+    if args.qk_norm:
+        attention += 2 * hd
+    feed_forward = 3 * d * args.ffn_dim  # fused or not: the same weights
+    norms = 4 if args.sandwich_norms else 2
+    block = attention + feed_forward + norms * d
     embeddings = args.vocab_size * d * (1 if args.tie_embeddings else 2)
     return embeddings + args.n_layers * block + d  # + final norm

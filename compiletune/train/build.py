@@ -44,7 +44,16 @@ from compiletune.optim import Optimizer
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
 # Fields that make two architectures different models (head_dim is compared resolved).
-_ARCH_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "qkv_bias")
+_ARCH_FIELDS = (
+    "family",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "ffn_dim",
+    "qkv_bias",
+)
 
 
 @dataclass
@@ -191,11 +200,6 @@ def _check_shapes(cfg: TrainConfig, args: ModelArgs, tokenizer: Any) -> None:
         raise UserError(
             f"--seq-len {seq_len} is beyond the model's {args.max_seq_len} positions; "
             f"pass --seq-len {args.max_seq_len} or less"
-        )
-    if args.sliding_window is not None and seq_len > args.sliding_window:
-        raise UserError(
-            f"--seq-len {seq_len} exceeds the model's sliding window of {args.sliding_window}, "
-            f"which compiletune does not implement; pass --seq-len {args.sliding_window} or less"
         )
 
 

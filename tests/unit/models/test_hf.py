@@ -326,7 +326,7 @@ def test_error_unsupported_architecture(llama_dir):
         from_hf(llama_dir)
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "ntk"])
 def test_error_unknown_rope_type(llama_dir, rope_type):
     rope = {"rope_type": rope_type, "factor": 4.0, "original_max_position_embeddings": 32}
     write_config(llama_dir, rope_scaling=rope, rope_parameters=dict(rope, rope_theta=500000.0))

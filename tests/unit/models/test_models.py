@@ -25,7 +25,20 @@ PUBLISHED_PARAMS = {
     "llama3_2_1b": 1_235_814_400,
     "qwen2_5_0_5b": 494_032_768,
     "mistral_7b": 7_248_023_552,
+    "qwen3_8b": 8_190_735_360,
+    "qwen3_32b": 32_762_123_264,
+    "gemma2_2b": 2_614_341_888,
+    "gemma2_9b": 9_241_705_984,
+    "gemma2_27b": 27_227_128_320,
+    "gemma3_1b": 999_885_952,
+    "phi3_mini": 3_821_079_552,
+    "phi4": 14_659_507_200,
+    "phi4_mini": 3_836_021_760,
+    "mistral_7b_v0_1": 7_241_732_096,
+    "mistral_nemo_12b": 12_247_782_400,
 }
+# Model cards give these rounded (billions): the shapes must round to them.
+CARD_PARAMS_B = {"qwen3_0_6b": 0.6, "qwen3_1_7b": 1.7, "qwen3_4b": 4.0, "qwen3_14b": 14.8}
 
 
 def tiny_args(**overrides) -> ModelArgs:
@@ -42,6 +55,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_published_param_counts(name):
     assert num_params(from_name(name)) == PUBLISHED_PARAMS[name]
+
+
+@pytest.mark.parametrize("name", sorted(CARD_PARAMS_B))
+def test_card_param_counts(name):
+    assert round(num_params(from_name(name)) / 1e9, 1) == CARD_PARAMS_B[name]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
