@@ -220,7 +220,8 @@ def attention_backward_op(
     softcap: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) [b, h, s, hd] of `attention`, segment by segment."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # contiguous, as the fake says (zeros_like would copy a transposed input's strides)
+    dq, dk, dv = (q.new_zeros(t.shape) for t in (q, k, v))
 
     def vjp(rows: slice, qa: int, qe: int, ka: int, mask: Tensor | None) -> None:
         qs, ks = (rows, slice(None), slice(qa, qe)), (rows, slice(None), slice(ka, qe))

@@ -132,6 +132,9 @@ def resolve_model_args(cfg: TrainConfig) -> ModelArgs:
         args = from_name(m.preset or "debug")
         if m.n_layers is not None:
             args.n_layers = m.n_layers
+            if args.layer_types is not None:  # the preset's layer pattern, continued
+                pattern = args.layer_types
+                args.layer_types = tuple(pattern[i % len(pattern)] for i in range(m.n_layers))
         return args
     args = args_from_hf_config(load_hf_config(m.model_dir))
     if m.preset is not None:

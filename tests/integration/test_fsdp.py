@@ -246,6 +246,16 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
         "bf16-mixed": ({**base, "dtype": "bf16-mixed"}, base),
         "bf16": ({**base, "dtype": "bf16"}, {**base, "dtype": "bf16"}),
         "eval": ({**base, "eval_data": corpus}, {**base, "eval_data": corpus}),
+        # the new families' mechanisms sharded: sandwich norms, soft-caps, layer kinds, fused
+        # projections (compiled: one region per layer kind)
+        "gemma2-compiled": (
+            {**base, "model": "debug_gemma2", "compile": True, "compile_backend": "aot_eager"},
+            {**base, "model": "debug_gemma2"},
+        ),
+        "phi3-lora": (
+            {**base, "model": "debug_phi3", "lora_rank": 4},
+            {**base, "model": "debug_phi3", "lora_rank": 4},
+        ),
     }
 
 

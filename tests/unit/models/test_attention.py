@@ -77,3 +77,12 @@ def test_softcap_never_holds_more_than_a_tile_of_scores(monkeypatch):
     q, k, v = (torch.randn(1, 2, 256, 8, requires_grad=True) for _ in range(3))
     causal_attention(q, k, v, 0.5, None, 0, 3.0).sum().backward()
     assert seen and max(s[-1] * s[-2] for s in seen) == 32 * 32
+
+
+@pytest.mark.parametrize("window, softcap", [(24, 0.0), (0, 3.0)])
+def test_opcheck_with_transposed_inputs(window, softcap):
+    """Fake and real kernels agree on shapes and strides (inductor asserts them), including for
+    the [b, s, h, hd] -> [b, h, s, hd] views the model passes."""
+    q, k, v = (torch.randn(2, 64, 3, 8).transpose(1, 2).requires_grad_() for _ in range(3))
+    doc_ids = doc_ids_for([[20, 44], [64]])
+    torch.library.opcheck(attn.attention_op, (q, k, v, doc_ids, 0.4, window, softcap))

@@ -1,0 +1,122 @@
+"""Attention variants side by side, forward + backward: what windows and soft-capping cost.
+
+    python bench/attention.py                  # CPU: s 1024 2048 4096, 8 heads x 64, fp32
+    python bench/attention.py --seq 8192       # GPU: bf16 by default
+
+Variants, each on q, k, v [1, 8, s, 64] (GPU: bf16; CPU: fp32):
+
+    sdpa       plain causal SDPA (what a layer without window or soft-cap runs)
+    window     compiletune::attention with a window of s / 4 (queries in chunks, SDPA per chunk)
+    softcap    compiletune::attention with soft-cap 50 (Gemma 2): tiled fp32 kernel, own backward
+    dense      the [s, s] reference a plain implementation of soft-capping would run (eager math:
+               scores, tanh, mask, softmax, matmul; autograd keeps the [h, s, s] scores)
+
+Time: median of --iters forward + backward steps after a warm-up. Peak memory: what one step
+allocates above its inputs (GPU: max_memory_allocated; CPU: torch.profiler allocator events).
+Results: bench/results/attention-<device>.json and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_name, result_header, write_result  # noqa: E402
+
+from compiletune.models.attention import causal_attention  # noqa: E402
+
+
+def dense(q, k, v, scale: float, softcap: float):
+    s = q.shape[2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)
+
+
+VARIANTS = {
+    "sdpa": lambda q, k, v, s: causal_attention(q, k, v, 0.125),
+    "window": lambda q, k, v, s: causal_attention(q, k, v, 0.125, None, s // 4),
+    "softcap": lambda q, k, v, s: causal_attention(q, k, v, 0.125, None, 0, 50.0),
+    "dense": lambda q, k, v, s: dense(q, k, v, 0.125, 50.0),
+}
+
+
+def peak_bytes(step, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from compiletune.memory_internals import cpu_allocation_peak
+
+    return cpu_allocation_peak(step)
+
+
+def measure(
+    name: str, s: int, device: torch.device, dtype: torch.dtype, iters: int
+) -> dict[str, Any]:
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 8, s, 64, device=device, dtype=dtype, generator=g).requires_grad_()
+        for _ in range(3)
+    )
+    grad = torch.randn(1, 8, s, 64, device=device, dtype=dtype, generator=g)
+
+    def step() -> None:
+        out = VARIANTS[name](q, k, v, s)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    step()  # warm-up
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {
+        "variant": name,
+        "seq": s,
+        "ms": round(statistics.median(times) * 1e3, 2),
+        "peak_mib": round(peak_bytes(step, device) / 2**20, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seq", type=int, nargs="+", default=None)
+    ap.add_argument("--iters", type=int, default=3)
+    a = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    seqs = a.seq or ([1024, 2048, 4096] if device.type == "cpu" else [4096, 8192, 16384])
+    rows = [measure(n, s, device, dtype, a.iters) for s in seqs for n in VARIANTS]
+    print("| seq | variant | ms (fwd+bwd) | vs sdpa | peak MiB |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        base = next(x for x in rows if x["seq"] == r["seq"] and x["variant"] == "sdpa")
+        print(
+            f"| {r['seq']} | {r['variant']} | {r['ms']} | {r['ms'] / base['ms']:.2f}x | "
+            f"{r['peak_mib']} |"
+        )
+    out = Path(__file__).parent / "results" / f"attention-{device_name()}.json"
+    write_result(out, {**result_header(), "dtype": str(dtype), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
