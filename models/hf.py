@@ -131,6 +131,20 @@ _FAMILY_ARCH = {family: arch for arch, family in _ARCHITECTURES.items()}
 _TEXT_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # Mixture-of-experts architectures: named in the refusal until MoE support lands.
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+# What transformers' Gemma 2 and Gemma 3 configs both assume when a key is absent.
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
 # What transformers assumes when a key is absent, per family (so we build what it would load).
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
@@ -148,39 +162,19 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
     },
     "gemma2": {
+        **_GEMMA_DEFAULTS,
         "vocab_size": 256000,
-        "hidden_size": 2304,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 26,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "rms_norm_eps": 1e-6,
         "max_position_embeddings": 8192,
-        "tie_word_embeddings": True,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
-        "hidden_activation": "gelu_pytorch_tanh",
     },
     "gemma3_text": {
+        **_GEMMA_DEFAULTS,
         "vocab_size": 262208,
-        "hidden_size": 2304,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 26,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "rms_norm_eps": 1e-6,
         "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
         "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0,
         "sliding_window_pattern": 6,
-        "hidden_activation": "gelu_pytorch_tanh",
     },
     "phi3": {
         "vocab_size": 32064,

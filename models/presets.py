@@ -89,6 +89,31 @@ def _qwen2_5(
     )
 
 
+def _mistral(
+    vocab_size: int,
+    rope_theta: float,
+    max_seq_len: int,
+    window: int | None,
+    dim: int = 4096,
+    n_layers: int = 32,
+    hd: int | None = None,
+) -> ModelArgs:
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=vocab_size,
+        ffn_dim=14336,
+        head_dim=hd,
+        norm_eps=1e-5,
+        rope_theta=rope_theta,
+        max_seq_len=max_seq_len,
+        sliding_window=window,
+        family="mistral",
+    )
+
+
 def _qwen3(
     dim: int, n_layers: int, n_heads: int, ffn_dim: int, tie: bool, max_seq_len: int = 40960
 ) -> ModelArgs:
@@ -254,19 +279,7 @@ PRESETS: dict[str, ModelArgs] = {
     "qwen2_5_32b": _qwen2_5(5120, 64, 40, 8, 27648, 152064, 1e-5, 131072, tie=False),
     "qwen2_5_72b": _qwen2_5(8192, 80, 64, 8, 29568, 152064, 1e-5, 131072, tie=False),
     # mistralai/Mistral-7B-v0.3 (no sliding window, 32768-token vocab)
-    "mistral_7b": ModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=32768,
-        ffn_dim=14336,
-        norm_eps=1e-5,
-        rope_theta=1000000.0,
-        max_seq_len=32768,
-        sliding_window=None,
-        family="mistral",
-    ),
+    "mistral_7b": _mistral(32768, 1000000.0, 32768, None),
     # Qwen/Qwen3-*: q/k norms, head_dim 128 always, small ones tie embeddings
     "qwen3_0_6b": _qwen3(1024, 28, 16, 3072, tie=True),
     "qwen3_1_7b": _qwen3(2048, 28, 16, 6144, tie=True),
@@ -292,32 +305,8 @@ PRESETS: dict[str, ModelArgs] = {
     "phi4": _phi3(5120, 40, 40, 10, 17920, 100352, 250000.0, 16384, None),
     "phi4_mini": _phi3(3072, 32, 24, 8, 8192, 200064, 10000.0, 4096, 262144, True, 96),
     # mistralai/Mistral-7B-v0.1 (4096-token window on every layer), Mistral-Nemo-Base-2407
-    "mistral_7b_v0_1": ModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=32000,
-        ffn_dim=14336,
-        norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_seq_len=32768,
-        sliding_window=4096,
-        family="mistral",
-    ),
-    "mistral_nemo_12b": ModelArgs(
-        dim=5120,
-        n_layers=40,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=131072,
-        ffn_dim=14336,
-        head_dim=128,
-        norm_eps=1e-5,
-        rope_theta=1000000.0,
-        max_seq_len=128000,
-        family="mistral",
-    ),
+    "mistral_7b_v0_1": _mistral(32000, 10000.0, 32768, 4096),
+    "mistral_nemo_12b": _mistral(131072, 1000000.0, 128000, None, dim=5120, n_layers=40, hd=128),
     # Small Llama-3-shaped models for tests, the embedded default run and benches.
     "debug": _debug(512),
     "debug_128k": _debug(128256),
