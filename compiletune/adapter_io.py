@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from compiletune.errors import UserError
 from compiletune.models.hf import to_hf_name, to_native_name
-from compiletune.models.lora import TARGETS, LoRASpec, lora_modules
+from compiletune.models.lora import FUSED_PARTS, SPEC_TARGETS, TARGETS, LoRASpec, lora_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -180,7 +180,9 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
             f"{weights}: the blocks carry adapters on different projections; compiletune "
             "applies the same targets to every block"
         )
-    targets = tuple(t for t in TARGETS if t in next(iter(kinds)))
+    # in --lora-targets' terms: a fused projection (Phi-3's qkv_proj) stands for its parts
+    present = {p for t in next(iter(kinds)) for p in FUSED_PARTS.get(t, (t,))}
+    targets = tuple(t for t in SPEC_TARGETS if t in present)
     return LoRASpec(
         rank=int(cfg["r"]),
         alpha=float(cfg.get("lora_alpha", 8)),  # PEFT's default when absent

@@ -220,8 +220,9 @@ def attention_backward_op(
     softcap: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) [b, h, s, hd] of `attention`, segment by segment."""
-    # contiguous, as the fake says (zeros_like would copy a transposed input's strides)
-    dq, dk, dv = (q.new_zeros(t.shape) for t in (q, k, v))
+    # fp32 accumulators (overlapping windowed chunks add into dk, dv), contiguous as the fake
+    # says; cast to the inputs' dtype at the end
+    dq, dk, dv = (q.new_zeros(t.shape, dtype=torch.float32) for t in (q, k, v))
 
     def vjp(rows: slice, qa: int, qe: int, ka: int, mask: Tensor | None) -> None:
         qs, ks = (rows, slice(None), slice(qa, qe)), (rows, slice(None), slice(ka, qe))
@@ -244,7 +245,7 @@ def attention_backward_op(
         else:
             for qa, qe, ka in _windowed_pieces(a, e, window):
                 vjp(rows, qa, qe, ka, visible(qa, qe, ka, qe, window, q.device))
-    return dq, dk, dv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @attention_backward_op.register_fake

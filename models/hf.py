@@ -285,11 +285,11 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
     for key in ("mscale", "mscale_all_dim", "long_mscale", "short_mscale"):
         if rope.get(key):
             raise UserError(f"config.json rope_scaling.{key} is not supported; remove it")
-    original = int(
-        rope.get("original_max_position_embeddings")
-        or cfg.get("original_max_position_embeddings")
-        or max_seq_len
-    )
+    # transformers gives the top-level key priority (Phi-3 keeps it there, default 4096)
+    top = cfg.get("original_max_position_embeddings")
+    if top is None and _family(cfg) == "phi3":
+        top = 4096
+    original = int(top or rope.get("original_max_position_embeddings") or max_seq_len)
     if rope_type == "linear":  # unused by linear scaling: the canonical default
         original = RopeScaling.original_max_position_embeddings
     needed = {
@@ -532,10 +532,8 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
     if args.rotary_dim is not None:
         cfg["partial_rotary_factor"] = args.rotary_dim / args.hd
         full_rope["partial_rotary_factor"] = cfg["partial_rotary_factor"]
-    if args.layer_types is not None or family.startswith("gemma"):
+    if args.layer_types is not None or family.startswith("gemma") or "layer_types" in cfg:
         cfg["layer_types"] = [f"{args.layer_kind(i)}_attention" for i in range(args.n_layers)]
-    elif "layer_types" in cfg:
-        cfg["layer_types"] = ["full_attention"] * args.n_layers
     if "rope_parameters" in cfg or family == "gemma3_text":  # 5.x style: keep it in sync
         cfg["rope_parameters"] = full_rope
     if family == "gemma3_text":
@@ -560,9 +558,17 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
         cfg.setdefault("max_window_layers", args.n_layers)
     if family == "phi3":
         original = args.max_seq_len
-        if args.rope_scaling is not None:
-            original = args.rope_scaling.original_max_position_embeddings
+        rs = args.rope_scaling
+        if rs is not None:
+            original = rs.original_max_position_embeddings
         cfg["original_max_position_embeddings"] = original
+        if rs is not None and rs.rope_type == "longrope" and rs.attention_factor is None:
+            # the only form transformers 4.x's Phi-3 validation accepts
+            cfg["rope_scaling"] = {
+                "type": "longrope",
+                "short_factor": list(rs.short_factor),
+                "long_factor": list(rs.long_factor),
+            }
     return cfg
 
 

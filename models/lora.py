@@ -55,6 +55,8 @@ TARGETS: dict[str, tuple[str, str]] = {
 }
 # A fused projection is adapted when all of its parts are targets (PEFT adapts qkv_proj whole).
 FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+# What a LoRASpec / --lora-targets names: the seven projections (fused ones via their parts).
+SPEC_TARGETS = tuple(t for t in TARGETS if t not in FUSED_PARTS)
 QUANTIZE = choices(Quantize)
 
 
@@ -65,7 +67,7 @@ class LoRASpec:
     rank: int
     alpha: float
     dropout: float = 0.0
-    targets: tuple[str, ...] = tuple(TARGETS)
+    targets: tuple[str, ...] = SPEC_TARGETS
 
     @property
     def scale(self) -> float:
@@ -77,15 +79,15 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
     Raises ValueError naming the unknown entry."""
     if text.strip() == "all-linear":
-        return tuple(TARGETS)
+        return SPEC_TARGETS
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in TARGETS]
+    unknown = [n for n in names if n not in SPEC_TARGETS]
     if unknown or not names:
         raise ValueError(
             f"unknown LoRA target {unknown[0] if unknown else text!r}; use a comma list of "
-            f"{','.join(TARGETS)} or all-linear"
+            f"{','.join(SPEC_TARGETS)} or all-linear"
         )
-    return tuple(t for t in TARGETS if t in names)
+    return tuple(t for t in SPEC_TARGETS if t in names)
 
 
 class _FrozenMatmul(torch.autograd.Function):
@@ -275,7 +277,7 @@ def block_adapter(
             linear = getattr(parent, attr, None)
             if linear is None:
                 continue  # the other form (fused or split) of these projections
-            adapted = short in spec.targets
+            adapted = short in spec.targets and short not in FUSED_PARTS
             if short in FUSED_PARTS:
                 targeted = [t in spec.targets for t in FUSED_PARTS[short]]
                 if any(targeted) and not all(targeted):

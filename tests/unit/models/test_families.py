@@ -241,10 +241,7 @@ def test_lora_adapter_loads_in_peft(case, tmp_path):
         adapter_io.save_merged(model, tmp_path / "merged")
         assert rel(load_hf(tmp_path / "merged")(t).logits, ours) <= 1e-5
     # and the adapter folder reads back as the same spec (targets from the tensors)
-    assert adapter_io.read_adapter_spec(tmp_path / "adapter").targets in (
-        spec.targets,
-        ("o", "down", "qkv", "gate_up"),
-    )
+    assert adapter_io.read_adapter_spec(tmp_path / "adapter").targets == spec.targets
 
 
 def test_fused_projection_targets_must_be_whole(tmp_path):
@@ -300,3 +297,18 @@ def test_unsupported_options_exit_2_naming_the_field(tmp_path, capsys, change, f
     code = main(["estimate-memory", "--model-dir", str(folder), "--device-memory", "80"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and field in err[0], err
+
+
+def test_phi3_longrope_original_context_and_saved_form(tmp_path):
+    """transformers reads Phi-3's original context from the top-level key (default 4096), and
+    4.x's Phi-3 accepts only {type, short_factor, long_factor} as rope_scaling."""
+    _, folder = checkpoint(tmp_path, "phi3")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("original_max_position_embeddings")
+    cfg["rope_parameters"]["original_max_position_embeddings"] = 64
+    assert args_from_hf_config(cfg).rope_scaling.original_max_position_embeddings == 4096
+    ours = from_hf(folder)
+    save_hf(ours, tmp_path / "ours")
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert sorted(saved["rope_scaling"]) == ["long_factor", "short_factor", "type"]
+    assert saved["original_max_position_embeddings"] == 16

@@ -18,7 +18,6 @@ from compiletune.compile import CompileOptions, compile_regions
 from compiletune.loss import LossHead
 from compiletune.models import build_model, from_hf, save_hf
 from compiletune.models.lora import (
-    TARGETS,
     FrozenLinear,
     LoRALinear,
     LoRASpec,
@@ -112,10 +111,12 @@ def test_frozen_linear_matches_float_reference(stored):
 
 
 def test_parse_targets():
-    assert parse_targets("all-linear") == tuple(TARGETS)
+    assert parse_targets("all-linear") == ("q", "k", "v", "o", "gate", "up", "down")
     assert parse_targets("v, q,down") == ("q", "v", "down")
     with pytest.raises(ValueError, match="'x'"):
         parse_targets("q,x")
+    with pytest.raises(ValueError, match="'qkv'"):  # fused projections are named by their parts
+        parse_targets("qkv,o")
 
 
 # --- PEFT parity --------------------------------------------------------------------------------
