@@ -167,6 +167,14 @@ def _yarn(theta: float, dim: int, rs: RopeScaling, device: torch.device | str | 
     return interpolation * (1 - keep) + extrapolation * keep
 
 
+def _rope_base(args: ModelArgs, kind: str) -> tuple[float, RopeScaling | None]:
+    """(base, scaling) of layers of `kind`: Gemma 3's sliding layers have their own base and
+    no scaling; every other layer uses the model's."""
+    if kind == "sliding" and args.local_rope_theta is not None:
+        return args.local_rope_theta, None
+    return args.rope_theta, args.rope_scaling
+
+
 def rope_inv_freq(
     args: ModelArgs,
     device: torch.device | str | None = None,
@@ -180,9 +188,7 @@ def rope_inv_freq(
     Gemma 3's sliding layers use their own base (`local_rope_theta`) and no scaling.
     """
     dim = args.rotary_dim or args.hd
-    local = kind == "sliding" and args.local_rope_theta is not None
-    theta = args.local_rope_theta if local else args.rope_theta
-    rs = None if local else args.rope_scaling
+    theta, rs = _rope_base(args, kind)
     if rs is not None and rs.rope_type == "yarn":
         return _yarn(theta, dim, rs, device)
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
@@ -208,8 +214,7 @@ def rope_cos_sin(
     context (as HF does), with a tensor `where`, so under compile it is data, not a guard.
     """
     inv_freq = rope_inv_freq(args, positions.device, kind)
-    local = kind == "sliding" and args.local_rope_theta is not None
-    rs = None if local else args.rope_scaling
+    _, rs = _rope_base(args, kind)
     if rs is not None and rs.rope_type == "longrope":
         long = rope_inv_freq(args, positions.device, kind, long=True)
         past = positions.max() + 1 > rs.original_max_position_embeddings

@@ -71,6 +71,13 @@ _NATIVE_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
+_GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
+_BLOCK_NAMES_INV = {  # keyed by "is Gemma"
+    False: {v: k for k, v in _BLOCK_NAMES.items()},
+    True: {v: k for k, v in _GEMMA_BLOCK_NAMES.items()},
+}
+
+
 def _block_names(family: str) -> dict[str, str]:
     return _GEMMA_BLOCK_NAMES if family.startswith("gemma") else _BLOCK_NAMES
 
@@ -91,11 +98,10 @@ def to_hf_name(native: str, family: str = "llama") -> str:
 
 def to_native_name(hf: str, family: str = "llama") -> str:
     """`model.layers.3.mlp.gate_proj.weight` -> `layers.3.feed_forward.w1.weight`."""
-    inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
-    if hf in inverse:
-        return inverse[hf]
+    if hf in _GLOBAL_NAMES_INV:
+        return _GLOBAL_NAMES_INV[hf]
     m = _HF_BLOCK.fullmatch(hf)
-    inverse = {v: k for k, v in _block_names(family).items()}
+    inverse = _BLOCK_NAMES_INV[family.startswith("gemma")]
     if m and m.group(2) in inverse:
         return f"layers.{m.group(1)}.{inverse[m.group(2)]}"
     raise UserError(
