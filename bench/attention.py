@@ -8,6 +8,8 @@ Variants, each on q, k, v [1, 8, s, 64] (GPU: bf16; CPU: fp32):
     sdpa       plain causal SDPA (what a layer without window or soft-cap runs)
     window     compiletune::attention with a window of s / 4 (queries in chunks, SDPA per chunk)
     softcap    compiletune::attention with soft-cap 50 (Gemma 2): tiled fp32 kernel, own backward
+    docs       a packed row of 256-token documents: one SDPA per document (the CPU path)
+    ... flex   the same mask through FlexAttention (the CUDA default; GPU only: no CPU backward)
     dense      the [s, s] reference a plain implementation of soft-capping would run (eager math:
                scores, tanh, mask, softmax, matmul; autograd keeps the [h, s, s] scores)
 
@@ -42,10 +44,28 @@ def dense(q, k, v, scale: float, softcap: float):
     return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)
 
 
+def docs(s: int, device: torch.device) -> torch.Tensor:
+    """doc_ids [1, s]: a packed row of 256-token examples (SFT data of short examples)."""
+    return (torch.arange(s, device=device) // 256)[None].to(torch.int32)
+
+
+def _attn(backend: str | None, docs_too: bool = False, window: int = 0, softcap: float = 0.0):
+    def run(q, k, v, s):
+        ids = docs(s, q.device) if docs_too else None
+        w = s // 4 if window else 0
+        return causal_attention(q, k, v, 0.125, ids, w, softcap, backend=backend)
+
+    return run
+
+
 VARIANTS = {
-    "sdpa": lambda q, k, v, s: causal_attention(q, k, v, 0.125),
-    "window": lambda q, k, v, s: causal_attention(q, k, v, 0.125, None, s // 4),
-    "softcap": lambda q, k, v, s: causal_attention(q, k, v, 0.125, None, 0, 50.0),
+    "sdpa": _attn(None),
+    "window": _attn("segments", window=1),
+    "window flex": _attn("flex", window=1),
+    "softcap": _attn("segments", softcap=50.0),
+    "softcap flex": _attn("flex", softcap=50.0),
+    "docs": _attn("segments", docs_too=True),
+    "docs flex": _attn("flex", docs_too=True),
     "dense": lambda q, k, v, s: dense(q, k, v, 0.125, 50.0),
 }
 
@@ -101,20 +121,28 @@ def main() -> None:
     )
     ap.add_argument("--seq", type=int, nargs="+", default=None)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None)
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     seqs = a.seq or ([1024, 2048, 4096] if device.type == "cpu" else [4096, 8192, 16384])
-    rows = [measure(n, s, device, dtype, a.iters) for s in seqs for n in VARIANTS]
+    # FlexAttention has no CPU backward: its rows run on a GPU only
+    names = a.variants or [n for n in VARIANTS if device.type == "cuda" or "flex" not in n]
+    rows = [measure(n, s, device, dtype, a.iters) for s in seqs for n in names]
     print("| seq | variant | ms (fwd+bwd) | vs sdpa | peak MiB |")
     print("|---|---|---|---|---|")
     for r in rows:
-        base = next(x for x in rows if x["seq"] == r["seq"] and x["variant"] == "sdpa")
+        base = next((x for x in rows if x["seq"] == r["seq"] and x["variant"] == "sdpa"), r)
         print(
             f"| {r['seq']} | {r['variant']} | {r['ms']} | {r['ms'] / base['ms']:.2f}x | "
             f"{r['peak_mib']} |"
         )
-    out = Path(__file__).parent / "results" / f"attention-{device_name()}.json"
+    out = (
+        Path(a.out)
+        if a.out
+        else Path(__file__).parent / "results" / f"attention-{device_name()}.json"
+    )
     write_result(out, {**result_header(), "dtype": str(dtype), "rows": rows})
 
 

@@ -43,6 +43,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fused, ac selective": {"loss": "fused", "ac": "selective"},
     "fused, adamw8bit": {"loss": "fused", "optimizer": "adamw8bit"},
     "fused, in-backward": {"loss": "fused", "optimizer_in_backward": True},
+    "fused, LoRA r16": {"loss": "fused", "lora_rank": 16},
+    "fused, QLoRA r16": {"loss": "fused", "lora_rank": 16, "quantize_base": "nf4"},
     "fused, FSDP 2 ranks": {"loss": "fused", "fsdp": True, "_world": 2},
     "plain, ac full, FSDP 2 ranks": {"loss": "plain", "ac": "full", "fsdp": True, "_world": 2},
 }
@@ -86,6 +88,42 @@ def _speed(model: str) -> dict[str, Any]:
     }
 
 
+def _measure(flags: dict, world: int | None, gpu: bool, gpu_only: bool) -> dict[str, Any]:
+    """One configuration: the estimate, and the real step on CPU (unless gpu_only) and GPU."""
+    cfg = resolve({}, flags)
+    est = estimate.estimate_memory(cfg, world or 1, round_bytes=1)
+    row: dict[str, Any] = {
+        "estimate_gib": est.peak_bytes / 2**30,
+        "parts_gib": {k: v / 2**30 for k, v in est.parts.items()},
+        "estimate_s": est.seconds,
+    }
+    if not gpu_only:
+        real = _gloo_peak(flags) if world else estimate.measure_cpu_step(cfg)
+        row.update(cpu_gib=real / 2**30, cpu_error=est.peak_bytes / real - 1)
+    if gpu and not world:
+        gcfg = resolve({}, {**flags, "dtype": "bf16"})
+        gest = estimate.estimate_memory(gcfg, 1)
+        greal = estimate.measure_cuda_step(gcfg)
+        row.update(
+            gpu_estimate_gib=gest.peak_bytes / 2**30,
+            gpu_gib=greal / 2**30,
+            gpu_error=gest.peak_bytes / greal - 1,
+        )
+    return row
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return row["error"]
+    text = f"estimate {row['estimate_gib']:.3f} GiB"
+    if "cpu_gib" in row:
+        text += f", cpu {row['cpu_gib']:.3f} GiB ({row['cpu_error']:+.1%})"
+    if "gpu_gib" in row:
+        text += f", gpu {row['gpu_estimate_gib']:.3f} / {row['gpu_gib']:.3f} GiB"
+        text += f" ({row['gpu_error']:+.1%})"
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3_150m")
@@ -95,6 +133,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", help="CPU rows (a GPU run uses bf16)")
     ap.add_argument("--only", nargs="*", help="configuration names to run")
     ap.add_argument("--speed", action="store_true", help="also time the 8B and 70B estimates")
+    ap.add_argument(
+        "--gpu-only", action="store_true", help="skip the CPU rows (the GPU check's fast run)"
+    )
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
 
@@ -107,35 +148,16 @@ def main() -> None:
             continue
         flags = dict(flags)
         world = flags.pop("_world", None)
+        if world and ns.gpu_only:
+            continue  # FSDP rows measure on CPU ranks only
         cpu_flags = {**base, **flags, "dtype": ns.dtype}
-        cfg = resolve({}, cpu_flags)
-        est = estimate.estimate_memory(cfg, world or 1, round_bytes=1)
-        real = _gloo_peak(cpu_flags) if world else estimate.measure_cpu_step(cfg)
-        row = {
-            "config": name,
-            "flags": cpu_flags,
-            "gpus": world or 1,
-            "estimate_gib": est.peak_bytes / 2**30,
-            "cpu_gib": real / 2**30,
-            "cpu_error": est.peak_bytes / real - 1,
-            "parts_gib": {k: v / 2**30 for k, v in est.parts.items()},
-            "estimate_s": est.seconds,
-        }
-        if gpu and not world:
-            gcfg = resolve({}, {**base, **flags, "dtype": "bf16"})
-            gest = estimate.estimate_memory(gcfg, 1)
-            greal = estimate.measure_cuda_step(gcfg)
-            row.update(
-                gpu_estimate_gib=gest.peak_bytes / 2**30,
-                gpu_gib=greal / 2**30,
-                gpu_error=gest.peak_bytes / greal - 1,
-            )
+        row: dict[str, Any] = {"config": name, "flags": cpu_flags, "gpus": world or 1}
+        try:
+            row.update(_measure(cpu_flags, world, gpu, ns.gpu_only))
+        except Exception as exc:  # a row that fails is recorded, the others still run
+            row["error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)
-        print(
-            f"{name}: estimate {row['estimate_gib']:.3f} GiB, cpu {row['cpu_gib']:.3f} GiB "
-            f"({row['cpu_error']:+.1%})",
-            flush=True,
-        )
+        print(f"{name}: {_row_text(row)}", flush=True)
     speed = [_speed(m) for m in ("llama3_1_8b", "llama3_1_70b")] if ns.speed else []
     result = {
         **result_header(),
@@ -154,15 +176,16 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | {r['gpus']} | {r['error']} | | | |")
+            continue
         g = (
             f"{r['gpu_estimate_gib']:.3f} / {r['gpu_gib']:.3f} ({r['gpu_error']:+.1%})"
             if "gpu_gib" in r
             else "n/a"
         )
-        print(
-            f"| {r['config']} | {r['gpus']} | {r['estimate_gib']:.3f} | {r['cpu_gib']:.3f} "
-            f"| {r['cpu_error']:+.1%} | {g} |"
-        )
+        cpu = f"{r['cpu_gib']:.3f} | {r['cpu_error']:+.1%}" if "cpu_gib" in r else "skipped | "
+        print(f"| {r['config']} | {r['gpus']} | {r['estimate_gib']:.3f} | {cpu} | {g} |")
     for s in speed:
         print(f"`{s['command']}`: {s['wall_s']} s wall ({s['estimate_s']} s estimating)")
     print(f"\nwrote {path}")

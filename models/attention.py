@@ -33,7 +33,10 @@ Shapes: b = batch, h = heads, s = sequence, hd = head dim.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -273,7 +276,37 @@ def _backward(ctx, grad_out, _grad_lse):
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def causal_attention(
+# --- FlexAttention (the GPU path) -----------------------------------------------------------
+
+BACKEND_ENV = "COMPILETUNE_ATTENTION"
+_HAS_FLEX = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def attention_backend(device: torch.device) -> str:
+    """How masked attention (documents, windows, soft-caps) runs on `device`: "flex" (one
+    FlexAttention kernel per layer, the mask a block mask built from the tensors, no host sync)
+    on CUDA, "segments" (the exact op above) elsewhere. COMPILETUNE_ATTENTION=flex|segments
+    overrides (tests run the flex path on CPU)."""
+    forced = os.environ.get(BACKEND_ENV, "")
+    if forced in ("flex", "segments"):
+        return forced
+    if forced:
+        raise ValueError(f"{BACKEND_ENV}={forced!r}: expected flex or segments")
+    return "flex" if device.type == "cuda" and _HAS_FLEX else "segments"
+
+
+@functools.cache
+def _flex_api():
+    """(flex_attention, create_block_mask), compiled for use outside a compiled region; None
+    where this torch has no FlexAttention."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+def flex_causal_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -282,12 +315,54 @@ def causal_attention(
     window: int = 0,
     softcap: float = 0.0,
 ) -> Tensor:
+    """`causal_attention` as one FlexAttention call: causal, document and window terms in the
+    block mask (whole blocks outside it are skipped), the soft-cap as a score modifier."""
+    if torch.compiler.is_compiling():  # traced into the region's graph, compiled with it
+        from torch.nn.attention.flex_attention import create_block_mask
+        from torch.nn.attention.flex_attention import flex_attention as run
+    else:
+        api = _flex_api()
+        if api is None:
+            raise RuntimeError("this torch has no torch.nn.attention.flex_attention")
+        run, create_block_mask = api
+    b, _, s, _ = q.shape
+
+    def mask_mod(bi, _hi, qi, kj):
+        ok = kj <= qi
+        if window > 0:
+            ok = ok & (qi - kj < window)
+        if doc_ids is not None:
+            ok = ok & (doc_ids[bi, qi] == doc_ids[bi, kj])
+        return ok
+
+    def cap(score, _bi, _hi, _qi, _kj):
+        return softcap * torch.tanh(score / softcap)
+
+    block_mask = create_block_mask(
+        mask_mod, b if doc_ids is not None else None, None, s, s, device=q.device
+    )
+    return run(q, k, v, score_mod=cap if softcap > 0 else None, block_mask=block_mask, scale=scale)
+
+
+def causal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    doc_ids: Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    backend: str | None = None,
+) -> Tensor:
     """q, k, v [b, h, s, hd] -> [b, h, s, hd]: causal; within documents when `doc_ids`; within
     `window` tokens when > 0; scores soft-capped at `softcap` when > 0.
 
     With none of them this is plain causal SDPA, the same call as before any of them existed,
-    so unmasked runs keep their numerics.
+    so unmasked runs keep their numerics. Otherwise `backend` (default: `attention_backend`)
+    picks FlexAttention or the segment op.
     """
     if doc_ids is None and window <= 0 and softcap <= 0:
         return _sdpa(q, k, v, scale)
+    if (backend or attention_backend(q.device)) == "flex":
+        return flex_causal_attention(q, k, v, scale, doc_ids, window, softcap)
     return attention_op(q, k, v, doc_ids, scale, int(window), float(softcap))[0]

@@ -353,8 +353,10 @@ class Attention(nn.Module):
         cache.v[layer][:, :, start:end] = v
         keys = self._repeat_kv(cache.k[layer][:, :, :end])  # [b, h, end, hd]
         values = self._repeat_kv(cache.v[layer][:, :, :end])
-        if start == 0:  # the prompt: the training path's attention
-            out = causal_attention(q, keys, values, self.scale, None, self.window, self.softcap)
+        if start == 0:  # the prompt: the exact segment op (prompt lengths vary; no recompiles)
+            out = causal_attention(
+                q, keys, values, self.scale, None, self.window, self.softcap, backend="segments"
+            )
         else:
             # new token i sits at position start + i and sees keys up to start + i: [s, end]
             seen = visible(start, end, 0, end, self.window, x.device)

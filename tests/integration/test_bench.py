@@ -310,3 +310,44 @@ def test_activation_bench_leaves_offload_out_on_a_cpu():
     on_cpu = activation.default_policies("cpu")
     assert "none" in on_cpu and "selective" in on_cpu
     assert not [name for name in on_cpu if "offload" in name]
+
+
+gpu_check = _load("gpu_check")
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_walks_every_step(tmp_path):
+    """What the GPU call runs, at toy sizes on CPU: every step starts, passes, and leaves its
+    JSON in the part files, the tar the device tool brings back and the report."""
+    import json
+    import tarfile
+
+    results, reports, out = tmp_path / "results", tmp_path / "reports", tmp_path / "out"
+    argv = ["--dry-run", "--all", "--results", str(results), "--reports", str(reports)]
+    assert gpu_check.main([*argv, "--copy-to", str(out)]) == 0
+    steps = {}
+    for part in (1, 2, 3):
+        data = json.loads((results / f"gpu-check-part{part}-cpu.json").read_text())
+        steps |= {s["name"]: s for s in data["steps"]}
+    assert set(steps) == {s.name for s in gpu_check.STEPS}
+    assert all(s["status"] == "passed" for s in steps.values()), steps
+    assert steps["env"]["result"]["torch"]
+    assert steps["cuda-tests"]["tests"]["skipped"] > 0  # collected; skipped without a GPU
+    for name in ("attention", "loss", "speed-1b", "ladder", "estimate"):
+        assert steps[name]["result"]["device"] == "cpu", name
+    with tarfile.open(out / "gpu-check-cpu.tar") as tar:
+        assert "gpu-check-part3-cpu.json" in tar.getnames()
+    text = next(reports.glob("*-gpu-check-cpu.md")).read_text()
+    assert "## Part 1" in text and "## Part 3" in text
+
+
+def test_gpu_check_deadline_skips_and_refuses_cpu(tmp_path, capsys):
+    argv = ["--steps", "env", "--results", str(tmp_path), "--reports", str(tmp_path)]
+    assert gpu_check.main(argv) == 2  # not on a CPU without --dry-run
+    assert gpu_check.main([*argv, "--dry-run", "--deadline", "5"]) == 0
+    import json
+
+    step = json.loads((tmp_path / "gpu-check-part1-cpu.json").read_text())["steps"][0]
+    assert step["status"] == "skipped" and "deadline" in step["reason"]
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--steps", "nope", "--dry-run"])

@@ -86,3 +86,35 @@ def test_opcheck_with_transposed_inputs(window, softcap):
     q, k, v = (torch.randn(2, 64, 3, 8).transpose(1, 2).requires_grad_() for _ in range(3))
     doc_ids = doc_ids_for([[20, 44], [64]])
     torch.library.opcheck(attn.attention_op, (q, k, v, doc_ids, 0.4, window, softcap))
+
+
+def test_backend_choice(monkeypatch):
+    """Segments on CPU, FlexAttention on CUDA; the environment forces either, and says what it
+    accepts when it is wrong."""
+    monkeypatch.delenv(attn.BACKEND_ENV, raising=False)
+    assert attn.attention_backend(torch.device("cpu")) == "segments"
+    assert attn.attention_backend(torch.device("cuda")) == (
+        "flex" if attn._HAS_FLEX else "segments"
+    )
+    monkeypatch.setenv(attn.BACKEND_ENV, "flex")
+    assert attn.attention_backend(torch.device("cpu")) == "flex"
+    monkeypatch.setenv(attn.BACKEND_ENV, "sdpa")
+    with pytest.raises(ValueError, match="flex or segments"):
+        attn.attention_backend(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not attn._HAS_FLEX, reason="this torch has no FlexAttention")
+@pytest.mark.parametrize(
+    "window, softcap, docs",
+    [(40, 4.0, [[50, 200, 50], [1, 299]]), (0, 0.0, [[100, 200], [300]])],
+)
+def test_flex_forward_matches_brute_force(monkeypatch, window, softcap, docs):
+    """The GPU path's mask and score modifier, run where FlexAttention runs without a GPU
+    (forward only: it has no CPU backward; the GPU check covers gradients)."""
+    monkeypatch.setenv(attn.BACKEND_ENV, "flex")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 300, 16, generator=g) for _ in range(3))
+    doc_ids = doc_ids_for(docs)
+    got = causal_attention(q, k, v, 0.3, doc_ids, window, softcap)
+    want = reference(q, k, v, 0.3, doc_ids, window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

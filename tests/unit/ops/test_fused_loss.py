@@ -620,6 +620,7 @@ def test_triton_kernels_in_interpreter():
     assert "interpreter checks passed" in out.stdout
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
 @pytest.mark.parametrize("loop", PATHS)
 def test_cuda_fp32_matches_fp64(loop, monkeypatch):
@@ -630,6 +631,7 @@ def test_cuda_fp32_matches_fp64(loop, monkeypatch):
         assert_close_to_reference(got, reference(h, w, b, t, **kw), 1e-5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_cuda_bf16_no_worse_than_plain(one_pass):
@@ -642,6 +644,7 @@ def test_cuda_bf16_no_worse_than_plain(one_pass):
             assert rel(f, r) <= rel(p, r) + 1e-3
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
 def test_cuda_peak_memory_below_plain():
     h, w, b, t = make_case(4096, 256, 32000, dtype=torch.bfloat16, device="cuda")

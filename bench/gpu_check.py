@@ -1,0 +1,353 @@
+"""Everything the first GPU half-hour must measure, as one prepared command.
+
+    python bench/gpu_check.py --part 1          # correctness: the CUDA tests (pytest -m cuda)
+    python bench/gpu_check.py --part 2          # speed: attention, loss head, 1B eager vs compiled,
+                                                #   the technique ladder
+    python bench/gpu_check.py --part 3          # memory: estimate-memory against measured peaks
+    python bench/gpu_check.py --all --deadline 540 --copy-to "$OUT"
+    python bench/gpu_check.py --dry-run --all   # CPU: every step's plumbing at toy sizes (CI)
+
+On a bare GPU machine: `pip install --no-deps -e .` first (torch, triton, transformers and peft
+are already there). Each step runs in its own process with a time limit; a step that fails or
+times out is recorded (exit code, seconds, the end of its output) and the next one runs.
+`--deadline` bounds the whole invocation: a step is started only with its `min_s` left, and its
+limit is cut to what remains. After every step the part's result is rewritten, so a run killed
+from outside still leaves what it measured:
+
+    bench/results/gpu-check-part<N>-<device>.json   the steps, plus each bench's own JSON
+    bench/results/<bench>-cuda-<device>.json        what the benches write
+    bench/reports/<date>-gpu-check-<device>.md      appended: one table per part and each
+                                                    step's output tail
+
+`--copy-to DIR` also writes DIR/gpu-check-<device>.tar (the result JSONs) after each step, and
+the report at the end (for the device tool's $OUT, which brings back few files).
+`--dry-run` writes to a temporary folder unless --results/--reports say otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import contextlib
+
+from common import device_name, result_header  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+ENV_SNIPPET = """
+import json, platform, time, torch
+info = {"python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+for mod in ("triton", "transformers", "peft"):
+    try:
+        info[mod] = __import__(mod).__version__
+    except ImportError:
+        info[mod] = None
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(name=p.name, capability=f"{p.major}.{p.minor}", memory_gib=p.total_memory / 2**30,
+                sms=p.multi_processor_count, bf16=torch.cuda.is_bf16_supported())
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    info["bf16_matmul_tflops"] = round(10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12, 1)
+print(json.dumps(info, indent=1))
+"""
+
+
+@dataclass
+class Step:
+    part: int
+    name: str
+    argv: list[str]  # on the GPU; {results} {work} {dev} are filled in
+    dry_argv: list[str]  # --dry-run on CPU: the same plumbing at toy sizes
+    timeout: int  # seconds
+    min_s: int = 30  # not started with less than this left
+    result: str | None = None  # the JSON the step writes, under {results}
+    junit: bool = False  # a pytest step: count its outcomes from {work}/junit-<name>.xml
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def _pytest(name: str, *targets: str) -> list[str]:
+    return [PY, "-m", "pytest", "-q", "-m", "cuda", *targets, "-p", "no:cacheprovider"] + [
+        "--junitxml",
+        "{work}/junit-" + name + ".xml",
+    ]
+
+
+def _xdist() -> list[str]:
+    """Several pytest workers where pytest-xdist is installed (compiles are CPU-bound)."""
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return []
+    return ["-n", "4"]
+
+
+LADDER_1B = ["--models", "llama3_2_1b", "--seq-len", "2048", "--no-plot"]
+LADDER_DRY = ["--models", "debug", "--n-layers", "2", "--seq-len", "64", "--steps", "2"]
+LADDER_DRY += ["--dtype", "fp32", "--no-plot"]
+
+STEPS: list[Step] = [
+    Step(1, "env", [PY, "-c", ENV_SNIPPET], [PY, "-c", ENV_SNIPPET], 120, 10),
+    Step(
+        1,
+        "cuda-tests",
+        [*_pytest("cuda-tests", "tests/gpu", "tests/unit/ops/test_fused_loss.py"), *_xdist()],
+        _pytest("cuda-tests", "tests/gpu", "tests/unit/ops/test_fused_loss.py"),
+        420,
+        60,
+        junit=True,
+    ),
+    Step(
+        2,
+        "attention",
+        [PY, "bench/attention.py", "--seq", "4096", "16384", "--iters", "5"]
+        + ["--out", "{results}/attention-cuda-{dev}.json"],
+        [PY, "bench/attention.py", "--seq", "128", "--iters", "1", "--variants", "sdpa", "docs"]
+        + ["--out", "{results}/attention-cuda-{dev}.json"],
+        180,
+        40,
+        result="attention-cuda-{dev}.json",
+    ),
+    Step(
+        2,
+        "loss",
+        [PY, "bench/loss.py", "--out", "{results}/loss-cuda-{dev}.json"],
+        [PY, "bench/loss.py", "--tokens", "128", "--hidden", "32", "--vocab", "500"]
+        + ["--iters", "1", "--out", "{results}/loss-cuda-{dev}.json"],
+        180,
+        40,
+        result="loss-cuda-{dev}.json",
+    ),
+    Step(
+        2,
+        "speed-1b",
+        [PY, "bench/ladder.py", *LADDER_1B, "--steps", "12", "--rungs", "eager", "+ compile"]
+        + ["--out", "{results}/speed-1b-cuda-{dev}.json"],
+        [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "eager", "+ compile"]
+        + ["--out", "{results}/speed-1b-cuda-{dev}.json"],
+        300,
+        90,
+        result="speed-1b-cuda-{dev}.json",
+    ),
+    Step(
+        2,
+        "ladder",
+        [PY, "bench/ladder.py", *LADDER_1B, "--steps", "8"]
+        + ["--out", "{results}/ladder-cuda-{dev}.json"],
+        [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "eager"]
+        + ["--out", "{results}/ladder-cuda-{dev}.json"],
+        460,
+        120,
+        result="ladder-cuda-{dev}.json",
+    ),
+    Step(
+        3,
+        "estimate",
+        [PY, "bench/estimate.py", "--gpu-only", "--model", "llama3_2_1b", "--n-layers", "16"]
+        + ["--seq-len", "2048", "--batch-size", "1"]
+        + ["--out", "{results}/estimate-cuda-{dev}.json"],
+        [PY, "bench/estimate.py", "--model", "debug", "--n-layers", "2", "--seq-len", "64"]
+        + ["--only", "plain loss", "--out", "{results}/estimate-cuda-{dev}.json"],
+        300,
+        60,
+        result="estimate-cuda-{dev}.json",
+    ),
+]
+
+
+def junit_counts(path: Path) -> dict[str, Any]:
+    """passed / failed / errors / skipped of a pytest junit file, and the failures' messages."""
+    if not path.exists():
+        return {"junit": "missing"}
+    root = ET.parse(path).getroot()
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            counts["failed" if bad.tag == "failure" else "errors"] += 1
+            text = (bad.get("message") or "") + "\n" + (bad.text or "")
+            counts["failures"].append({"test": name, "message": text[-1500:]})
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return counts
+
+
+def _fill(text: str, fill: dict[str, str]) -> str:
+    for key, value in fill.items():
+        text = text.replace("{" + key + "}", value)
+    return text
+
+
+def run_step(step: Step, fill: dict[str, str], dry: bool, limit: float) -> dict[str, Any]:
+    argv = [_fill(a, fill) for a in (step.dry_argv if dry else step.argv)]
+    record: dict[str, Any] = {"name": step.name, "part": step.part, "argv": argv}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1, limit)
+        )
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+        record["status"] = "passed" if rc == 0 else "failed"
+    except subprocess.TimeoutExpired as exc:
+        rc = None
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else ""
+        record["status"] = f"timeout after {int(limit)} s"
+    record.update(rc=rc, seconds=round(time.perf_counter() - t0, 1))
+    record["stdout_tail"] = (out or "")[-6000:]
+    record["stderr_tail"] = (err or "")[-4000:]
+    if step.junit:
+        record["tests"] = junit_counts(Path(fill["work"]) / f"junit-{step.name}.xml")
+    if step.result:
+        path = Path(fill["results"]) / _fill(step.result, fill)
+        if path.exists():
+            record["result"] = json.loads(path.read_text())
+    if step.name == "env" and rc == 0:
+        with contextlib.suppress(json.JSONDecodeError):
+            record["result"] = json.loads(out)
+    return record
+
+
+def report_section(part: int, records: list[dict[str, Any]], header: dict[str, Any]) -> str:
+    lines = [
+        f"\n## Part {part} — {header['date']} — {header['device_detail']}, torch {header['torch']}"
+        f", commit {header['commit']}\n",
+        "| step | status | seconds | tests |",
+        "|---|---|---:|---|",
+    ]
+    for r in records:
+        t = r.get("tests", {})
+        tests = (
+            f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
+            f"{t['skipped']} skipped"
+            if "passed" in t
+            else ""
+        )
+        lines.append(f"| {r['name']} | {r['status']} | {r.get('seconds', '')} | {tests} |")
+    for r in records:
+        if r["status"] == "skipped":
+            continue
+        lines.append(f"\n### {r['name']}\n\n```\n{r['stdout_tail'][-2500:].strip()}\n```")
+        if r["status"] != "passed" and r["stderr_tail"].strip():
+            lines.append(f"stderr:\n```\n{r['stderr_tail'][-2000:].strip()}\n```")
+        for f in r.get("tests", {}).get("failures", [])[:12]:
+            lines.append(f"\nFAILED {f['test']}:\n```\n{f['message'][-800:].strip()}\n```")
+    return "\n".join(lines) + "\n"
+
+
+def _bundle(results: Path, dev: str, to: Path) -> None:
+    """One tar of every result JSON for this device, replaced whole (a fetch sees a complete
+    file): the device tool brings back few files."""
+    to.mkdir(parents=True, exist_ok=True)
+    tmp = to / f".gpu-check-{dev}.tar.partial"
+    with tarfile.open(tmp, "w") as tar:
+        for f in sorted(results.glob(f"*-{dev}.json")):
+            tar.add(f, arcname=f.name)
+    tmp.replace(to / f"gpu-check-{dev}.tar")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--part", type=int, nargs="+", choices=[1, 2, 3], default=[])
+    ap.add_argument("--all", action="store_true", help="parts 1, 2, 3 in turn")
+    ap.add_argument("--steps", nargs="+", help="these steps, in this order (names: see STEPS)")
+    ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: the plumbing")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole run")
+    ap.add_argument("--results", default=None, help="default bench/results")
+    ap.add_argument("--reports", default=None, help="default bench/reports")
+    ap.add_argument("--copy-to", default=None, help="also copy the results here after each step")
+    a = ap.parse_args(argv)
+
+    by_name = {s.name: s for s in STEPS}
+    if a.steps:
+        unknown = [n for n in a.steps if n not in by_name]
+        if unknown:
+            ap.error(f"unknown steps {unknown}; known: {list(by_name)}")
+        steps = [by_name[n] for n in a.steps]
+    else:
+        parts = [1, 2, 3] if a.all else a.part
+        if not parts:
+            ap.error("name --part N, --all or --steps")
+        steps = [s for p in parts for s in STEPS if s.part == p]
+
+    import torch
+
+    if not a.dry_run and not torch.cuda.is_available():
+        print("no CUDA GPU here: run with --dry-run to check the plumbing", file=sys.stderr)
+        return 2
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    results = Path(a.results or (scratch / "results" if a.dry_run else ROOT / "bench/results"))
+    reports = Path(a.reports or (scratch / "reports" if a.dry_run else ROOT / "bench/reports"))
+    work = scratch / "work"
+    for d in (results, reports, work):
+        d.mkdir(parents=True, exist_ok=True)
+    dev = device_name()
+    fill = {"results": str(results), "work": str(work), "dev": dev}
+    header = result_header()
+    report = reports / f"{time.strftime('%Y-%m-%d')}-gpu-check-{dev}.md"
+    if not report.exists():
+        report.write_text(
+            f"# GPU check on {dev}\n\nWritten by `python bench/gpu_check.py` "
+            "(see its docstring); one section per part and run.\n"
+        )
+    start = time.perf_counter()
+    done: dict[int, list[dict[str, Any]]] = {}
+    failed = 0
+    for step in steps:
+        left = (a.deadline - (time.perf_counter() - start)) if a.deadline else float("inf")
+        if left < step.min_s:
+            record = {"name": step.name, "part": step.part, "status": "skipped"}
+            record["reason"] = f"{left:.0f} s left of --deadline, needs {step.min_s}"
+        else:
+            print(f"== part {step.part}: {step.name} (limit {min(step.timeout, left):.0f} s)")
+            record = run_step(step, fill, a.dry_run, min(step.timeout, left - 5))
+            print(f"   {record['status']} in {record['seconds']} s", flush=True)
+            if record["status"] != "passed":
+                failed += 1
+                print(record["stdout_tail"][-1500:], record["stderr_tail"][-1500:], sep="\n")
+        done.setdefault(step.part, []).append(record)
+        path = results / f"gpu-check-part{step.part}-{dev}.json"
+        path.write_text(
+            json.dumps({**header, "dry_run": a.dry_run, "steps": done[step.part]}, indent=1) + "\n"
+        )
+        if a.copy_to:
+            _bundle(results, dev, Path(a.copy_to))
+    with report.open("a") as fh:
+        for part, records in done.items():
+            fh.write(report_section(part, records, header))
+    if a.copy_to:
+        shutil.copy(report, a.copy_to)
+        _bundle(results, dev, Path(a.copy_to))
+    print(f"\n{len(steps) - failed}/{len(steps)} steps passed; report: {report}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

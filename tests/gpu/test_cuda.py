@@ -1,0 +1,161 @@
+"""What only a CUDA GPU can check: the GPU paths against their CPU-tested references.
+
+Skipped without a GPU (CI); `bench/gpu_check.py --part 1` runs them (`pytest -m cuda`). The
+fused head's Triton kernels are checked in tests/unit/ops/test_fused_loss.py (also `cuda`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiletune.models import attention as attn
+from compiletune.models.attention import causal_attention
+from compiletune.ops.host_copy import offload_to_host, reload_from_host
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
+from test_attention import doc_ids_for, reference  # noqa: E402
+from tiny_run import tiny_run  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CASES = [
+    (40, 0.0, None),
+    (40, 0.0, [[300, 20, 280], [600]]),
+    (0, 4.0, None),
+    (40, 4.0, [[50, 500, 50], [1, 599]]),
+    (0, 0.0, [[100, 500], [600]]),
+]
+
+
+def corpus(tmp_path: Path, n_docs: int = 300) -> str:
+    """Many short documents: rows pack several, so runs are document-masked."""
+    docs = [
+        f"Document {i}: " + " ".join(f"w{(i * j) % 17}" for j in range(i % 9 + 3))
+        for i in range(n_docs)
+    ]
+    path = tmp_path / "docs.txt"
+    path.write_text("\n\n\n".join(docs))
+    return str(path)
+
+
+@pytest.mark.parametrize("backend", ["flex", "segments"])
+@pytest.mark.parametrize("window, softcap, docs", CASES)
+def test_masked_attention_with_grads(monkeypatch, backend, window, softcap, docs):
+    """Both CUDA attention paths against the dense fp64 reference, gradients included."""
+    if backend == "flex" and not attn._HAS_FLEX:
+        pytest.skip("no FlexAttention in this torch")
+    monkeypatch.setenv(attn.BACKEND_ENV, backend)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, s, hd = 2, 3, 600, 64
+
+    def rand():
+        return torch.randn(b, h, s, hd, generator=g, device="cuda", requires_grad=True)
+
+    q, k, v = rand(), rand(), rand()
+    doc_ids = doc_ids_for(docs).cuda() if docs else None
+    grad = torch.randn(b, h, s, hd, generator=g, device="cuda")
+    out = causal_attention(q, k, v, 0.125, doc_ids, window, softcap)
+    got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+    ref = reference(q, k, v, 0.125, doc_ids, window, softcap)
+    want = [ref, *torch.autograd.grad(ref, (q, k, v), grad)]
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=2e-3, atol=2e-3)
+
+
+def test_flex_is_the_cuda_default():
+    assert attn.attention_backend(torch.device("cuda")) == (
+        "flex" if attn._HAS_FLEX else "segments"
+    )
+
+
+def test_flex_has_no_host_sync(monkeypatch):
+    """The flex path runs with CUDA's sync debug mode set to error: no .item()/.tolist()."""
+    monkeypatch.setenv(attn.BACKEND_ENV, "flex")
+    q, k, v = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    doc_ids = doc_ids_for([[100, 412], [512]]).cuda()
+    causal_attention(q, k, v, 0.125, doc_ids, 0, 0.0)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        causal_attention(q, k, v, 0.125, doc_ids, 0, 0.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_offload_ops_on_streams():
+    """The side-stream copy to pinned memory survives the source's memory being reused by the
+    compute stream, and reloads equal."""
+    x = torch.randn(4096, 4096, device="cuda")
+    want = x.cpu()
+    host = offload_to_host(x)
+    assert host.is_pinned()
+    del x
+    for _ in range(4):  # allocations that would reuse x's block if it were not recorded
+        torch.randn(4096, 4096, device="cuda").mul_(3)
+    back = reload_from_host(host, torch.device("cuda"))
+    torch.testing.assert_close(back.cpu(), want, rtol=0, atol=0)
+
+
+def _run(tmp_path, data, name, **kw):
+    return tiny_run(tmp_path, data, name, **{"seq_len": 128, "batch_size": 4, "max_steps": 8, **kw})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"ac": "selective"},
+        {"offload_activations": True},
+        {"optimizer": "adamw8bit"},
+        {"optimizer": "adamw8bit", "optimizer_in_backward": True},
+        {"lora_rank": 8},
+        {"lora_rank": 8, "quantize_base": "nf4"},
+    ],
+    ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()) or "plain",
+)
+def test_compiled_run_follows_eager(tmp_path, extra):
+    """Inductor on CUDA (Triton kernels) for each technique: no recompiles, and the compiled
+    run's losses follow the eager run's (fp32 parameters, documents masked)."""
+    data = corpus(tmp_path)
+    common = {"dtype": "fp32", "loss": "fused", **extra}
+    eager = _run(tmp_path, data, "eager", **common)
+    comp = _run(tmp_path, data, "compiled", compile=True, **common)
+    assert comp["doc_mask"] is True
+    assert comp["compile"]["recompiles"] == 0, comp["compile"]
+    assert comp["final_loss"] == pytest.approx(eager["final_loss"], rel=2e-2)
+    assert comp["final_loss"] < comp["first_loss"]
+
+
+def test_bf16_run_with_dump_graphs(tmp_path):
+    """The default GPU dtype through the whole pipeline, graphs dumped per stage."""
+    dump = tmp_path / "dump"
+    summary = _run(tmp_path, corpus(tmp_path), "bf16", compile=True, dump_graphs=str(dump))
+    assert summary["compile"]["recompiles"] == 0
+    assert summary["final_loss"] < summary["first_loss"]
+    on_disk = json.loads((dump / "summary.json").read_text())
+    assert on_disk, "empty graph summary"
+
+
+def test_one_gpu_nccl_fsdp(tmp_path):
+    """`torchrun --nproc-per-node 1 ... --fsdp`: FSDP2 over NCCL on one GPU, end to end."""
+    out = tmp_path / "fsdp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    cmd += ["-m", "compiletune", "train", "--fsdp", "--data", corpus(tmp_path)]
+    cmd += ["--seq-len", "128", "--batch-size", "4", "--max-steps", "6"]
+    cmd += ["--output-dir", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 1 and summary["final_loss"] < summary["first_loss"]
