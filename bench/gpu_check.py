@@ -141,6 +141,15 @@ STEPS: list[Step] = [
     ),
     Step(
         2,
+        "loss-profile",
+        [PY, "bench/loss.py", "--profile", "--tokens", "16384", "--variants", "fused", "plain"],
+        [PY, "bench/loss.py", "--profile", "--tokens", "128", "--hidden", "32", "--vocab", "500"]
+        + ["--variants", "fused"],
+        120,
+        30,
+    ),
+    Step(
+        2,
         "speed-1b",
         [PY, "bench/ladder.py", *LADDER_1B, "--steps", "12", "--rungs", "eager", "+ compile"]
         + ["--out", "{results}/speed-1b-cuda-{dev}.json"],

@@ -237,6 +237,27 @@ def training_runs(args: argparse.Namespace) -> dict[str, Any]:
     return runs
 
 
+def profile(args) -> None:
+    """Where a step's time goes: the 15 ops with the most device time (CPU time on a CPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    for tokens in args.tokens:
+        h, w, t = make_inputs(tokens, args.hidden, args.vocab, dtype, device)
+        for name in args.variants:
+            fn = VARIANTS[name]
+            step(fn, h, w, t)  # warm-up: compiles
+            sync(device)
+            with torch.profiler.profile(activities=activities) as prof:
+                step(fn, h, w, t)
+                sync(device)
+            print(f"\n### {name}, {tokens} tokens")
+            print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+
+
 def main() -> None:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -256,7 +277,15 @@ def main() -> None:
     p.add_argument("--train-model", default="llama3_150m")
     p.add_argument("--train-seq-len", type=int, default=2048)
     p.add_argument("--train-steps", type=int, default=3)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="only print torch.profiler's busiest kernels of one step per variant and size",
+    )
     args = p.parse_args()
+    if args.profile:
+        profile(args)
+        return
     result = run(args)
     if args.train:
         result["training_run"] = training_runs(args)

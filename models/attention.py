@@ -282,17 +282,21 @@ BACKEND_ENV = "COMPILETUNE_ATTENTION"
 _HAS_FLEX = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
-def attention_backend(device: torch.device) -> str:
+def attention_backend(device: torch.device, checkpointed: bool = False) -> str:
     """How masked attention (documents, windows, soft-caps) runs on `device`: "flex" (one
     FlexAttention kernel per layer, the mask a block mask built from the tensors, no host sync)
-    on CUDA, "segments" (the exact op above) elsewhere. COMPILETUNE_ATTENTION=flex|segments
-    overrides (tests run the flex path on CPU)."""
+    on CUDA, "segments" (the exact op above) elsewhere, and also where the block's activations
+    are checkpointed or offloaded (`checkpointed`): PyTorch's selective checkpointing does not
+    handle FlexAttention (pytorch#147879; on an H200 a compiled `--ac selective` run with it
+    failed a device-side assert). COMPILETUNE_ATTENTION=flex|segments overrides (tests run the
+    flex path on CPU)."""
     forced = os.environ.get(BACKEND_ENV, "")
     if forced in ("flex", "segments"):
         return forced
     if forced:
         raise ValueError(f"{BACKEND_ENV}={forced!r}: expected flex or segments")
-    return "flex" if device.type == "cuda" and _HAS_FLEX else "segments"
+    flex = device.type == "cuda" and _HAS_FLEX and not checkpointed
+    return "flex" if flex else "segments"
 
 
 @functools.cache
@@ -358,8 +362,8 @@ def causal_attention(
     `window` tokens when > 0; scores soft-capped at `softcap` when > 0.
 
     With none of them this is plain causal SDPA, the same call as before any of them existed,
-    so unmasked runs keep their numerics. Otherwise `backend` (default: `attention_backend`)
-    picks FlexAttention or the segment op.
+    so unmasked runs keep their numerics. Otherwise `backend` ("flex" or "segments"; default:
+    `attention_backend` of q's device) picks FlexAttention or the segment op.
     """
     if doc_ids is None and window <= 0 and softcap <= 0:
         return _sdpa(q, k, v, scale)

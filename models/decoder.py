@@ -287,6 +287,7 @@ class Attention(nn.Module):
         self.scale = args.attn_scale
         self.window = args.window(layer)
         self.softcap = args.attn_softcap or 0.0
+        self.backend: str | None = None  # masked attention's kernel; None: attention_backend
         q_out, kv_out = args.n_heads * hd, args.n_kv_heads * hd
         self.fused = args.fused_projections
         if self.fused:
@@ -334,7 +335,9 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, kk, v = self._qkv(x, cos, sin)
         kk, v = self._repeat_kv(kk), self._repeat_kv(v)  # [b, h, s, hd]
-        out = causal_attention(q, kk, v, self.scale, doc_ids, self.window, self.softcap)
+        out = causal_attention(
+            q, kk, v, self.scale, doc_ids, self.window, self.softcap, backend=self.backend
+        )
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, h * hd]
         return self.wo(out)
 

@@ -39,6 +39,7 @@ from compiletune.models import (
     from_name,
     load_hf_config,
 )
+from compiletune.models.attention import attention_backend
 from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
 from compiletune.optim import Optimizer
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
@@ -297,6 +298,10 @@ def apply_techniques(
     """
     t = cfg.techniques
     policy = parse_ac(t.ac, t.ac_every)
+    device = model_device(env)
+    for i, block in enumerate(model.layers):
+        kept = policy.applies_to(i) or offloads_activations(cfg, device)
+        block.attention.backend = attention_backend(device, checkpointed=kept)
     regions = None
     if compile:
         opts = CompileOptions(

@@ -129,11 +129,15 @@ def test_compiled_run_follows_eager(tmp_path, extra):
     run's losses follow the eager run's (fp32 parameters, documents masked)."""
     data = corpus(tmp_path)
     common = {"dtype": "fp32", "loss": "fused", **extra}
-    eager = _run(tmp_path, data, "eager", **common)
+    # offloading is a pass of the compile pipeline: its eager reference runs without it
+    eager_flags = {k: v for k, v in common.items() if k != "offload_activations"}
+    eager = _run(tmp_path, data, "eager", **eager_flags)
     comp = _run(tmp_path, data, "compiled", compile=True, **common)
     assert comp["doc_mask"] is True
     assert comp["compile"]["recompiles"] == 0, comp["compile"]
-    assert comp["final_loss"] == pytest.approx(eager["final_loss"], rel=2e-2)
+    losses = {k: (eager[k], comp[k]) for k in ("first_loss", "final_loss")}
+    assert comp["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-3), losses
+    assert comp["final_loss"] == pytest.approx(eager["final_loss"], rel=2e-2), losses
     assert comp["final_loss"] < comp["first_loss"]
 
 

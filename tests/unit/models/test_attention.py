@@ -12,8 +12,8 @@ from compiletune.models.attention import causal_attention
 def reference(q, k, v, scale, doc_ids, window, softcap):
     """Dense [s, s] scores and mask: what the op must equal."""
     s = q.shape[2]
-    i = torch.arange(s)[:, None]
-    j = torch.arange(s)[None, :]
+    i = torch.arange(s, device=q.device)[:, None]
+    j = torch.arange(s, device=q.device)[None, :]
     mask = (j <= i)[None]  # [1, s, s]
     if window:
         mask = mask & (i - j < window)[None]
