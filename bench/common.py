@@ -31,7 +31,14 @@ def device_name() -> str:
     return name.replace(" ", "-")
 
 
+COMMIT_ENV = "BENCH_COMMIT"
+
+
 def git_commit() -> str:
+    """The commit measured: $BENCH_COMMIT when set (the device tool's copy of the tree carries
+    a stale .git, so the GPU call names its commit), else git's HEAD."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

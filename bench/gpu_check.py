@@ -22,6 +22,14 @@ from outside still leaves what it measured:
 `--copy-to DIR` also writes DIR/gpu-check-<device>.tar (the result JSONs) after each step, and
 the report at the end (for the device tool's $OUT, which brings back few files).
 `--dry-run` writes to a temporary folder unless --results/--reports say otherwise.
+Where the tree's .git is not the commit being measured (the device tool's copy), set
+BENCH_COMMIT=<hash> so that every result names the right one.
+
+The device call used on 2026-11-26 (H200; 15 minutes of device time in all):
+
+    python3 -m pip install -q --no-deps --no-build-isolation -e . &&
+    BENCH_COMMIT=<hash> python3 bench/gpu_check.py --steps env cuda-tests attention loss \
+        speed-1b estimate ladder --deadline 525 --copy-to "$OUT"          # timeout_s 560
 """
 
 from __future__ import annotations

@@ -266,7 +266,12 @@ class _FusedLossTemps:
     hidden-gradient) accumulator and, in a narrow dtype, one product per chunk."""
 
     def bytes(self, name: str, args: tuple) -> int:
-        from compiletune.ops.fused_loss import _chunk_vocab, chunk_tokens, one_pass_chunk_tokens
+        from compiletune.ops.fused_loss import (
+            _chunk_vocab,
+            chunk_tokens,
+            one_pass_chunk_tokens,
+            vocab_chunk_cols,
+        )
 
         if "with_grads" in name:
             # One pass: a chunk of logits (turned into their gradient in place) and, in a narrow
@@ -291,7 +296,7 @@ class _FusedLossTemps:
         if weight.dtype == torch.float32:
             return logits  # fp32 accumulates in place (addmm_)
         if _chunk_vocab(n, vocab, d, weight.dtype, need_dh, need_dw):
-            cols = max(1, c * vocab // n)
+            cols = min(vocab, vocab_chunk_cols(chunk_tokens(vocab, chunk_size), vocab, n))
             return n * cols * elt + n * d * 4 + n * d * elt
         return logits + (vocab * d * (4 + elt) if need_dw else 0)
 
