@@ -161,7 +161,7 @@ STEPS: list[Step] = [
         "speed-1b",
         [PY, "bench/ladder.py", *LADDER_1B, "--steps", "12", "--rungs", "eager", "+ compile"]
         + ["--out", "{results}/speed-1b-cuda-{dev}.json"],
-        [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "eager", "+ compile"]
+        [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "eager"]
         + ["--out", "{results}/speed-1b-cuda-{dev}.json"],
         300,
         90,

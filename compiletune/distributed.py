@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from compiletune import torch_internals
 from compiletune.choices import Sharding, choices
 from compiletune.errors import UserError
 from compiletune.torch_internals import fsdp_completes_partial_groups
@@ -165,6 +166,7 @@ def apply_fsdp(
 
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}")
+    torch_internals.fsdp_allow_integer_params()  # NF4 codes on torch 2.11
     mp = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
     )

@@ -34,6 +34,7 @@ __all__ = [
     "dynamo_graphs_compiled",
     "dynamic_cpu_kernel_options",
     "fake_call",
+    "fsdp_allow_integer_params",
     "functorch_patch",
     "get_hash_for_files",
     "load_cpp_kernel",
@@ -202,3 +203,37 @@ def fsdp_completes_partial_groups() -> bool:
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     return hasattr(FSDPState, "_force_complete_incomplete_states")
+
+
+class _FsdpNN:
+    """torch.nn as FSDP2's `_fsdp_param` module sees it, except that `nn.Parameter(x)` of an
+    integer tensor does not ask for gradients (which raises)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.nn, name)
+
+    @staticmethod
+    def Parameter(data: torch.Tensor | None = None, requires_grad: bool = True):  # noqa: N802
+        if data is not None and not (data.is_floating_point() or data.is_complex()):
+            requires_grad = False
+        return torch.nn.Parameter(data, requires_grad)
+
+
+def fsdp_allow_integer_params() -> bool:
+    """Let FSDP2 shard frozen integer parameters (QLoRA's NF4 codes). torch 2.11 builds each
+    sharded parameter as `nn.Parameter(shard)` (requires_grad=True) and only then copies the
+    original's flag, which fails for uint8; later versions pass the flag in. Where the old
+    construction is found, its module's `nn` is replaced by a view of torch.nn whose Parameter
+    passes requires_grad=False for integer data (the only call it changes). Returns whether
+    the patch was needed."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    if isinstance(_fsdp_param.nn, _FsdpNN):
+        return True
+    source = inspect.getsource(_fsdp_param.FSDPParam._init_sharded_param)
+    if "nn.Parameter(self.to_sharded_dtensor(sharded_param))" not in source:
+        return False
+    _fsdp_param.nn = _FsdpNN()
+    return True

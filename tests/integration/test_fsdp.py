@@ -305,3 +305,16 @@ def test_fsdp_variants_match_one_process(tmp_path: Path) -> None:
     assert not failures, "\n".join(failures)
     summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
     assert summary["compile"]["recompiles"] == 0 and summary["processes"] == 2
+
+
+def test_fsdp_integer_parameter_shim():
+    """What FSDP2's parameter module sees on torch 2.11 (torch_internals): integer data gets no
+    gradient flag, floats keep theirs, and every other attribute is torch.nn's."""
+    from compiletune.torch_internals import _FsdpNN
+
+    nn_ = _FsdpNN()
+    codes = nn_.Parameter(torch.zeros(4, dtype=torch.uint8))
+    assert isinstance(codes, torch.nn.Parameter) and not codes.requires_grad
+    assert nn_.Parameter(torch.zeros(4)).requires_grad
+    assert not nn_.Parameter(torch.zeros(4), requires_grad=False).requires_grad
+    assert nn_.Linear is torch.nn.Linear
