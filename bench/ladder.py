@@ -1,10 +1,12 @@
 """The technique ladder: one model, compiletune's techniques added one at a time, each rung a
 `compiletune train` run in its own process; steady-state tokens/s and peak memory per rung.
 
-    python bench/ladder.py                          # CPU: llama3_150m, seq 1024, bf16 (--dtype fp32)
+    python bench/ladder.py                          # CPU: llama3_150m, seq 1024, bf16 if native*
     python bench/ladder.py                          # GPU: llama3_2_1b and llama3_1_8b, seq 2048, bf16
     python bench/ladder.py --n-layers 4 --steps 4   # fewer layers to fit CPU time
     python bench/ladder.py --rungs eager "+ compile"
+
+*bf16 where this CPU multiplies it natively, else fp32 (compiletune.hardware); --dtype picks.
 
 Rungs are cumulative (RUNGS below), followed by LoRA and QLoRA rows (LORA_ROWS) on the same
 stack; a rung whose flags `compiletune train --help` does not list
@@ -46,6 +48,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
+from compiletune.hardware import cpu_default_dtype  # noqa: E402
 from compiletune.models import from_name, num_params  # noqa: E402
 
 _SAC = ["--compile", "--ac", "selective"]
@@ -177,7 +180,12 @@ def main() -> None:
     p.add_argument("--n-layers", type=int, default=None, help="fewer layers to fit CPU time")
     p.add_argument("--seq-len", type=int, default=2048 if gpu else 1024)
     p.add_argument("--batch-size", type=int, default=4 if gpu else 1)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default="bf16" if gpu else cpu_default_dtype(),
+        help="default: bf16 (on a CPU, where it multiplies bf16 natively; else fp32)",
+    )
     p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one compiles")
     p.add_argument("--rungs", nargs="+", default=[name for name, _ in RUNGS + LORA_ROWS])
     p.add_argument(

@@ -1,7 +1,7 @@
 """compiletune against transformers: the same model, data, precision and batch, side by side in
 one run; each configuration trains in its own process.
 
-    python bench/peers.py                          # CPU: llama3_150m, seq 1024, bf16, batch 1
+    python bench/peers.py                          # CPU: llama3_150m, seq 1024, batch 1, bf16*
     python bench/peers.py --dtype fp32             # the same in fp32
     python bench/peers.py                          # GPU: llama3_2_1b, seq 2048, bf16, batch 4
     python bench/peers.py --n-layers 4 --peers eager checkpointing
@@ -29,8 +29,9 @@ the configurations run N times in turn and each row keeps its fastest run, with 
 Ratios are taken against the best of transformers' own configurations (eager and gradient
 checkpointing, the peers the targets name) for each measure: memory against the one with the
 lowest peak, speed against the fastest. transformers + torch.compile is a row of its own, and
-every row also gets its ratios against it. CPU runs default to bf16, the precision fine-tuning
-runs in (a CPU with AMX or AVX512-BF16 runs its matmuls 4-6x faster than fp32); --dtype fp32
+every row also gets its ratios against it. *CPU runs default to bf16, the precision fine-tuning
+runs in (a CPU with AMX or AVX512-BF16 runs its matmuls 4-6x faster than fp32), except on a CPU
+without native bf16 matmuls (compiletune.hardware), where they default to fp32; --dtype fp32
 measures the fp32 configuration. Writes bench/results/peers-<device>.json and prints a
 markdown table.
 """
@@ -66,6 +67,7 @@ from common import (  # noqa: E402
 )
 from ladder import RUNGS, full_stack  # noqa: E402
 
+from compiletune.hardware import cpu_default_dtype  # noqa: E402
 from compiletune.models import from_name, num_params  # noqa: E402
 
 PEERS = ("eager", "checkpointing", "compile", "eager-hugepages")
@@ -275,7 +277,12 @@ def main() -> None:
     p.add_argument("--n-layers", type=int, default=None, help="fewer layers to fit CPU time")
     p.add_argument("--seq-len", type=int, default=2048 if gpu else 1024)
     p.add_argument("--batch-size", type=int, default=4 if gpu else 1)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default="bf16" if gpu else cpu_default_dtype(),
+        help="default: bf16 (on a CPU, where it multiplies bf16 natively; else fp32)",
+    )
     p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one warms up")
     # The huge-page switch only moves CPU tensors: no row of its own on a GPU.
     default_peers = [x for x in PEERS if not (gpu and x == "eager-hugepages")]

@@ -60,7 +60,7 @@ from compiletune.loss import IGNORE_INDEX
 from compiletune.models import num_params
 from compiletune.optim import _local
 from compiletune.train import Probe, Run, StepBatch, build_run, train_step
-from compiletune.train.build import resolve_model_args
+from compiletune.train.build import probe_dtype, resolve_model_args
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 # Internal categories: where FSDP keeps a tensor decides whether --cpu-offload moves it.
@@ -670,7 +670,9 @@ def as_trained(cfg: TrainConfig, gpus: int) -> TrainConfig:
     the ladder and the advice start from the run `train` would run."""
     cfg = shapes_only(cfg)
     vocab = resolve_model_args(cfg).vocab_size
-    return fill_defaults(cfg.replace(), RunFacts(vocab, packs_documents=False, world=gpus))
+    facts = RunFacts(vocab, packs_documents=False, world=gpus)
+    facts.bf16_params = probe_dtype(cfg) == torch.bfloat16
+    return fill_defaults(cfg.replace(), facts)
 
 
 def ladder(cfg: TrainConfig, gpus: int) -> list[Rung]:

@@ -170,7 +170,7 @@ def fuse_linear_cross_entropy(
         # requires it (a graph traced under no_grad, for evaluation, gets the forward-only op).
         need = [bool(getattr(_value(x), "requires_grad", False)) for x in (h, weight, bias)]
         one_pass = bool(getattr(_value(linear), "requires_grad", False)) and grads_in_forward(
-            int(ce_in.shape[0]), vocab, hidden, w_value.dtype, chunk_size
+            int(ce_in.shape[0]), vocab, hidden, w_value.dtype, chunk_size, need[1]
         )
 
         with graph.inserting_before(ce):

@@ -548,10 +548,24 @@ def one_pass_chunk_tokens(vocab: int, d_model: int, dtype: torch.dtype, chunk_si
 
 
 def grads_in_forward(
-    n_tokens: int, vocab: int, d_model: int, dtype: torch.dtype, chunk_size: int = 0
+    n_tokens: int,
+    vocab: int,
+    d_model: int,
+    dtype: torch.dtype,
+    chunk_size: int = 0,
+    need_dweight: bool = True,
 ) -> bool:
-    """Whether the one-pass head fits: fp32 (dweight accumulates in place), or all n_tokens in one
-    chunk (no fp32 [V, d] accumulator). Override with COMPILETUNE_LCE_ONE_PASS=0|1."""
+    """Whether the head computes its gradients in the forward (the one-pass op). Two conditions:
+
+    it fits     fp32 (dweight accumulates in place), or all n_tokens in one chunk (no fp32
+                [V, d] accumulator);
+    it is small the gradients it saves from forward to backward (dweight [V, d] when the
+                weight trains, dh [N, d]) are no larger than the fp32 log-probabilities
+                [N, V] that the plain head saves. At few tokens a [V, d] gradient outweighs
+                them (1 GiB for Llama 3 8B against 0.5 GiB at 1024 tokens), and the two-op
+                head, which saves only lse [N], is what keeps fused <= plain.
+
+    COMPILETUNE_LCE_ONE_PASS=0|1 overrides both."""
     env = os.environ.get("COMPILETUNE_LCE_ONE_PASS", "").strip()
     if env in ("0", "1"):
         return env == "1"
@@ -560,6 +574,10 @@ def grads_in_forward(
             f"COMPILETUNE_LCE_ONE_PASS={env!r} must be 0 (two-op head) or 1 (one-pass head); "
             "unset it to let the sizes decide"
         )
+    elt = torch.empty((), dtype=dtype).element_size()
+    saved = ((vocab if need_dweight else 0) + n_tokens) * d_model * elt
+    if saved > n_tokens * vocab * 4:
+        return False
     return dtype == torch.float32 or n_tokens <= one_pass_chunk_tokens(
         vocab, d_model, dtype, chunk_size
     )
@@ -781,7 +799,7 @@ def linear_cross_entropy(
     ]
     if one_pass is None:
         one_pass = any(need) and grads_in_forward(
-            h2.shape[0], weight.shape[0], weight.shape[1], weight.dtype, chunk_size
+            h2.shape[0], weight.shape[0], weight.shape[1], weight.dtype, chunk_size, need[1]
         )
     if one_pass:
         loss, *_ = torch.ops.compiletune.linear_cross_entropy_with_grads(

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from compiletune import adapter_io
+from compiletune import adapter_io, hardware
 from compiletune import checkpoint as ckpt
 from compiletune import distributed as dist_
 from compiletune.activation import apply_eager_checkpointing, parse_ac
@@ -438,6 +438,8 @@ def build_run(
     dtype = pick_dtype(cfg.model.dtype, device) if probe is None else probe_dtype(cfg)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("--dtype bf16: this GPU has no bf16 support; pass --dtype fp32")
+    if dtype == torch.bfloat16 and device.type == "cpu" and probe is None:
+        hardware.warn_slow_bf16()
     args = resolve_model_args(cfg)
     spec = lora_spec(cfg)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
@@ -447,6 +449,13 @@ def build_run(
     else:
         world = env.world if env is not None else 1
         inputs = _Inputs(RunFacts(args.vocab_size, packs_documents=False, world=world))
+    inputs.facts.bf16_params = dtype == torch.bfloat16
+    comp = cfg.optim.bf16_compensation
+    if comp not in (None, "none") and dtype != torch.bfloat16:
+        raise UserError(
+            f"--bf16-compensation {comp} corrects bf16 parameter updates, but the parameters "
+            f"are {str(dtype).removeprefix('torch.')} here; add --dtype bf16 or drop it"
+        )
     fill_defaults(cfg, inputs.facts)
 
     base_dtype = pick_dtype(cfg.lora.base_dtype, device) if cfg.lora.base_dtype else dtype

@@ -214,3 +214,26 @@ def test_host_memory_needs_device_memory(capsys: pytest.CaptureFixture) -> None:
     assert main(["estimate-memory", *args]) == 0
     out = capsys.readouterr().out
     assert "host memory:" in out and "fits in 64 GiB (--host-memory)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seq_len, gpus", [(128, 1), (128, 4), (2048, 4)])
+def test_fused_head_never_costs_more_than_plain_or_chunked(gpus: int, seq_len: int) -> None:
+    """On every rung of the ladder (each rung's flags added to those before), across token
+    counts, with and without FSDP, the fused head's estimated peak is no higher than the plain
+    and the chunked head's. (At 128 tokens of a 128k vocabulary the one-pass head's saved
+    dweight [V, d] would cost 1.6x plain's peak under FSDP; the head then runs its two-op form.)"""
+    base = {"model": "llama3_150m", "n_layers": 1, "seq_len": seq_len, "batch_size": 1}
+    base |= {"dtype": "bf16", "fsdp": gpus > 1}
+    flags: dict = {}
+    for name, changes in [("start", {})] + [r for r in estimate.LADDER if r[0] != "+ fused loss"]:
+        if gpus == 1 and changes.get("fsdp"):
+            continue
+        flags |= changes
+        peak = {
+            loss: estimate.estimate_memory(resolve({}, {**base, **flags, "loss": loss}), gpus)
+            for loss in ("fused", "plain", "chunked")
+        }
+        mib = {k: round(v.peak_bytes / 2**20, 1) for k, v in peak.items()}
+        assert peak["fused"].peak_bytes <= peak["plain"].peak_bytes, (name, mib)
+        assert peak["fused"].peak_bytes <= peak["chunked"].peak_bytes, (name, mib)

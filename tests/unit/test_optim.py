@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gloo import free_port, run_in_gloo
 from torch.overrides import TorchFunctionMode
 
+from compiletune.config import resolve
 from compiletune.data import Batches, load_examples, pack
 from compiletune.errors import UserError
 from compiletune.loss import IGNORE_INDEX, LossHead
@@ -301,6 +302,8 @@ def test_bf16_compensation_tracks_fp32() -> None:
     assert progress["none"] < 0.5, msg
     assert progress["kahan"] > 0.9 and progress["stochastic"] > 0.9, msg
     assert distance["kahan"] < 0.5 * distance["none"], msg
+    # What a run with bf16 parameters gets by default (the GPU default) is one that learns.
+    assert progress[resolve({}, {"dtype": "bf16"}).optim.bf16_compensation] > 0.9, msg
 
 
 @pytest.mark.slow

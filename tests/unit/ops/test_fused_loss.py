@@ -289,7 +289,8 @@ def test_one_pass_backward_scales_as_the_block_loop(monkeypatch):
 
 
 def test_one_pass_only_when_it_fits(monkeypatch):
-    """fp32 always (dweight accumulates in place); a narrow dtype only in one chunk."""
+    """fp32 always (dweight accumulates in place) and a narrow dtype only in one chunk, where
+    the gradients it saves are no larger than plain's log-probs."""
     vocab, d = 128256, 2048
     assert fused_loss.one_pass_chunk_tokens(vocab, d, torch.bfloat16) == 2048  # [V, d] budget
     assert fused_loss.one_pass_chunk_tokens(vocab, 512, torch.bfloat16) == 256 * 2**20 // (
@@ -299,6 +300,11 @@ def test_one_pass_only_when_it_fits(monkeypatch):
     assert not fused_loss.grads_in_forward(2049, vocab, d, torch.bfloat16)
     assert fused_loss.grads_in_forward(10**6, vocab, d, torch.float32)
     assert not fused_loss.grads_in_forward(200, vocab, d, torch.bfloat16, chunk_size=100)
+    # few tokens: dweight [V, d] would outweigh plain's fp32 log-probs [N, V] (Llama 3 8B)
+    assert not fused_loss.grads_in_forward(1024, vocab, 4096, torch.bfloat16)
+    assert not fused_loss.grads_in_forward(1000, vocab, 4096, torch.float32)
+    assert fused_loss.grads_in_forward(1024, vocab, 4096, torch.bfloat16, need_dweight=False)
+    assert fused_loss.grads_in_forward(4096, vocab, 4096, torch.bfloat16)
     monkeypatch.setenv("COMPILETUNE_LCE_ONE_PASS", "0")
     assert not fused_loss.grads_in_forward(10, vocab, d, torch.float32)
     monkeypatch.setenv("COMPILETUNE_LCE_ONE_PASS", "yes")
