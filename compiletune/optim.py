@@ -562,7 +562,12 @@ class Optimizer:
             return
         chunk = _CHUNK_BLOCKS * BLOCK
         n = local.numel()
-        for start in range(0, n, chunk):
+        starts = range(0, n, chunk)
+        if torch_internals.is_fake(local):
+            # The memory estimate: every chunk allocates and frees the same temporaries, so
+            # the first and the last (possibly partial) chunk give the step's peak.
+            starts = sorted({0, starts[-1]})
+        for start in starts:
             end = min(start + chunk, n)
             piece = slice(start, end)
             extra = (

@@ -35,6 +35,7 @@ __all__ = [
     "dynamic_cpu_kernel_options",
     "fake_call",
     "fsdp_allow_integer_params",
+    "is_fake",
     "functorch_patch",
     "get_hash_for_files",
     "load_cpp_kernel",
@@ -195,6 +196,13 @@ def fake_call(op: Any, *args: Any) -> Any:
     fake_mode = next(a.fake_mode for a in args if hasattr(a, "fake_mode"))
     with fake_mode:
         return op(*args)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a FakeTensor (the memory estimate's), also inside a DTensor."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(t)
 
 
 def fsdp_completes_partial_groups() -> bool:

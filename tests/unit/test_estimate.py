@@ -237,3 +237,44 @@ def test_fused_head_never_costs_more_than_plain_or_chunked(gpus: int, seq_len: i
         mib = {k: round(v.peak_bytes / 2**20, 1) for k, v in peak.items()}
         assert peak["fused"].peak_bytes <= peak["plain"].peak_bytes, (name, mib)
         assert peak["fused"].peak_bytes <= peak["chunked"].peak_bytes, (name, mib)
+
+
+def test_deep_models_are_extended_from_shallow_ones_exactly() -> None:
+    """A deep preset is estimated at 2, 4 and 6 blocks and extended linearly: byte for byte what
+    the whole model gives (FSDP with CPU offload, selective AC on every 2nd block, 8-bit)."""
+    flags = {"model": "debug", "n_layers": 24, "seq_len": 128, "batch_size": 2, "fsdp": True}
+    flags |= {"ac": "selective", "ac_every": 2, "optimizer": "adamw8bit", "cpu_offload": True}
+    cfg = resolve({}, flags)
+    whole = estimate.estimate_memory(cfg, 4, extrapolate=False)
+    extended = estimate.estimate_memory(cfg, 4)
+    assert "extended to 24" in extended.notes[-1]
+    assert extended.peak_bytes == whole.peak_bytes and extended.parts == whole.parts
+    assert extended.host_bytes == whole.host_bytes and extended.host_parts == whole.host_parts
+    assert extended.peak_phase == whole.peak_phase
+    assert extended.setup["params"] == whole.setup["params"]
+
+
+def test_extension_takes_the_phase_that_grows_into_the_peak() -> None:
+    """When a phase below the peak at the sampled depths grows faster (forward, with its saved
+    activations), the extended peak is that phase's, with its own parts."""
+
+    def est(depth: int) -> estimate.MemoryEstimate:
+        parts = {c: 0 for c in estimate.CATEGORIES}
+        fwd = parts | {"activations": 10 * depth}
+        bwd = parts | {"temporaries": 100 + 4 * depth}
+        return estimate.MemoryEstimate(
+            peak_bytes=max(10 * depth, 100 + 4 * depth),
+            parts=bwd,
+            host_bytes=0,
+            host_parts=dict(parts),
+            peak_phase="backward",
+            phase_peaks={"forward": 10 * depth, "backward": 100 + 4 * depth},
+            gpus=1,
+            setup={},
+            phase_parts={"forward": fwd, "backward": bwd},
+        )
+
+    out = estimate._extend(est(4), est(6), (40 - 6) // 2)
+    assert out.peak_phase == "forward" and out.peak_bytes == 400
+    assert out.parts["activations"] == 400 and out.parts["temporaries"] == 0
+    assert out.phase_peaks["backward"] == 260
