@@ -1,8 +1,10 @@
 """Everything the first GPU half-hour must measure, as one prepared command.
 
     python bench/gpu_check.py --part 1          # correctness: the CUDA tests (pytest -m cuda)
-    python bench/gpu_check.py --part 2          # speed: attention, loss head, 1B eager vs compiled,
-                                                #   the technique ladder
+    python bench/gpu_check.py --part 2          # speed: attention, loss head (and its profile),
+                                                #   the technique ladder on a 1B model
+    python bench/gpu_check.py --steps env speed-1b   # named steps only (speed-1b: 1B eager vs
+                                                #   compiled, the ladder's first two rows)
     python bench/gpu_check.py --part 3          # memory: estimate-memory against measured peaks
     python bench/gpu_check.py --all --deadline 540 --copy-to "$OUT"
     python bench/gpu_check.py --dry-run --all   # CPU: every step's plumbing at toy sizes (CI)
@@ -92,6 +94,7 @@ class Step:
     min_s: int = 30  # not started with less than this left
     result: str | None = None  # the JSON the step writes, under {results}
     junit: bool = False  # a pytest step: count its outcomes from {work}/junit-<name>.xml
+    in_part: bool = True  # run by --part / --all (else only when --steps names it)
     data: dict[str, Any] = field(default_factory=dict)
 
 
@@ -166,11 +169,12 @@ STEPS: list[Step] = [
         300,
         90,
         result="speed-1b-cuda-{dev}.json",
+        in_part=False,  # the ladder's first two rows; for a short call
     ),
     Step(
         2,
         "ladder",
-        [PY, "bench/ladder.py", *LADDER_1B, "--steps", "8"]
+        [PY, "bench/ladder.py", *LADDER_1B, "--steps", "6"]
         + ["--out", "{results}/ladder-cuda-{dev}.json"],
         [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "eager"]
         + ["--out", "{results}/ladder-cuda-{dev}.json"],
@@ -312,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = [1, 2, 3] if a.all else a.part
         if not parts:
             ap.error("name --part N, --all or --steps")
-        steps = [s for p in parts for s in STEPS if s.part == p]
+        steps = [s for p in parts for s in STEPS if s.part == p and s.in_part]
 
     import torch
 
