@@ -24,7 +24,8 @@ installed="$("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 log="$venv/pytest.log"
 cd "$root"
 set +e
-"$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" >"$log" 2>&1
+# its own temporary folder: two versions can run side by side
+"$venv/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$venv/pytest-tmp" "$@" >"$log" 2>&1
 status=$?
 set -e
 out="$root/bench/results/compat-torch-$version.txt"

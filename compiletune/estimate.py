@@ -454,31 +454,38 @@ def _extended(
     cfg: TrainConfig, layers: int, period: int, gpus: int, round_bytes: int
 ) -> MemoryEstimate | None:
     """The estimate of `layers` blocks from shallower ones, or None when it cannot be had
-    exactly. Three depths `step` blocks apart (step: whole periods, at least 2 blocks; the first
-    holds the same blocks as `layers` modulo step) are estimated; when every byte count the
-    estimate reports (each phase's peak and its parts, the host peak) grows by the same amount
-    from the first to the second as from the second to the third, each is extended linearly to
-    `layers` and the highest phase is the peak. Else the window moves one step deeper, as long
-    as the samples add up to at most half the model's depth (None: the whole model is
-    cheaper)."""
+    exactly. Depths `step` blocks apart (step: whole periods, at least 2 blocks; the first holds
+    the same blocks as `layers` modulo step) are estimated until three in a row show every byte
+    count the estimate reports (each phase's peak and its parts, the host peak) growing by the
+    same amount per step. That line is then checked at a deeper depth, a quarter of the model:
+    it must give that estimate to the byte (torch 2.11's FSDP grows faster past a few blocks,
+    which three shallow samples do not show). Only then is each count extended to `layers` and
+    the highest phase taken as the peak. The samples add up to at most 3/4 of the model's depth
+    (else None: the whole model is about as cheap)."""
     step = period * -(-2 // period)
     first = step + (layers - step) % step
-    depths = list(range(first, layers, step))
-    while sum(depths) > layers // 2:
-        depths.pop()
-    if len(depths) < 3:
+    far = first + step * max(3, (layers // 4 - first) // step)
+    depths = [d for d in range(first, far, step)][:4]
+    if len(depths) < 3 or sum(depths) + far > 3 * layers // 4:
         return None
-    ests = [estimate_memory(cfg.replace(n_layers=d), gpus, round_bytes, False) for d in depths[:2]]
+
+    def at(depth: int) -> MemoryEstimate:
+        return estimate_memory(cfg.replace(n_layers=depth), gpus, round_bytes, False)
+
+    ests = [at(d) for d in depths[:2]]
     for depth in depths[2:]:
-        ests.append(estimate_memory(cfg.replace(n_layers=depth), gpus, round_bytes, False))
+        ests.append(at(depth))
         a, b, c = (_numbers(e) for e in ests[-3:])
-        if a.keys() == b.keys() == c.keys() and all(b[k] - a[k] == c[k] - b[k] for k in a):
-            est = _extend(ests[-2], ests[-1], (layers - depth) // step)
-            est.notes.append(
-                f"estimated at {depth - 2 * step}, {depth - step} and {depth} blocks and "
-                f"extended to {layers} (every {step} blocks add the same)"
-            )
-            return est
+        if not (a.keys() == b.keys() == c.keys() and all(b[k] - a[k] == c[k] - b[k] for k in a)):
+            continue
+        if _numbers(_extend(ests[-2], ests[-1], (far - depth) // step)) != _numbers(at(far)):
+            return None
+        est = _extend(ests[-2], ests[-1], (layers - depth) // step)
+        est.notes.append(
+            f"estimated at {depth - 2 * step}, {depth - step} and {depth} blocks, checked at "
+            f"{far}, and extended to {layers} (every {step} blocks add the same)"
+        )
+        return est
     return None
 
 

@@ -240,14 +240,17 @@ def test_fused_head_never_costs_more_than_plain_or_chunked(gpus: int, seq_len: i
 
 
 def test_deep_models_are_extended_from_shallow_ones_exactly() -> None:
-    """A deep preset is estimated at 2, 4 and 6 blocks and extended linearly: byte for byte what
-    the whole model gives (FSDP with CPU offload, selective AC on every 2nd block, 8-bit)."""
-    flags = {"model": "debug", "n_layers": 24, "seq_len": 128, "batch_size": 2, "fsdp": True}
+    """A deep preset is estimated at 2, 4 and 6 blocks, checked at 8 and extended linearly:
+    byte for byte what the whole model gives (FSDP with CPU offload, selective AC on every 2nd
+    block, 8-bit). Where a torch's memory does not grow linearly (2.11's FSDP), the check fails
+    and the whole model runs: the same numbers either way."""
+    flags = {"model": "debug", "n_layers": 32, "seq_len": 128, "batch_size": 2, "fsdp": True}
     flags |= {"ac": "selective", "ac_every": 2, "optimizer": "adamw8bit", "cpu_offload": True}
     cfg = resolve({}, flags)
     whole = estimate.estimate_memory(cfg, 4, extrapolate=False)
     extended = estimate.estimate_memory(cfg, 4)
-    assert "extended to 24" in extended.notes[-1]
+    if torch.__version__ >= "2.13":
+        assert "extended to 32" in extended.notes[-1]
     assert extended.peak_bytes == whole.peak_bytes and extended.parts == whole.parts
     assert extended.host_bytes == whole.host_bytes and extended.host_parts == whole.host_parts
     assert extended.peak_phase == whole.peak_phase

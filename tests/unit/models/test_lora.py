@@ -258,12 +258,15 @@ def _qlora_for_fsdp() -> torch.nn.Module:
 def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
+    from compiletune.torch_internals import fsdp_allow_integer_params
+
     torch.set_num_threads(1)
 
     def body() -> None:
         model = _qlora_for_fsdp()
         head = LossHead(model.output, "plain")
         # One unit per block: its NF4 codes (uint8), scales and adapters (fp32) together.
+        fsdp_allow_integer_params()  # as apply_fsdp does (torch 2.11)
         for module in [model.tok_embeddings, *model.layers, model.norm, head]:
             fully_shard(module)
         t = tokens(vocab=300, seed=3)
