@@ -57,7 +57,7 @@ from compiletune.activation import parse_ac
 from compiletune.config import RunFacts, TrainConfig, fill_defaults
 from compiletune.errors import UserError
 from compiletune.loss import IGNORE_INDEX
-from compiletune.models import ModelArgs, num_params
+from compiletune.models import num_params
 from compiletune.optim import _local
 from compiletune.train import Probe, Run, StepBatch, build_run, train_step
 from compiletune.train.build import probe_dtype, resolve_model_args
@@ -134,7 +134,6 @@ class _Tracker(mi.TorchDispatchMode):
         self.host_peak_totals = dict(self.totals)
         self.phase = "setup"
         self.phase_peaks: dict[str, int] = {}
-        self.phase_totals: dict[str, dict[str, int]] = {}  # the totals at each phase's peak
         self.fused_loss_extra = _FusedLossTemps()
         self.paused = 0
 
@@ -168,9 +167,6 @@ class _Tracker(mi.TorchDispatchMode):
     def _note_peak(self, total: int, extra: tuple[str, int] | None) -> None:
         if total > self.phase_peaks.get(self.phase, 0):
             self.phase_peaks[self.phase] = total
-            self.phase_totals[self.phase] = dict(self.totals)
-            if extra is not None:
-                self.phase_totals[self.phase][extra[0]] += extra[1]
         if total > self.peak:
             self.peak = total
             self.peak_totals = dict(self.totals)
@@ -323,7 +319,6 @@ class MemoryEstimate:
     setup: dict[str, Any]  # what was estimated: model, params, dtype, loss, ...
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    phase_parts: dict[str, dict[str, int]] = field(default_factory=dict)  # parts at each peak
 
     def to_dict(self) -> dict[str, Any]:
         gib = 2**30
@@ -362,45 +357,18 @@ def shapes_only(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def layer_period(args: ModelArgs, ac_every: int) -> int:
-    """The smallest number of blocks after which the model repeats itself for memory: the
-    period of its layer kinds (Gemma 3: 5 local, 1 global) and of `--ac-every`."""
-    kinds = [args.layer_kind(i) for i in range(args.n_layers)]
-    pattern = next(
-        p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds))
-    )
-    return math.lcm(pattern, max(1, ac_every))
-
-
 def estimate_memory(
-    cfg: TrainConfig,
-    gpus: int = 1,
-    round_bytes: int = GPU_ROUND_BYTES,
-    extrapolate: bool = True,
+    cfg: TrainConfig, gpus: int = 1, round_bytes: int = GPU_ROUND_BYTES
 ) -> MemoryEstimate:
     """Run one step of the run `cfg` describes (a resolved TrainConfig) on fake tensors, as
     rank 0 of `gpus` ranks, and return its peak device memory and the host memory offload needs.
 
     More than one GPU means FSDP2 (as `torchrun --nproc-per-node N ... --fsdp` would run).
-
-    A deep preset model is estimated at two depths of whole layer periods, P and 2P blocks
-    (P >= 2), and the result extended linearly to its depth: every block adds the same
-    parameters, gradients, states and saved activations, and the peak's phase and temporaries
-    do not depend on the depth (tests/unit/test_estimate.py checks the extension against the
-    whole model, byte for byte). `extrapolate=False` runs the whole model.
     """
     if gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {gpus}")
     cfg = shapes_only(cfg)
     t0 = time.perf_counter()
-    if extrapolate and cfg.model.model_dir is None:
-        args = resolve_model_args(cfg)
-        period = layer_period(args, cfg.techniques.ac_every)
-        est = _extended(cfg, args.n_layers, period, gpus, round_bytes)
-        if est is not None:
-            est.setup["params"] = num_params(args)
-            est.seconds = time.perf_counter() - t0
-            return est
     policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
     notes = []
     if cfg.techniques.compile:
@@ -442,80 +410,6 @@ def _interpolate(lo: MemoryEstimate, hi: MemoryEstimate, f: float) -> MemoryEsti
     out.parts = {k: mix(lo.parts[k], hi.parts[k]) for k in CATEGORIES}
     out.host_bytes = mix(lo.host_bytes, hi.host_bytes)
     out.host_parts = {k: mix(lo.host_parts[k], hi.host_parts[k]) for k in CATEGORIES}
-    out.phase_peaks = {p: mix(lo.phase_peaks.get(p, 0), v) for p, v in hi.phase_peaks.items()}
-    out.phase_parts = {
-        p: {k: mix(lo.phase_parts.get(p, {}).get(k, 0), v) for k, v in parts.items()}
-        for p, parts in hi.phase_parts.items()
-    }
-    return out
-
-
-def _extended(
-    cfg: TrainConfig, layers: int, period: int, gpus: int, round_bytes: int
-) -> MemoryEstimate | None:
-    """The estimate of `layers` blocks from shallower ones, or None when it cannot be had
-    exactly. Depths `step` blocks apart (step: whole periods, at least 2 blocks; the first holds
-    the same blocks as `layers` modulo step) are estimated until three in a row show every byte
-    count the estimate reports (each phase's peak and its parts, the host peak) growing by the
-    same amount per step. That line is then checked at a deeper depth, a quarter of the model:
-    it must give that estimate to the byte (torch 2.11's FSDP grows faster past a few blocks,
-    which three shallow samples do not show). Only then is each count extended to `layers` and
-    the highest phase taken as the peak. The samples add up to at most 3/4 of the model's depth
-    (else None: the whole model is about as cheap)."""
-    step = period * -(-2 // period)
-    first = step + (layers - step) % step
-    far = first + step * max(3, (layers // 4 - first) // step)
-    depths = [d for d in range(first, far, step)][:4]
-    if len(depths) < 3 or sum(depths) + far > 3 * layers // 4:
-        return None
-
-    def at(depth: int) -> MemoryEstimate:
-        return estimate_memory(cfg.replace(n_layers=depth), gpus, round_bytes, False)
-
-    ests = [at(d) for d in depths[:2]]
-    for depth in depths[2:]:
-        ests.append(at(depth))
-        a, b, c = (_numbers(e) for e in ests[-3:])
-        if not (a.keys() == b.keys() == c.keys() and all(b[k] - a[k] == c[k] - b[k] for k in a)):
-            continue
-        if _numbers(_extend(ests[-2], ests[-1], (far - depth) // step)) != _numbers(at(far)):
-            return None
-        est = _extend(ests[-2], ests[-1], (layers - depth) // step)
-        est.notes.append(
-            f"estimated at {depth - 2 * step}, {depth - step} and {depth} blocks, checked at "
-            f"{far}, and extended to {layers} (every {step} blocks add the same)"
-        )
-        return est
-    return None
-
-
-def _numbers(est: MemoryEstimate) -> dict[str, int]:
-    """Every byte count of an estimate that `_extend` extends, by name."""
-    out = {f"host.{k}": v for k, v in est.host_parts.items()} | {"host": est.host_bytes}
-    for phase, peak in est.phase_peaks.items():
-        out[phase] = peak
-        out |= {f"{phase}.{k}": v for k, v in est.phase_parts.get(phase, {}).items()}
-    return out
-
-
-def _extend(one: MemoryEstimate, two: MemoryEstimate, k: int) -> MemoryEstimate:
-    """The estimate `k` steps beyond `two`, where `two` is one step beyond `one`: each byte
-    count grows by (two - one) per step, and the highest phase is the peak."""
-
-    def grow(a: int, b: int) -> int:
-        return b + (b - a) * k
-
-    out = dataclasses.replace(two, notes=list(two.notes), setup=dict(two.setup))
-    out.phase_peaks = {p: grow(one.phase_peaks[p], v) for p, v in two.phase_peaks.items()}
-    out.phase_parts = {
-        p: {c: grow(one.phase_parts[p][c], v) for c, v in parts.items()}
-        for p, parts in two.phase_parts.items()
-    }
-    out.peak_phase = max(out.phase_peaks, key=out.phase_peaks.__getitem__)
-    out.peak_bytes = out.phase_peaks[out.peak_phase]
-    out.parts = dict(out.phase_parts[out.peak_phase])
-    out.host_bytes = grow(one.host_bytes, two.host_bytes)
-    out.host_parts = {c: grow(one.host_parts[c], two.host_parts[c]) for c in CATEGORIES}
     return out
 
 
@@ -536,7 +430,6 @@ def _estimate(cfg: TrainConfig, gpus: int, round_bytes: int) -> MemoryEstimate:
         host_parts=_reported(tracker.host_peak_totals, host),
         peak_phase=tracker.peak_phase,
         phase_peaks=dict(tracker.phase_peaks),
-        phase_parts={ph: _reported(tot, device_keep) for ph, tot in tracker.phase_totals.items()},
         gpus=gpus,
         setup={
             "model": cfg.name,
