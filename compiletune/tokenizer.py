@@ -88,13 +88,36 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return hf
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a tokenizer from a local folder (a HF checkpoint or a `save_pretrained` output)."""
-    folder = Path(path)
+# Files that hold a tokenizer's vocabulary (tokenizer_config.json alone does not).
+_VOCAB_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+# Ordinary text every real tokenizer encodes to tokens of its vocabulary.
+_PROBE = "Hello world"
+# Fewer tokens than this is no vocabulary (the byte tokenizer, the smallest real one, has 259).
+_MIN_TOKENS = 32
+
+
+def load_tokenizer(path: str | Path, flag: str = "--model-dir") -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local folder (a HF checkpoint or a `save_pretrained` output; a hub
+    id is taken from the local HF cache, see `resolve_model_path`). `flag` is the option that
+    named the folder, for the messages.
+
+    A folder that loads but has no vocabulary (tokenizer_config.json without tokenizer.json
+    gives a tokenizer of its special tokens only) is refused: it would encode every text to
+    nothing and a run would train on special tokens alone."""
+    from compiletune.models.hf import brief, resolve_model_path
+
+    folder = resolve_model_path(path, flag)
     if not folder.is_dir():
         raise UserError(
-            f"tokenizer folder {folder} does not exist; pass --tokenizer with a folder that "
-            "holds tokenizer.json or tokenizer_config.json"
+            f"{flag} {path} is a file; pass the folder that holds tokenizer.json or "
+            "tokenizer_config.json"
         )
     known = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((folder / name).is_file() for name in known):
@@ -102,10 +125,47 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             f"{folder} has no tokenizer files ({', '.join(known)}); pass --tokenizer with a "
             "folder written by save_pretrained or a HF checkpoint folder"
         )
-    try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError) as e:
+    names = [p.name for p in folder.iterdir()]
+    if not any(name in _VOCAB_FILES or name.endswith(".tiktoken") for name in names):
         raise UserError(
-            f"could not load the tokenizer in {folder} ({e}); check that the folder is a "
-            "complete HF tokenizer"
+            f"{folder} has tokenizer_config.json but no vocabulary file (tokenizer.json is "
+            "missing); copy the model's complete tokenizer files into the folder"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=False
+        )
+    except Exception as e:  # OSError, ValueError, JSON and tokenizers errors of broken files
+        raise UserError(
+            f"could not load the tokenizer in {folder} ({brief(e)}); check that the folder is a "
+            "complete HF tokenizer (tokenizer.json, or tokenizer.model / vocab.json + merges.txt)"
         ) from e
+    check_vocabulary(tokenizer, folder)
+    return tokenizer
+
+
+def check_vocabulary(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """Refuse a tokenizer without a vocabulary: one that encodes ordinary text to no tokens, or
+    only to special (unknown) ones, or has implausibly few tokens."""
+    try:
+        ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+        size = len(tokenizer)
+    except Exception as e:  # a tokenizer broken enough to fail on plain text
+        from compiletune.models.hf import brief
+
+        raise UserError(
+            f"the tokenizer in {folder} cannot encode plain text ({brief(e)}); check that the "
+            "folder is a complete HF tokenizer"
+        ) from e
+    special = set(tokenizer.all_special_ids)
+    if size >= _MIN_TOKENS and any(i not in special for i in ids):
+        return
+    if not (folder / "tokenizer.json").is_file():
+        missing = "tokenizer.json is missing"
+    else:
+        missing = "tokenizer.json holds no usable vocabulary"
+    raise UserError(
+        f"the tokenizer in {folder} has {size} tokens and encodes {_PROBE!r} to "
+        f"{len([i for i in ids if i not in special])} ordinary tokens: {missing}; copy the "
+        "model's complete tokenizer files (tokenizer.json) into the folder"
+    )

@@ -193,23 +193,232 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def brief(error: BaseException, limit: int = 200) -> str:
+    """An exception's message as one short line (for a UserError that quotes it)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# A hub model id: "org/name" (what `from_pretrained` takes), never a path that exists here.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def resolve_model_path(name: str | os.PathLike, flag: str = "--model-dir") -> Path:
+    """The local folder `name` stands for: the path itself when it exists, else (for a hub id
+    such as `HuggingFaceTB/SmolLM2-135M`) its snapshot in the local HF cache. Nothing is ever
+    downloaded; a name that is neither is refused in one line that says how to get the folder.
+    Every loader of a model or tokenizer folder resolves its argument through this."""
+    path = Path(name)
+    if path.exists():
+        return path
+    text = str(name)
+    if _HUB_ID.fullmatch(text) and ".." not in text:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(text, local_files_only=True))
+        except Exception as e:  # not cached (LocalEntryNotFoundError), invalid id, no hub lib
+            raise UserError(
+                f"{flag} {text}: no such folder, and the hub model {text} is not in the local "
+                f"HF cache ({type(e).__name__}); compiletune downloads nothing: run "
+                f"`hf download {text} --local-dir DIR` (or `huggingface-cli download {text} "
+                f"--local-dir DIR`) and pass {flag} DIR"
+            ) from e
+    raise UserError(
+        f"model folder {text} does not exist; pass {flag} with a local HF model folder "
+        "(config.json, model.safetensors, tokenizer files)"
+    )
+
+
 def load_hf_config(path: str | os.PathLike) -> dict:
-    """Read `config.json` from a checkpoint folder (or the file itself)."""
+    """Read and check `config.json` of a checkpoint folder (or the file itself).
+
+    The folder is resolved by `resolve_model_path`. The file must be a JSON object whose
+    fields have the types transformers gives them and describe a supported decoder
+    (`args_from_hf_config` accepts it); anything else is one UserError naming the file."""
     path = Path(path)
+    if not path.is_file():
+        path = resolve_model_path(path)
     file = path if path.is_file() else path / "config.json"
-    if not path.exists():
-        raise UserError(f"model folder {path} does not exist; pass a folder with config.json")
     if not file.is_file():
+        hint = ""
+        if (path / "adapter_config.json").is_file():
+            hint = " (it is a LoRA adapter folder: its base model holds config.json)"
         raise UserError(
-            f"{path} has no config.json; pass an HF model folder (save_pretrained output)"
+            f"{path} has no config.json{hint}; pass an HF model folder (save_pretrained output)"
         )
     try:
-        cfg = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{file} is not valid JSON ({e}); re-export the checkpoint's config") from e
+        cfg = json.loads(file.read_bytes().decode("utf-8-sig"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(
+            f"{file} is not valid JSON ({brief(e)}); re-export the checkpoint's config"
+        ) from e
     if not isinstance(cfg, dict):
-        raise UserError(f"{file} does not hold a JSON object; re-export the checkpoint's config")
+        raise UserError(
+            f"{file} holds a JSON {type(cfg).__name__}, not an object; re-export the "
+            "checkpoint's config"
+        )
+    try:
+        check_hf_config(cfg)
+        args_from_hf_config(cfg)
+    except UserError as e:
+        msg = str(e)
+        raise UserError(
+            f"{file}{msg.removeprefix('config.json')}"
+            if msg.startswith("config.json")
+            else f"{file}: {msg}"
+        ) from e
     return cfg
+
+
+# Fields whose JSON type transformers fixes: checked before any is used.
+_POSITIVE_INTS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "head_dim",
+    "sliding_window",
+    "sliding_window_pattern",
+    "original_max_position_embeddings",
+)
+_NUMBERS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "partial_rotary_factor",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "rope_local_base_freq",
+)
+_BOOLS = (
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "use_sliding_window",
+    "use_bidirectional_attention",
+)
+_STRINGS = ("hidden_act", "hidden_activation", "model_type", "torch_dtype", "dtype")
+_ROPE_NUMBERS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "rope_theta",
+    "partial_rotary_factor",
+)
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    names |= {list: "a list", dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_rope(rope: Any, key: str) -> None:
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise UserError(f"config.json {key!r} must be an object or null, got {_json_type(rope)}")
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma 3)
+        for kind, sub in rope.items():
+            _check_rope(sub, f"{key}.{kind}")
+        return
+    for name in ("rope_type", "type"):
+        if rope.get(name) is not None and not isinstance(rope[name], str):
+            raise UserError(
+                f"config.json {key}.{name} must be a string, got {_json_type(rope[name])}"
+            )
+    for name in _ROPE_NUMBERS:
+        if rope.get(name) is not None and not _is_number(rope[name]):
+            raise UserError(
+                f"config.json {key}.{name} must be a number, got {_json_type(rope[name])}"
+            )
+    for name in ("short_factor", "long_factor"):
+        value = rope.get(name)
+        if value is not None and not (
+            isinstance(value, list) and all(_is_number(v) for v in value)
+        ):
+            raise UserError(f"config.json {key}.{name} must be a list of numbers")
+
+
+def check_hf_config(cfg: dict) -> None:
+    """Refuse a config.json dict whose known fields have the wrong JSON type or disagree
+    (heads that do not divide the width, layer_types of another length than the layers)."""
+    if "architectures" in cfg and cfg["architectures"] is not None:
+        archs = cfg["architectures"]
+        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise UserError(
+                "config.json 'architectures' must be a list of strings, e.g. [\"LlamaForCausalLM\"]"
+            )
+    if "text_config" in cfg and not isinstance(cfg["text_config"], dict | None):
+        raise UserError("config.json 'text_config' must be an object")
+    sub = cfg.get("text_config")
+    for c in (cfg, sub) if isinstance(sub, dict) else (cfg,):
+        _check_field_types(c)
+    text = text_config(cfg)
+    layers, heads = text.get("num_hidden_layers"), text.get("num_attention_heads")
+    kv, dim = text.get("num_key_value_heads"), text.get("hidden_size")
+    if heads and kv and heads % kv:
+        raise UserError(
+            f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv}; use the config.json that came with the weights"
+        )
+    if heads and dim and not text.get("head_dim") and dim % heads:
+        raise UserError(
+            f"config.json hidden_size {dim} is not a multiple of num_attention_heads {heads} "
+            "and there is no head_dim; use the config.json that came with the weights"
+        )
+    listed = text.get("layer_types")
+    if listed is not None and layers and len(listed) != layers:
+        raise UserError(
+            f"config.json num_hidden_layers is {layers} but layer_types lists {len(listed)} "
+            "layers; make them agree (one entry per layer)"
+        )
+
+
+def _check_field_types(cfg: dict) -> None:
+    def bad(key: str, want: str) -> UserError:
+        return UserError(
+            f"config.json {key!r} must be {want}, got {_json_type(cfg[key])} "
+            f"{json.dumps(cfg[key])[:40]}; fix the field or re-export the config"
+        )
+
+    for key in _POSITIVE_INTS:
+        value = cfg.get(key)
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        ):
+            raise bad(key, "a positive integer")
+    for key in _NUMBERS:
+        if cfg.get(key) is not None and not _is_number(cfg[key]):
+            raise bad(key, "a number")
+    for key in _BOOLS:
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise bad(key, "true or false")
+    for key in _STRINGS:
+        if cfg.get(key) is not None and not isinstance(cfg[key], str):
+            raise bad(key, "a string")
+    for key in ("rms_norm_eps", "rope_theta"):
+        if cfg.get(key) is not None and cfg[key] <= 0:
+            raise bad(key, "a positive number")
+    listed = cfg.get("layer_types")
+    if listed is not None and not (
+        isinstance(listed, list) and all(isinstance(t, str) for t in listed)
+    ):
+        raise bad("layer_types", "a list of strings")
+    for key in ("rope_scaling", "rope_parameters"):
+        _check_rope(cfg.get(key), key)
 
 
 def text_config(cfg: dict) -> dict:
@@ -591,10 +800,17 @@ def _checkpoint_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise UserError(
-                f"{index} is not a valid safetensors index ({e}); re-export the checkpoint"
+                f"{index} is not a valid safetensors index ({brief(e)}); re-export the checkpoint"
             ) from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()
+        ):
+            raise UserError(
+                f"{index}: 'weight_map' must map tensor names to file names in the folder; "
+                "re-export the checkpoint"
+            )
         files = [path / f for f in dict.fromkeys(weight_map.values())]
         for file in files:
             if not file.is_file():
@@ -605,13 +821,43 @@ def _checkpoint_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
-    shards = sorted(path.glob("*.safetensors"))
+    shards = sorted(path.glob("model*.safetensors"))
     if shards:
         return shards
+    if (path / "adapter_config.json").is_file():
+        raise UserError(
+            f"{path} is a LoRA adapter folder and holds no model weights; pass its base model "
+            "folder (adapter_config.json's base_model_name_or_path)"
+        )
+    if re.fullmatch(r"step_\d+", path.name) or (path / "trainer_state.pt").is_file():
+        raise UserError(
+            f"checkpoint {path} is incomplete: it has no model*.safetensors and no adapter "
+            "(the save was interrupted or files were removed); use another step_N folder"
+        )
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise UserError(
+            f"{path} holds weights in pickle files (.bin/.pt), not safetensors; convert them "
+            "with save_pretrained(..., safe_serialization=True) and pass the new folder"
+        )
     raise UserError(
         f"{path} has no model.safetensors or model.safetensors.index.json; "
         "save the model with safetensors (save_pretrained(..., safe_serialization=True))"
     )
+
+
+# safetensors dtypes a floating-point weight may be stored in
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def _open_safetensors(file: Path) -> Any:
+    """`safe_open(file)`; an unreadable file (truncated, not safetensors) is a UserError."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, OSError: the header or the size is wrong
+        raise UserError(
+            f"{file} is not a readable safetensors file ({brief(e)}); it is truncated or "
+            "corrupt: copy or download it again"
+        ) from e
 
 
 # Where a multimodal checkpoint keeps its text model (transformers 4.5x, then 5.x naming).
@@ -649,11 +895,9 @@ def from_hf(
     into it. `on_block(block)` is called on each block once loaded, before the next one is
     allocated (see `build_model`).
     """
-    path = Path(path)
+    path = resolve_model_path(path)
     if not path.is_dir():
-        raise UserError(
-            f"model folder {path} does not exist; pass the folder that holds config.json"
-        )
+        raise UserError(f"{path} is a file; pass the model folder that holds config.json")
     cfg = load_hf_config(path)
     args = args_from_hf_config(cfg)
     if dtype is None:
@@ -668,7 +912,7 @@ def from_hf(
     expected = {to_hf_name(n, family): p.shape for n, p in model.named_parameters()}
     where: dict[str, tuple[Path, str]] = {}  # HF name -> (file, name in that file)
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name = _text_tensor_name(stored)
                 if name is None or name.endswith("rotary_emb.inv_freq"):
@@ -681,7 +925,13 @@ def from_hf(
                         f"{file.name}: unexpected tensor {stored!r} (config.json describes a "
                         "model without it); use the config.json that came with these weights"
                     )
-                shape = f.get_slice(stored).get_shape()
+                piece = f.get_slice(stored)
+                shape = piece.get_shape()
+                if piece.get_dtype() not in _FLOAT_DTYPES:
+                    raise UserError(
+                        f"{file}: tensor {stored!r} is stored as {piece.get_dtype()}, but model "
+                        "weights are floating point (F32, F16, BF16); re-export the weights"
+                    )
                 if list(shape) != list(expected[name]):
                     raise UserError(
                         f"{stored}: checkpoint has {_shape(shape)}, model expects "
@@ -701,16 +951,29 @@ def from_hf(
     parts += [(f"layers.{i}", block) for i, block in enumerate(model.layers)]
     parts += [("norm", model.norm)] + [("output", model.output)] * (not args.tie_embeddings)
     with contextlib.ExitStack() as stack, torch.no_grad():
-        readers = {
-            file: stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            for file in files
-        }
+        readers = {file: stack.enter_context(_open_safetensors(file)) for file in files}
         for prefix, module in parts:
             module.to_empty(device=device)
             model.tie_weights()
             for name, param in module.named_parameters(prefix=prefix):
                 file, stored = where[to_hf_name(name, family)]
-                param.copy_(readers[file].get_tensor(stored))
+                try:
+                    tensor = readers[file].get_tensor(stored)
+                except Exception as e:  # SafetensorError: data cut short or unreadable
+                    raise UserError(
+                        f"{file}: cannot read tensor {stored!r} ({brief(e)}); the file is "
+                        "truncated or corrupt: copy or download it again"
+                    ) from e
+                param.copy_(tensor)
+                # in the load dtype: a value too large for it is as unusable as a NaN
+                if not bool(torch.isfinite(param).all()):
+                    why = "holds NaN or Inf values"
+                    if bool(torch.isfinite(tensor).all()):
+                        why = f"has values beyond the range of {str(dtype).removeprefix('torch.')}"
+                    raise UserError(
+                        f"{file}: tensor {stored!r} {why}; the weights are corrupt or diverged: "
+                        "use a healthy checkpoint"
+                    )
             if on_block is not None and prefix.startswith("layers."):
                 on_block(module)
     model.hf_config = cfg
