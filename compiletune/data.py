@@ -65,6 +65,7 @@ class _RawExample:
 
     pieces: list[Piece]
     eos_is_target: bool  # whether an eos appended at the end is a target
+    where: str = ""  # FILE:LINE (or the source), for messages
 
 
 @dataclass
@@ -96,10 +97,31 @@ class PackedData:
 
 def _read_text_file(path: Path) -> str:
     try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e.strerror or e}); check the path") from e
+    try:
         # utf-8-sig: a byte-order mark (Windows editors) would otherwise break line 1's JSON.
-        return path.read_text(encoding="utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not valid UTF-8 ({e}); save the file as UTF-8") from e
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(
+            f"{path}:{line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
+            "save the file as UTF-8"
+        ) from e
+
+
+def _check_utf8(text: str, where: str, what: str) -> str:
+    """`text`, which must be encodable as UTF-8 (a JSON escape like \\ud800 gives a lone
+    surrogate, which no tokenizer can take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(
+            f"{where}: {what} holds {text[e.start]!r} (a lone UTF-16 surrogate, from an escape "
+            "like \\ud800 without its pair), which is not text; fix the line"
+        ) from e
+    return text
 
 
 def _split_documents(text: str) -> list[str]:
@@ -154,23 +176,29 @@ def _check_str(obj: dict, key: str, where: str) -> str:
         raise UserError(
             f'{where}: "{key}" must be a string, got {type(value).__name__}; fix the line'
         )
-    return value
+    return _check_utf8(value, where, f'"{key}"')
 
 
 def _check_messages(obj: dict, where: str) -> list[dict]:
     messages = obj["messages"]
-    ok = isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages
-    )
-    if not ok:
-        raise UserError(
-            f'{where}: "messages" must be a list of {{"role": str, "content": str}} objects; '
-            "fix the line"
-        )
+    shape = '"messages" must be a list of {"role": str, "content": str} objects'
+    if not isinstance(messages, list):
+        raise UserError(f"{where}: {shape}, got {type(messages).__name__}; fix the line")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise UserError(
+                f"{where}: {shape}; messages[{i}] is a {type(m).__name__}; fix the line"
+            )
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                got = "missing" if key not in m else f"a {type(m[key]).__name__}"
+                raise UserError(f'{where}: {shape}; messages[{i}]["{key}"] is {got}; fix the line')
+            _check_utf8(m[key], where, f'messages[{i}]["{key}"]')
+    if not messages:
+        raise UserError(f'{where}: "messages" is empty; add the conversation or remove the line')
     # The reply's prompt is rendered from the messages before it, and templates (and
     # transformers 5) refuse an empty conversation.
-    if messages and messages[0]["role"] == "assistant":
+    if messages[0]["role"] == "assistant":
         raise UserError(
             f"{where}: the conversation starts with an assistant message; put the user (or "
             "system) message it answers before it"
@@ -194,8 +222,9 @@ def _read_jsonl(path: Path, tokenizer) -> list[_RawExample]:
         where = f"{path}:{lineno}"
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: invalid JSON ({e}); fix the line or remove it") from e
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, too many digits, nesting
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
+            raise UserError(f"{where}: invalid JSON ({why}); fix the line or remove it") from e
         if not isinstance(obj, dict):
             raise UserError(
                 f"{where}: expected a JSON object, got {type(obj).__name__}; write one object "
@@ -210,16 +239,18 @@ def _read_jsonl(path: Path, tokenizer) -> list[_RawExample]:
                 )
             messages = _check_messages(obj, where)
             pieces = _chat_pieces(tokenizer, messages, where)
-            examples.append(_RawExample(pieces, eos_is_target=messages[-1]["role"] == "assistant"))
+            last_is_reply = messages[-1]["role"] == "assistant"
+            examples.append(_RawExample(pieces, eos_is_target=last_is_reply, where=where))
         elif "prompt" in obj or "completion" in obj:
             if not ("prompt" in obj and "completion" in obj):
                 missing = "completion" if "prompt" in obj else "prompt"
                 raise UserError(f'{where}: "{missing}" is missing; give both prompt and completion')
             prompt = _check_str(obj, "prompt", where)
             completion = _check_str(obj, "completion", where)
-            examples.append(_RawExample([(prompt, False), (completion, True)], eos_is_target=True))
+            pieces = [(prompt, False), (completion, True)]
+            examples.append(_RawExample(pieces, eos_is_target=True, where=where))
         elif "text" in obj:
-            examples.append(_RawExample([(_check_str(obj, "text", where), True)], True))
+            examples.append(_RawExample([(_check_str(obj, "text", where), True)], True, where))
         else:
             found = ", ".join(sorted(obj)) or "none"
             raise UserError(
@@ -247,7 +278,8 @@ def _read_source(source: str, tokenizer) -> list[_RawExample]:
         raise UserError(f"{source} is a directory; pass --data with a .txt or .jsonl file")
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        return [_RawExample([(doc, True)], True) for doc in _split_documents(_read_text_file(path))]
+        docs = _split_documents(_read_text_file(path))
+        return [_RawExample([(doc, True)], True, str(path)) for doc in docs]
     if suffix == ".jsonl":
         return _read_jsonl(path, tokenizer)
     raise UserError(
@@ -259,15 +291,30 @@ def _read_source(source: str, tokenizer) -> list[_RawExample]:
 # ----------------------------------------------------------------------------- tokenising
 
 
-def _tokenize_pieces(texts: list[str], tokenizer) -> list[list[int]]:
-    """Token ids of each text, no special tokens added; a progress bar when there are many."""
+def _tokenize_pieces(
+    texts: list[str], tokenizer, wheres: list[str] | None = None
+) -> list[list[int]]:
+    """Token ids of each text, no special tokens added; a progress bar when there are many.
+    A text the tokenizer fails on is a UserError naming its `wheres` entry (FILE:LINE)."""
     out: list[list[int]] = []
     with tqdm(total=len(texts), desc="tokenizing", unit="doc", disable=len(texts) < 2000) as bar:
         for start in range(0, len(texts), _TOKENIZE_CHUNK):
             chunk = texts[start : start + _TOKENIZE_CHUNK]
-            # verbose=False: documents longer than model_max_length are fine here, rows are
-            # cut by pack(), so the "sequence too long" warning would only mislead.
-            out.extend(tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"])
+            try:
+                # verbose=False: documents longer than model_max_length are fine here, rows
+                # are cut by pack(), so the "sequence too long" warning would only mislead.
+                out.extend(tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"])
+            except Exception:  # find the text it fails on, one by one
+                for i, text in enumerate(chunk, start=start):
+                    try:
+                        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+                    except Exception as e:
+                        where = wheres[i] if wheres else "the data"
+                        why = " ".join(str(e).split())[:200] or type(e).__name__
+                        raise UserError(
+                            f"{where}: the tokenizer cannot encode this text ({why}); fix or "
+                            "remove it"
+                        ) from e
             bar.update(len(chunk))
     return out
 
@@ -282,7 +329,8 @@ def load_examples(source: str, tokenizer: PreTrainedTokenizerBase) -> list[Examp
     if not raw:
         raise UserError(f"{source} has no examples; add data to it or pick another --data")
     texts = [text for example in raw for text, _ in example.pieces]
-    piece_ids = iter(_tokenize_pieces(texts, tokenizer))
+    wheres = [example.where or source for example in raw for _ in example.pieces]
+    piece_ids = iter(_tokenize_pieces(texts, tokenizer, wheres))
     bos = tokenizer.bos_token_id
     eos = tokenizer.eos_token_id
     examples = []
