@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TextIO
 
 import torch
@@ -100,9 +101,91 @@ def stop_ids(tokenizer: Any, model_dir: Path) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     config = model_dir / "generation_config.json"
     if config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token_id")
-        ids |= set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+        try:
+            settings = json.loads(config.read_bytes().decode("utf-8-sig"))
+        except (OSError, ValueError, RecursionError) as e:
+            raise UserError(
+                f"{config} is not valid JSON ({' '.join(str(e).split())[:200]}); fix or remove it"
+            ) from e
+        eos = settings.get("eos_token_id") if isinstance(settings, dict) else None
+        if isinstance(eos, list):
+            ids |= {i for i in eos if isinstance(i, int) and not isinstance(i, bool)}
+        elif isinstance(eos, int) and not isinstance(eos, bool):
+            ids.add(eos)
     return ids
+
+
+def adapter_base(folder: Path) -> tuple[Path | None, dict[str, Any]]:
+    """The base of a LoRA adapter folder: (its model folder, or None for a preset drawn from the
+    run's seed; the run's saved config, {} when there is no trainer_state.pt). The base is
+    adapter_config.json's base_model_name_or_path: a folder (or a hub id in the local HF
+    cache, see `resolve_model_path`), else a preset that the run's config reproduces."""
+    from compiletune import adapter_io
+    from compiletune.models import PRESETS, resolve_model_path
+
+    config_file = folder / adapter_io.ADAPTER_CONFIG
+    adapter_io.read_adapter_spec(folder)  # the config and weights are a LoRA adapter
+    base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    saved: dict[str, Any] = {}
+    if (folder / "trainer_state.pt").is_file():
+        from compiletune.checkpoint import load_train_state
+
+        saved = load_train_state(folder).get("config") or {}
+    if not isinstance(base, str) or not base:
+        raise UserError(
+            f"{config_file} names no base model (base_model_name_or_path); set it to the base "
+            "model folder the adapter was trained on"
+        )
+    if base in PRESETS and not Path(base).exists():
+        if not saved:
+            raise UserError(
+                f"{folder} adapts the preset {base!r}, whose weights were drawn from the run's "
+                "seed, and has no trainer_state.pt recording that seed; generate from the run's "
+                "--merge export (OUTPUT_DIR/merged) instead"
+            )
+        return None, saved
+    try:
+        path = resolve_model_path(base)
+    except UserError as e:
+        raise UserError(
+            f"{config_file} names the base model {base}, which is not here ({e}); put the base "
+            "model folder at that path or set base_model_name_or_path to where it is"
+        ) from e
+    return path, saved
+
+
+def load_lora_checkpoint(
+    folder: Path,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    base: tuple[Path | None, dict[str, Any]] | None = None,
+) -> Transformer:
+    """A LoRA checkpoint (adapter folder) as a model: its base, loaded or drawn again from the
+    run's seed (a preset base matches the run's when drawn on the same kind of device), with
+    the adapters on top. `base`: what `adapter_base(folder)` gives, if already known."""
+    from compiletune import adapter_io
+    from compiletune.models import build_model
+    from compiletune.models.lora import apply_lora, block_adapter
+    from compiletune.train.build import pick_dtype, resolve_model_args
+
+    base_dir, saved = base or adapter_base(folder)
+    spec = adapter_io.read_adapter_spec(folder)
+    dtype = dtype or pick_dtype(saved.get("dtype"), device)
+    quantize = saved.get("quantize_base")
+    base_dtype = pick_dtype(saved["base_dtype"], device) if saved.get("base_dtype") else dtype
+    lora_kw: dict[str, Any] = {"dtype": dtype, "base_dtype": base_dtype, "quantize": quantize}
+    seed = int(saved.get("seed") or 0)
+    adapt = block_adapter(spec, **lora_kw, seed=seed)
+    if base_dir is not None:
+        model = from_hf(base_dir, dtype=dtype, device=device, on_block=adapt)
+    else:  # a preset: the weights the run drew from its seed
+        facts = SimpleNamespace(model_dir=None, preset=saved.get("model"), n_layers=None)
+        facts.n_layers = saved.get("n_layers")
+        args = resolve_model_args(SimpleNamespace(model=facts))
+        model = build_model(args, device, dtype, init=True, seed=seed, on_block=adapt)
+    apply_lora(model, spec, **lora_kw, blocks_adapted=True)
+    adapter_io.load_adapter(model, folder)
+    return model
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool, history: list[dict] | None = None):
@@ -161,6 +244,15 @@ def reply(
     return printer.text(), len(printer.ids), time.perf_counter() - t0
 
 
+def _tokenizer_folder(folder: Path, base: Path | None) -> Path:
+    """Where a LoRA checkpoint's tokenizer is: beside the adapter (a run saves it there), else
+    in its base folder (a PEFT adapter folder may hold none)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if base is not None and not any((folder / n).is_file() for n in names):
+        return base
+    return folder
+
+
 def run_generate(
     model_dir: str,
     prompt: str | None,
@@ -189,16 +281,31 @@ def run_generate(
         raise UserError("--top-p chooses among sampled tokens; add --temperature > 0 (e.g. 0.7)")
     if prompt is None and not chat:
         raise UserError("pass --prompt TEXT, or --chat for a conversation")
-    folder = Path(model_dir)
-    if not (folder / "config.json").is_file():
+    from compiletune import adapter_io
+    from compiletune.models import resolve_model_path
+
+    folder = resolve_model_path(model_dir)
+    lora = adapter_io.is_adapter_folder(folder) and not (folder / "config.json").is_file()
+    if not lora and not (folder / "config.json").is_file():
         raise UserError(
-            f"--model-dir {model_dir} holds no config.json; pass a checkpoint folder "
-            "(e.g. OUTPUT_DIR/step_N) or a HF model folder"
+            f"--model-dir {model_dir} holds neither config.json nor a LoRA adapter "
+            "(adapter_config.json); pass a checkpoint folder (e.g. OUTPUT_DIR/step_N) or a HF "
+            "model folder"
         )
-    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
     device = pick_device()
-    model = from_hf(model_dir, dtype=pick_dtype(dtype_name, device), device=device).eval()
-    stops = stop_ids(tokenizer, folder)
+    if lora:
+        base, saved = adapter_base(folder)
+        tokenizer_dir = tokenizer_dir or _tokenizer_folder(folder, base)
+        tokenizer = load_tokenizer(tokenizer_dir, "--tokenizer")
+        dtype = pick_dtype(dtype_name, device) if dtype_name else None
+        model = load_lora_checkpoint(folder, dtype, device, (base, saved)).eval()
+        stops = stop_ids(tokenizer, folder) | (stop_ids(tokenizer, base) if base else set())
+    else:
+        tokenizer = load_tokenizer(
+            tokenizer_dir or folder, "--tokenizer" if tokenizer_dir else "--model-dir"
+        )
+        model = from_hf(folder, dtype=pick_dtype(dtype_name, device), device=device).eval()
+        stops = stop_ids(tokenizer, folder)
     generator = torch.Generator().manual_seed(sampling.seed)  # one stream for the session
 
     replies = []

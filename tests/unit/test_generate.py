@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 import transformers
+from tiny_run import tiny_run
 
 from compiletune.cli import main
 from compiletune.generate import (
@@ -176,4 +177,57 @@ def test_generate_bad_input(tmp_path, capsys, argv, needle):
 
 def test_generate_missing_model_dir(tmp_path, capsys):
     assert main(["generate", "--model-dir", str(tmp_path / "none"), "--prompt", "x"]) == 2
-    assert "holds no config.json" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["generate", "--model-dir", str(tmp_path / "empty"), "--prompt", "x"]) == 2
+    assert "holds neither config.json nor a LoRA adapter" in capsys.readouterr().err
+
+
+def _greedy(folder, prompt="The quick brown", n=16) -> str:
+    return run_generate(
+        str(folder), prompt, False, n, Sampling(), out=io.StringIO(), log=lambda line: None
+    )[0]
+
+
+@pytest.mark.parametrize("base", ["folder", "preset"])
+def test_generate_from_lora_checkpoint_equals_merged(tmp_path, base):
+    """A LoRA run's step_N (adapters only) generates what its --merge export generates."""
+    data = tmp_path / "d.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    if base == "folder":
+        _, folder = make_checkpoint(tmp_path, "llama")
+        where = {"model_dir": str(folder)}
+    else:
+        where = {"model": "debug", "n_layers": 2}
+    tiny_run(
+        tmp_path,
+        str(data),
+        lora_rank=4,
+        lr=0.05,
+        merge=True,
+        max_steps=4,
+        save_every=4,
+        dtype="fp32",
+        **where,
+    )
+    out = tmp_path / "run"
+    step = out / "step_4"
+    assert (step / "adapter_config.json").is_file() and not (step / "config.json").exists()
+    text = _greedy(step)
+    assert text == _greedy(out / "merged")
+    if base == "folder":  # the adapters were applied: the base alone continues differently
+        assert text != _greedy(folder)
+
+
+def test_generate_lora_checkpoint_without_its_base(tmp_path, capsys):
+    _, folder = make_checkpoint(tmp_path, "llama")
+    data = tmp_path / "d.txt"
+    data.write_text("some text to learn from, repeated. " * 20)
+    tiny_run(tmp_path, str(data), lora_rank=4, max_steps=1, model_dir=str(folder))
+    step = tmp_path / "run" / "step_1"
+    moved = tmp_path / "elsewhere"
+    folder.rename(moved)
+    capsys.readouterr()
+    assert main(["generate", "--model-dir", str(step), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names the base model" in err[0] and str(folder) in err[0], err
