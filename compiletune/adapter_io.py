@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from compiletune.errors import UserError
-from compiletune.models.hf import to_hf_name, to_native_name
+from compiletune.models.hf import brief, to_hf_name, to_native_name
 from compiletune.models.lora import FUSED_PARTS, SPEC_TARGETS, TARGETS, LoRASpec, lora_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -144,14 +144,27 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
             "needed); pass a folder written by a LoRA run or by PEFT's save_pretrained"
         )
     try:
-        cfg = json.loads(config_file.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{config_file} is not valid JSON ({e}); re-export the adapter") from e
+        cfg = json.loads(config_file.read_bytes().decode("utf-8-sig"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(
+            f"{config_file} is not valid JSON ({brief(e)}); re-export the adapter"
+        ) from e
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA" or "r" not in cfg:
         raise UserError(
             f"{config_file} is not a LoRA adapter config (peft_type LORA with r and lora_alpha); "
             "pass a folder written by a LoRA run or by PEFT's save_pretrained"
         )
+    numbers = {"r": cfg["r"], "lora_alpha": cfg.get("lora_alpha", 8)}
+    numbers["lora_dropout"] = cfg.get("lora_dropout") or 0.0
+    for key, value in numbers.items():
+        whole = isinstance(value, int) and value >= 1
+        ok = whole if key == "r" else isinstance(value, int | float) and value >= 0
+        if isinstance(value, bool) or not ok:
+            raise UserError(
+                f"{config_file}: {key} must be a "
+                + ("positive integer" if key == "r" else "non-negative number")
+                + f", got {json.dumps(value)[:40]}; re-export the adapter"
+            )
     unsupported = {
         "use_dora": bool(cfg.get("use_dora")),
         "use_rslora": bool(cfg.get("use_rslora")),
@@ -167,7 +180,7 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
                 f"{config_file} sets {key}={cfg.get(key)!r}, which compiletune's LoRA does not "
                 "support; export the adapter without it"
             )
-    with safe_open(str(weights), framework="pt") as f:
+    with _open(weights) as f:
         names = list(f.keys())
     per_block: dict[str, set[str]] = {}
     for name in names:
@@ -189,6 +202,17 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
         dropout=float(cfg.get("lora_dropout") or 0.0),
         targets=targets,
     )
+
+
+def _open(file: Path) -> Any:
+    """`safe_open(file)`; an unreadable file (truncated, not safetensors) is a UserError."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # SafetensorError, OSError
+        raise UserError(
+            f"{file} is not a readable safetensors file ({brief(e)}); it is truncated or "
+            "corrupt: copy it again"
+        ) from e
 
 
 def _split_key(name: str, file: Path) -> tuple[str, str]:
@@ -225,16 +249,34 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
         )
     modules = dict(lora_modules(model))
     loaded = set()
-    with safe_open(str(path / ADAPTER_WEIGHTS), framework="pt") as f:
+    weights = path / ADAPTER_WEIGHTS
+    with _open(weights) as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            module, kind = _split_key(name, path / ADAPTER_WEIGHTS)
+            module, kind = _split_key(name, weights)
             if module not in modules:
                 raise UserError(
                     f"{path}: adapter {name!r} has no place in this model (it has "
                     f"{model.args.n_layers} layers); use the adapter's base model"
                 )
             param = modules[module].lora_a if kind == "A" else modules[module].lora_b
-            tensor = f.get_tensor(name)
+            dtype = f.get_slice(name).get_dtype()
+            if dtype not in ("F64", "F32", "F16", "BF16"):
+                raise UserError(
+                    f"{weights}: tensor {name!r} is stored as {dtype}; adapter weights are "
+                    "floating point: re-export the adapter"
+                )
+            try:
+                tensor = f.get_tensor(name)
+            except Exception as e:  # SafetensorError: data cut short
+                raise UserError(
+                    f"{weights}: cannot read tensor {name!r} ({brief(e)}); the file is truncated "
+                    "or corrupt: copy it again"
+                ) from e
+            if not bool(torch.isfinite(tensor).all()):
+                raise UserError(
+                    f"{weights}: tensor {name!r} holds NaN or Inf values; use a healthy "
+                    "checkpoint (an earlier step_N)"
+                )
             if tensor.shape != param.shape:
                 raise UserError(
                     f"{path}: {name} has shape {list(tensor.shape)}, the model expects "
@@ -261,6 +303,7 @@ def save_merged(
     A sharded (FSDP2) model: every rank calls this and joins the gathers, one tensor at a time
     (each merged weight is built from its gathered base and adapters); only the rank with
     `writer=True` writes."""
+    from compiletune import faults
     from compiletune.atomic import write_folder_atomically
     from compiletune.models import save_hf
 
@@ -275,6 +318,7 @@ def save_merged(
             merge_lora=True,
             writer=writer,
         )
+        faults.point("merge")
 
     if not writer:
         write(path.parent / f".tmp-{path.name}")  # gathers only; nothing is written
