@@ -11,14 +11,21 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from compiletune import faults
+
 
 def write_folder_atomically(final: Path, write: Callable[[Path], None]) -> Path:
     """`write(tmp)` fills a temporary sibling `.tmp-<name>`, which then replaces `final`."""
     tmp = final.parent / f".tmp-{final.name}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    write(tmp)
-    fsync_tree(tmp)
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+    except BaseException:
+        # A failed write (a full disk, an interrupt) leaves nothing behind to fill the disk.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     publish(tmp, final)
     return final
 
@@ -30,6 +37,7 @@ def publish(tmp: Path, final: Path) -> None:
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
+        faults.point("publish")  # between the two renames: recover() puts `old` back
         os.replace(tmp, final)
         shutil.rmtree(old)
     else:
@@ -45,3 +53,24 @@ def fsync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def recover(folder: Path) -> list[str]:
+    """Tidy what a killed writer left in `folder`: a `.old-<name>` whose `<name>` is missing is
+    the complete previous copy (killed mid-swap) and is renamed back; other `.old-*` and every
+    `.tmp-*` are removed. Returns what was done, for the user."""
+    done = []
+    if not folder.is_dir():
+        return done
+    for child in sorted(folder.iterdir()):
+        if child.name.startswith(".old-"):
+            final = folder / child.name.removeprefix(".old-")
+            if final.exists():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                os.replace(child, final)
+                done.append(f"restored {final.name} from an interrupted save")
+        elif child.name.startswith(".tmp-"):
+            shutil.rmtree(child, ignore_errors=True)
+            done.append(f"removed the half-written {child.name}")
+    return done

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from compiletune import faults
 from compiletune.atomic import fsync_tree, publish, write_folder_atomically
 from compiletune.errors import UserError
 
@@ -88,6 +89,7 @@ def save_checkpoint(
             save_adapter(model, tmp, tokenizer=tokenizer)
         else:
             save_hf(model, tmp, tokenizer=tokenizer)
+        faults.point("save")  # the weights are written, the training state not yet
         torch.save(train_state, tmp / STATE_FILE)
 
     return write_folder_atomically(output_dir / f"step_{step}", write)
@@ -247,11 +249,19 @@ def convert_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | N
         entries = [e for e in entries if e[0] != "lm_head.weight"]
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[dtype]
     out_dtype = out_dtype or next(iter(saved.values()))[1]
-    write_hf_folder(dst, hf_config_from_args(args, out_dtype, base=hf_cfg), entries, out_dtype)
-    for extra in src.iterdir():  # tokenizer files and anything else beside the weights
-        if not extra.is_file() or extra.name in ("config.json", STATE_FILE):
-            continue
-        if extra.name.startswith("model") and extra.name.endswith((".safetensors", ".json")):
-            continue  # the run's own export (last checkpoint): ours replaces it
-        shutil.copy2(extra, dst / extra.name)
-    return dst
+
+    def write(folder: Path) -> None:
+        write_hf_folder(
+            folder, hf_config_from_args(args, out_dtype, base=hf_cfg), entries, out_dtype
+        )
+        faults.point("convert")
+        for extra in src.iterdir():  # tokenizer files and anything else beside the weights
+            if not extra.is_file() or extra.name in ("config.json", STATE_FILE):
+                continue
+            if extra.name.startswith("model") and extra.name.endswith((".safetensors", ".json")):
+                continue  # the run's own export (last checkpoint): ours replaces it
+            shutil.copy2(extra, folder / extra.name)
+
+    # Whole or not at all: a killed convert leaves only `.tmp-<name>`, never a folder that
+    # looks like a model and is not.
+    return write_folder_atomically(dst, write)

@@ -17,6 +17,7 @@ from compiletune.config import TrainConfig, add_flags
 from compiletune.errors import UserError
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,7 +127,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
     summary = train(_resolve(ns, flags))
-    return 130 if summary["interrupted"] else 0
+    return EXIT_INTERRUPTED if summary["interrupted"] else 0
 
 
 def _cmd_estimate(ns: argparse.Namespace) -> int:
@@ -270,4 +271,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_models(ns)
     except UserError as e:
         sys.stderr.write(f"compiletune: error: {e}\n")
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        # Ctrl-C before the training loop takes over signals, or a second one during it:
+        # whatever was being written is only ever published whole (atomic.py).
+        sys.stderr.write("compiletune: interrupted\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # stdout piped into a reader that stopped (`| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except OSError as e:
+        # A path given by the user (or derived from one) that cannot be read or written: the
+        # system's reason and the path, in one line.
+        where = f"{e.filename}: " if e.filename else ""
+        sys.stderr.write(f"compiletune: error: {where}{e.strerror or e}\n")
         return EXIT_BAD_INPUT

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 import types
 import typing
@@ -50,13 +51,19 @@ def opt(
     estimate: bool = True,
     negate: bool = False,
     metavar: str | None = None,
+    on_resume: str = "same",
 ) -> Any:
     """A config field. `key`: its YAML key and flag name when they differ from the attribute;
     `shows`: the default as `--help` states it (for defaults decided by `fill_defaults`);
     `estimate`: the flag changes a memory estimate (so `estimate-memory` takes it);
-    `negate`: a True-by-default switch offered as `--no-<key>`."""
+    `negate`: a True-by-default switch offered as `--no-<key>`;
+    `on_resume`: "same" if changing it on `--resume` changes the result (refused unless
+    --accept-changes), "fixed" if the checkpoint itself holds it (the model, the adapters, the
+    optimizer's state: never changed on resume), "free" if it changes only logging, saving or
+    how the same numbers are computed (the compile and memory techniques, equal by the
+    numerics contract), "length" for the run's length (judged by `run_dir.judge_resume`)."""
     meta = {"help": help, "key": key, "shows": shows, "estimate": estimate, "negate": negate}
-    return field(default=default, metadata={**meta, "metavar": metavar})
+    return field(default=default, metadata={**meta, "metavar": metavar, "on_resume": on_resume})
 
 
 @dataclass
@@ -69,10 +76,16 @@ class ModelConfig:
         "preset name (see `compiletune models`)",
         key="model",
         shows="debug, or the architecture of --model-dir",
+        on_resume="fixed",
     )
-    model_dir: str | None = opt(None, "local HF model folder to fine-tune", metavar="DIR")
+    model_dir: str | None = opt(
+        None, "local HF model folder to fine-tune", metavar="DIR", on_resume="fixed"
+    )
     n_layers: int | None = opt(
-        None, "override the preset's depth (random init; benches, debugging)", shows="preset's"
+        None,
+        "override the preset's depth (random init; benches, debugging)",
+        shows="preset's",
+        on_resume="fixed",
     )
     tokenizer: str | None = opt(
         None,
@@ -80,6 +93,7 @@ class ModelConfig:
         shows="--model-dir, else a byte tokenizer",
         estimate=False,
         metavar="DIR",
+        on_resume="fixed",
     )
     dtype: Dtype | None = opt(
         None,
@@ -117,10 +131,16 @@ class DataConfig:
         estimate=False,
     )
     eval_data: str | None = opt(
-        None, "held-out SOURCE (like --data)", estimate=False, metavar="SOURCE"
+        None,
+        "held-out SOURCE (like --data)",
+        estimate=False,
+        metavar="SOURCE",
+        on_resume="free",
     )
     val_split: float = opt(0.0, "hold out this fraction of --data (0 = none)", estimate=False)
-    eval_every: int = opt(0, "evaluate every N steps (0 = at the end)", estimate=False)
+    eval_every: int = opt(
+        0, "evaluate every N steps (0 = at the end)", estimate=False, on_resume="free"
+    )
     seq_len: int = opt(256, "tokens per row")
     batch_size: int = opt(8, "rows per micro-batch (per process)")
     grad_accum: int = opt(1, "micro-batches per optimizer step")
@@ -149,7 +169,7 @@ class OptimConfig:
     """The optimizer, its state, and the learning-rate schedule."""
 
     TITLE = "optimisation"
-    optimizer: OptimizerKind = opt("adamw", "AdamW, or AdamW with 8-bit moments")
+    optimizer: OptimizerKind = opt("adamw", "AdamW, or AdamW with 8-bit moments", on_resume="fixed")
     optimizer_in_backward: bool = opt(
         False, "step each parameter during backward and free its gradient at once"
     )
@@ -207,25 +227,35 @@ class TechniquesConfig:
     """The compiler and the memory techniques it applies."""
 
     TITLE = "compiler and activation memory"
-    compile: bool = opt(False, "compile each block and the loss head through compiletune's backend")
+    compile: bool = opt(
+        False,
+        "compile each block and the loss head through compiletune's backend",
+        on_resume="free",
+    )
     compile_backend: CompileBackend = opt(
-        "inductor", "aot_eager: the same passes, no code generation (debugging)"
+        "inductor",
+        "aot_eager: the same passes, no code generation (debugging)",
+        on_resume="free",
     )
     dump_graphs: str | None = opt(
         None,
         "write each region's graphs per stage and a summary.json here",
         estimate=False,
         metavar="DIR",
+        on_resume="free",
     )
     loss: Loss | None = opt(
         None,
         "the loss head: fused (no full logits), chunked, or plain",
         shows="fused with --compile or a vocabulary of 32k+, else plain",
+        on_resume="free",
     )
-    ac: str = opt("none", "activation policy: none | full | selective | budget=F")
-    ac_every: int = opt(1, "apply --ac to every K-th block")
+    ac: str = opt("none", "activation policy: none | full | selective | budget=F", on_resume="free")
+    ac_every: int = opt(1, "apply --ac to every K-th block", on_resume="free")
     offload_activations: bool = opt(
-        False, "what each block saves for backward goes to host memory (needs --compile)"
+        False,
+        "what each block saves for backward goes to host memory (needs --compile)",
+        on_resume="free",
     )
 
     def check(self, cfg: TrainConfig) -> None:
@@ -249,12 +279,20 @@ class ParallelConfig:
     """FSDP2 across processes (launch with torchrun for several)."""
 
     TITLE = "distributed (launch with torchrun for several processes)"
-    fsdp: bool = opt(False, "shard parameters, gradients and optimizer state with FSDP2")
-    sharding: Sharding = opt(
-        "full", "what FSDP shards: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD"
+    fsdp: bool = opt(
+        False, "shard parameters, gradients and optimizer state with FSDP2", on_resume="free"
     )
-    shard_size: int | None = opt(None, "hybrid: processes per shard group", shows="per node")
-    cpu_offload: bool = opt(False, "parameters, gradients and the optimizer step on the host")
+    sharding: Sharding = opt(
+        "full",
+        "what FSDP shards: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD",
+        on_resume="free",
+    )
+    shard_size: int | None = opt(
+        None, "hybrid: processes per shard group", shows="per node", on_resume="free"
+    )
+    cpu_offload: bool = opt(
+        False, "parameters, gradients and the optimizer step on the host", on_resume="free"
+    )
 
     def check(self, cfg: TrainConfig) -> None:
         from compiletune.distributed import launched_world_size
@@ -286,19 +324,34 @@ class LoRAConfig:
 
     TITLE = "LoRA / QLoRA"
     rank: int = opt(
-        0, "train rank-R adapters, freeze every other weight (0 = off)", key="lora_rank"
+        0,
+        "train rank-R adapters, freeze every other weight (0 = off)",
+        key="lora_rank",
+        on_resume="fixed",
     )
     alpha: float | None = opt(
-        None, "adapter scale: the update is scaled by alpha / R", key="lora_alpha", shows="2R"
+        None,
+        "adapter scale: the update is scaled by alpha / R",
+        key="lora_alpha",
+        shows="2R",
+        on_resume="fixed",
     )
     dropout: float = opt(0.0, "dropout on the adapters' input", key="lora_dropout", estimate=False)
     targets: str = opt(
-        "all-linear", "q,k,v,o,gate,up,down (any of them) or all-linear", key="lora_targets"
+        "all-linear",
+        "q,k,v,o,gate,up,down (any of them) or all-linear",
+        key="lora_targets",
+        on_resume="fixed",
     )
     base_dtype: BaseDtype | None = opt(None, "the frozen weights' storage dtype", shows="--dtype")
-    quantize_base: Quantize | None = opt(None, "store the frozen projections in NF4 (QLoRA)")
+    quantize_base: Quantize | None = opt(
+        None, "store the frozen projections in NF4 (QLoRA)", on_resume="fixed"
+    )
     merge: bool = opt(
-        False, "also write OUTPUT_DIR/merged at the end, adapters folded in", estimate=False
+        False,
+        "also write OUTPUT_DIR/merged at the end, adapters folded in",
+        estimate=False,
+        on_resume="free",
     )
 
     def check(self, cfg: TrainConfig) -> None:
@@ -335,23 +388,57 @@ class RunConfig:
     """How long the run is, and what it writes."""
 
     TITLE = "run length and output"
-    max_steps: int | None = opt(None, "optimizer steps", shows="100", estimate=False)
+    max_steps: int | None = opt(
+        None, "optimizer steps", shows="100", estimate=False, on_resume="length"
+    )
     epochs: int | None = opt(
-        None, "train this many passes over --data instead of --max-steps", estimate=False
+        None,
+        "train this many passes over --data instead of --max-steps",
+        estimate=False,
+        on_resume="length",
     )
     seed: int = opt(0, "initialisation and data order", estimate=False)
     output_dir: str | None = opt(
-        None, "run folder", shows="runs/<model>-<time>", estimate=False, metavar="DIR"
+        None,
+        "run folder",
+        shows="runs/<model>-<time>",
+        estimate=False,
+        metavar="DIR",
+        on_resume="free",
     )
-    save_every: int = opt(0, "checkpoint every N steps (0 = at the end only)", estimate=False)
-    log: str | None = opt(None, "also log to: tensorboard, wandb (comma-separated)", estimate=False)
-    resume: bool = opt(False, "continue from the latest checkpoint in --output-dir", estimate=False)
-    overwrite: bool = opt(False, "replace an existing run in --output-dir", estimate=False)
+    save_every: int = opt(
+        0, "checkpoint every N steps (0 = at the end only)", estimate=False, on_resume="free"
+    )
+    log: str | None = opt(
+        None, "also log to: tensorboard, wandb (comma-separated)", estimate=False, on_resume="free"
+    )
+    resume: bool = opt(
+        False,
+        "continue from the latest checkpoint in --output-dir",
+        estimate=False,
+        on_resume="free",
+    )
+    overwrite: bool = opt(
+        False, "replace an existing run in --output-dir", estimate=False, on_resume="free"
+    )
     preflight: bool = opt(
         True,
         "skip the memory estimate that refuses a step that cannot fit the GPU",
         estimate=False,
         negate=True,
+        on_resume="free",
+    )
+    accept_changes: bool = opt(
+        False,
+        "--resume: accept flags that change the result (the refusal lists them)",
+        estimate=False,
+        on_resume="free",
+    )
+    skip_nonfinite: int = opt(
+        0,
+        "skip up to N steps whose loss or gradient norm is not finite (0: stop at the first)",
+        estimate=False,
+        on_resume="free",
     )
 
     def check(self, cfg: TrainConfig) -> None:
@@ -372,6 +459,15 @@ class RunConfig:
             raise UserError("--resume and --overwrite contradict each other; pass one of them")
         if self.resume and self.output_dir is None:
             raise UserError("--resume needs the --output-dir of the run to continue")
+        if self.accept_changes and not self.resume:
+            raise UserError("--accept-changes applies to --resume; drop it or add --resume")
+        if self.skip_nonfinite < 0:
+            raise UserError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
+        if self.skip_nonfinite and cfg.optim.optimizer_in_backward:
+            raise UserError(
+                "--skip-nonfinite cannot undo a step of --optimizer-in-backward (each parameter "
+                "is updated during backward, before the loss is known); drop one of them"
+            )
 
 
 _SECTIONS: dict[str, type] = {
@@ -483,6 +579,8 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
             if typ is float and isinstance(value, int) and not isinstance(value, bool):
                 setattr(sec, f.name, float(value))
                 continue
+            if typ is float and isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{_flag(f)} must be a finite number, got {value}")
             if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
                 what = "true or false" if typ is bool else typ.__name__
                 raise UserError(f"{origin}: {key} must be {what}, got {value!r}; fix the value")
@@ -508,12 +606,67 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
     unknown = sorted(set(yaml_values) - FIELD_NAMES)
     if unknown:
         raise UserError(f"config: unknown option '{unknown[0]}'")
-    cfg = TrainConfig.from_flat({**yaml_values, **flag_values})
+    given = {**yaml_values, **flag_values}
+    cfg = TrainConfig.from_flat({**_resumed_base(given), **given})
     _check_types(cfg, "config")
     for section in _SECTIONS:
         getattr(cfg, section).check(cfg)
     fill_defaults(cfg)
     return cfg
+
+
+SAVED_CONFIG = "config.yaml"
+# Options that belong to one invocation, never taken from a run's saved config.
+_PER_INVOCATION = ("resume", "overwrite", "accept_changes")
+
+
+def read_saved_config(output_dir: str | Path) -> dict[str, Any] | None:
+    """A run's `config.yaml` (None if the folder has none): its known options, flat."""
+    path = Path(output_dir) / SAVED_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+        raise UserError(
+            f"{path}: cannot read the run's saved config ({type(e).__name__}); restore it, or "
+            "delete it and pass every flag of the run again with --resume"
+        ) from e
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected option: value lines; restore or delete the file")
+    return {k: v for k, v in raw.items() if k in FIELD_NAMES}
+
+
+def _resumed_base(given: dict[str, Any]) -> dict[str, Any]:
+    """With --resume, the run's saved config is what the given options change (so `--resume`
+    alone continues the run as it was). The run's length is one choice: `--max-steps` or
+    `--epochs`, whichever is given, replaces both saved ones."""
+    if not given.get("resume") or given.get("output_dir") is None:
+        return {}
+    base = read_saved_config(given["output_dir"]) or {}
+    for key in _PER_INVOCATION:
+        base.pop(key, None)
+    if "max_steps" in given or "epochs" in given:
+        base.pop("max_steps", None)
+        base.pop("epochs", None)
+    elif base.get("epochs") is not None:
+        base.pop("max_steps", None)  # derived from --epochs and the data, again in the build
+    return base
+
+
+def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[str]]:
+    """The options of `cfg` that differ from a run's saved config, by their `on_resume` kind
+    ("same", "fixed"; the others are not judged here), each as `--flag old -> new`."""
+    changed: dict[str, list[str]] = {"same": [], "fixed": []}
+    for section, cls in _SECTIONS.items():
+        for f in fields(cls):
+            key, kind = _key(f), f.metadata["on_resume"]
+            if kind not in changed or key not in saved:
+                continue
+            old, new = saved[key], getattr(getattr(cfg, section), f.name)
+            if old != new:
+                changed[kind].append(f"{_flag(f)} {old} -> {new}")
+    return changed
 
 
 def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfig:
@@ -586,13 +739,18 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise UserError(f"--config {path}: not valid YAML ({e}); fix the file") from e
     if not isinstance(raw, dict):
         raise UserError(f"--config {path}: expected a mapping of option: value at the top level")
-    out = {}
+    out: dict[str, Any] = {}
+    spelled: dict[str, Any] = {}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in FIELD_NAMES:
             known = ", ".join(sorted(FIELD_NAMES))
             raise UserError(f"--config {path}: unknown option '{key}'; known options: {known}")
-        out[name] = value
+        if name in out:
+            raise UserError(
+                f"--config {path}: '{spelled[name]}' and '{key}' are the same option; keep one"
+            )
+        out[name], spelled[name] = value, key
     return out
 
 

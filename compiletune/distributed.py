@@ -219,6 +219,11 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is True on any (a collective: every rank calls it)."""
+    return all_reduce_sum([float(flag)], device)[0] > 0
+
+
 def gather_floats(value: float, device: torch.device) -> list[float]:
     """Every rank's `value`, in rank order, on every rank."""
     t = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)

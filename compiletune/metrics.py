@@ -47,10 +47,30 @@ class MetricsLog:
         self._f = path.open("a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        self._f.write(strict_json(record) + "\n")
 
     def close(self) -> None:
         self._f.close()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(record: dict[str, Any], **kw: Any) -> str:
+    """Strict JSON (RFC 8259 has no NaN or Infinity): a non-finite number becomes null, and
+    `nonfinite_values` names the keys it was found under."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    clean = _finite(record)
+    if bad:
+        clean["nonfinite_values"] = {k: str(record[k]) for k in bad}
+    return json.dumps(clean, allow_nan=False, **kw)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from compiletune import adapter_io, recipes, torch_internals
+from compiletune import adapter_io, faults, recipes, torch_internals
 from compiletune import checkpoint as ckpt
 from compiletune import distributed as dist_
 from compiletune.config import TrainConfig
@@ -28,7 +28,14 @@ from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
 from compiletune.train import run_dir
 from compiletune.train.build import Run, build_run, pick_device
-from compiletune.train.step import StepResult, evaluate, lr_factor, next_batch, train_step
+from compiletune.train.step import (
+    StepResult,
+    evaluate,
+    lr_factor,
+    next_batch,
+    train_step,
+    weights_finite,
+)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -41,8 +48,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.run.preflight and pick_device().type == "cuda":
         preflight_check(cfg)
     env = dist_.init_distributed(pick_device().type) if cfg.parallel.fsdp else None
+    main = env is None or env.is_main
     try:
-        return Trainer(cfg, env).train()
+        # One run per folder: rank 0 holds the lock; every rank learns whether it got it.
+        lock = run_dir.OutputLock(Path(cfg.run.output_dir), enabled=main, say=print)
+        refusal = None
+        try:
+            lock.__enter__()
+        except UserError as e:
+            refusal = e
+        if env is not None and dist_.any_rank(refusal is not None, env.device):
+            refusal = refusal or UserError("rank 0 could not take the --output-dir (see above)")
+        if refusal is not None:
+            raise refusal
+        try:
+            return Trainer(cfg, env, lock).train()
+        finally:
+            lock.release()
     finally:
         if env is not None:
             dist_.shutdown(env)
@@ -73,19 +95,33 @@ def preflight_check(cfg: TrainConfig) -> None:
 class Trainer:
     """One process's part of a training job: set up, then `train()`."""
 
-    def __init__(self, cfg: TrainConfig, env: dist_.DistEnv | None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, env: dist_.DistEnv | None, lock: run_dir.OutputLock | None = None
+    ) -> None:
         self.cfg, self.env = cfg, env
         self.main = env is None or env.is_main
         self.graphs_before = torch_internals.dynamo_graphs_compiled()
         # Everything that can be wrong is checked before anything is written.
-        self.out = run_dir.check_output_dir(cfg)
+        self.out, resume_notes = run_dir.check_output_dir(cfg)
         self.log_names = parse_loggers(cfg.run.log)
         check_available(self.log_names)
         self.run: Run = build_run(cfg, env)
+        if self.run.resume_from is not None:
+            run_dir.check_length(cfg.run.max_steps, self.run.start_step)
         if self.main:
             run_dir.prepare_output_dir(cfg, self.out)
+            if lock is not None:
+                lock.keep_folder()
+        for note in resume_notes:
+            self.say(note)
         self.step = self.run.start_step
         self.last_saved: Path | None = self.run.resume_from
+        self.skipped_steps = 0
+        self.checkpoint_bytes = run_dir.checkpoint_bytes(self.run, self.last_saved)
+        if self.main:
+            warning = run_dir.space_warning(self.out, self.checkpoint_bytes)
+            if warning:
+                self.say(warning)
         self.first_loss = self.last_loss = float("nan")
         self.last_eval: dict[str, float] | None = None
         self.eval_seconds = 0.0
@@ -121,11 +157,14 @@ class Trainer:
                 while self.step < cfg.run.max_steps and not stop.should_stop():
                     record = self.one_step(stop)
                     at_end = self.step == cfg.run.max_steps or stop.should_stop()
-                    self.maybe_evaluate(record, at_end)
+                    if "nonfinite" not in record:
+                        self.maybe_evaluate(record, at_end)
                     if metrics is not None:
                         metrics.write(record)
                     for logger in loggers:
                         logger.log(record)
+                    if "nonfinite" in record:
+                        self.handle_nonfinite(record)
                     self.progress(record, bar, interactive)
                     if self.step == run.start_step + 1:
                         self.write_dump()  # every region has compiled by now
@@ -142,40 +181,54 @@ class Trainer:
         return self.summarise(time.perf_counter() - t_start, train_peaks, merged)
 
     def one_step(self, stop: run_dir.StopSignal) -> dict[str, Any]:
-        """Draw the step's micro-batches, run `train_step`, and return its metrics line."""
+        """Draw the step's micro-batches, run `train_step`, and return its metrics line. A step
+        whose loss or gradient norm is not finite is not applied (`nonfinite` in its line)."""
         cfg, run = self.cfg, self.run
         t0 = time.perf_counter()
         batch = next_batch(run)
         # The lr is a function of the step alone, so a resume needs no schedule state.
         lr = cfg.optim.lr * lr_factor(self.step, cfg)
-        result: StepResult = train_step(run, batch, lr)
+        seen: dict[str, float | None] = {}
+
+        def accept(loss_sum: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+            # The step's one host sync and, under FSDP, its one collective: the global loss,
+            # and a stop request seen by any rank (so every rank leaves after the same step).
+            # The gradient norm is already global; so every rank takes the same decision.
+            total = loss_sum.item()
+            if self.env is not None:
+                total, votes = dist_.all_reduce_sum([total, stop.requested], run.device)
+                stop.agreed = votes > 0
+            if grad_norm is not None and hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()  # the norm over every rank's shards
+            norm = None if grad_norm is None else float(grad_norm)
+            seen.update(loss_sum=total, grad_norm=norm)
+            return math.isfinite(total) and (norm is None or math.isfinite(norm))
+
+        result: StepResult = train_step(run, batch, lr, accept)
+        faults.point("step")
         self.step += 1
-        loss_sum = result.loss_sum.item()
-        if self.env is not None:
-            # One collective per step: the global loss, and a stop request seen by any rank
-            # (so every rank leaves the loop after the same step).
-            loss_sum, votes = dist_.all_reduce_sum([loss_sum, stop.requested], run.device)
-            stop.agreed = votes > 0
-        loss = loss_sum / result.n_targets
-        if not math.isfinite(loss):
-            raise UserError(
-                f"the loss became {loss} at step {self.step}; lower --lr or use --dtype fp32"
-                + (f" (last good checkpoint: {self.last_saved})" if self.last_saved else "")
+        loss = seen["loss_sum"] / result.n_targets
+        grad_norm = seen["grad_norm"]
+        nonfinite = None
+        if not result.stepped:
+            bad = {"loss": loss, "gradient norm": grad_norm}
+            nonfinite = " and ".join(
+                f"the {k} is {v}" for k, v in bad.items() if v is not None and not math.isfinite(v)
             )
+        elif cfg.optim.optimizer_in_backward and not weights_finite(run.params):
+            nonfinite = "the weights became non-finite"
         dt = time.perf_counter() - t0
         n_tokens = cfg.data.grad_accum * cfg.data.batch_size * run.world * cfg.data.seq_len
         self.tokens_done += n_tokens
-        grad_norm = result.grad_norm
-        if grad_norm is not None and hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()  # the norm over every rank's shards
-        if self.step == run.start_step + 1:
-            self.first_loss = loss
-        self.last_loss = loss
-        return {
+        if nonfinite is None:
+            if self.step == run.start_step + 1 or math.isnan(self.first_loss):
+                self.first_loss = loss
+            self.last_loss = loss
+        record = {
             "step": self.step,
             "loss": loss,
             "lr": lr,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "grad_norm": grad_norm,
             "tokens": n_tokens,
             "targets": result.n_targets,
             "tokens_per_s": n_tokens / dt,
@@ -183,6 +236,37 @@ class Trainer:
             "peak_mem_gib": peak_memory_gib(run.device),
             "epoch": run.batches.epoch,
         }
+        if nonfinite is not None:
+            record["nonfinite"] = nonfinite
+            record["applied"] = bool(result.stepped)
+        return record
+
+    def handle_nonfinite(self, record: dict[str, Any]) -> None:
+        """After a step that was not finite: skip it (--skip-nonfinite) or stop, naming the
+        last checkpoint written, which holds finite weights (every save checks)."""
+        self.skipped_steps += 1
+        allowed = self.cfg.run.skip_nonfinite
+        if record["applied"] or self.skipped_steps > allowed:
+            where = (
+                f"the last good checkpoint is {self.last_saved}"
+                if self.last_saved
+                else "no checkpoint was written before it"
+            )
+            what = (
+                "the update was applied during backward (--optimizer-in-backward)"
+                if record["applied"]
+                else "its update was not applied"
+            )
+            skipped = f" after skipping {allowed} such steps" if allowed else ""
+            raise UserError(
+                f"step {record['step']}: {record['nonfinite']}; {what}. Stopped{skipped}: {where} "
+                "(resume it with a lower --lr, --max-grad-norm, or --dtype fp32; "
+                "--skip-nonfinite N steps over up to N such batches)"
+            )
+        self.say(
+            f"step {record['step']}: {record['nonfinite']}; the step was skipped "
+            f"({self.skipped_steps} of --skip-nonfinite {allowed})"
+        )
 
     def maybe_evaluate(self, record: dict[str, Any], at_end: bool) -> None:
         """Held-out loss at --eval-every and at the end, onto this step's metrics line."""
@@ -245,21 +329,36 @@ class Trainer:
         return state
 
     def save(self, final: bool) -> Path:
+        """Write step_N (atomically); never non-finite weights, and a full disk is one line."""
         run = self.run
-        if self.env is None:
-            return ckpt.save_checkpoint(
-                self.out, self.step, run.model, run.tokenizer, self.train_state()
+        if not weights_finite(run.params):
+            raise UserError(
+                f"step {self.step}: the weights are not finite, so no checkpoint is written; "
+                + (f"the last good one is {self.last_saved}" if self.last_saved else "none was")
             )
-        return ckpt.save_sharded_checkpoint(
-            self.out,
-            self.step,
-            run.model,
-            run.tokenizer,
-            self.train_state(),
-            run.optimizer.state_dict(),
-            is_main=self.main,
-            export_hf=final,
-        )
+        try:
+            if self.env is None:
+                path = ckpt.save_checkpoint(
+                    self.out, self.step, run.model, run.tokenizer, self.train_state()
+                )
+            else:
+                path = ckpt.save_sharded_checkpoint(
+                    self.out,
+                    self.step,
+                    run.model,
+                    run.tokenizer,
+                    self.train_state(),
+                    run.optimizer.state_dict(),
+                    is_main=self.main,
+                    export_hf=final,
+                )
+        except (OSError, RuntimeError) as e:
+            full = run_dir.disk_full_error(self.out, self.step, e, self.checkpoint_bytes)
+            if full is None:
+                raise
+            raise full from e
+        self.checkpoint_bytes = run_dir.folder_bytes(path) or self.checkpoint_bytes
+        return path
 
     def finish(self) -> Path | None:
         """The final checkpoint, and with --merge the merged model; returns the merged folder."""

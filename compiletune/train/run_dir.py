@@ -13,33 +13,166 @@ half-written run behind.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from compiletune import adapter_io
 from compiletune import checkpoint as ckpt
-from compiletune.config import TrainConfig, save_yaml
+from compiletune.atomic import recover
+from compiletune.config import (
+    SAVED_CONFIG,
+    TrainConfig,
+    read_saved_config,
+    resume_changes,
+    save_yaml,
+)
 from compiletune.errors import UserError
 from compiletune.loggers import WANDB_RUN_ID
+from compiletune.metrics import strict_json
+
+LOCK_FILE = ".compiletune.lock"
 
 
-def check_output_dir(cfg: TrainConfig) -> Path:
-    """The run folder, checked: writable, and holding checkpoints only with --resume or
-    --overwrite. Nothing is created yet."""
+class OutputLock:
+    """One run per output folder: `OUTPUT_DIR/.compiletune.lock` holds the owner's pid, host and
+    process start time while a run lives. A second run refuses while the owner lives; the lock
+    of a killed run (same host, that process gone) is taken over with a message.
+
+    Entering creates the folder if needed (an uncreatable or unwritable path is one line); a
+    folder this lock created is removed again on exit if the run left nothing in it, so a run
+    that fails while building writes nothing. `enabled=False` (FSDP ranks other than 0) only
+    checks the path."""
+
+    def __init__(self, out: Path, enabled: bool = True, say: Any = print) -> None:
+        self.out, self.enabled, self.say = out, enabled, say
+        self.path = out / LOCK_FILE
+        self.created: list[Path] = []
+        self.held = False
+
+    def __enter__(self) -> OutputLock:
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--output-dir {out} is a file; pass a folder path")
+        if not self.enabled:
+            return self
+        missing = []
+        probe = out
+        while not probe.exists() and probe != probe.parent:
+            missing.append(probe)
+            probe = probe.parent
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(
+                f"--output-dir {out}: cannot create it ({e.strerror}); pass a writable path"
+            ) from e
+        self.created = missing  # deepest first
+        self._take()
+        return self
+
+    def _take(self) -> None:
+        mine = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = _read_lock(self.path)
+                if _alive(owner):
+                    self.release()
+                    raise UserError(
+                        f"--output-dir {self.out} is in use by the run of process "
+                        f"{owner.get('pid')} on {owner.get('host')}; wait for it to end, or pass "
+                        f"another --output-dir (if that run is gone, delete {self.path})"
+                    ) from None
+                self.say(
+                    f"taking over the lock of a run that ended without releasing it (process "
+                    f"{owner.get('pid')} on {owner.get('host')})"
+                )
+                self.path.unlink(missing_ok=True)
+                continue
+            except OSError as e:
+                self.release()
+                raise UserError(
+                    f"--output-dir {self.out}: cannot write in it ({e.strerror}); pass a "
+                    "writable folder"
+                ) from e
+            with os.fdopen(fd, "w") as f:
+                json.dump(mine, f)
+            self.held = True
+            for done in recover(self.out):  # what a killed run left, now that it is ours
+                self.say(done)
+            return
+        raise UserError(f"--output-dir {self.out}: another run took its lock; try again")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+        for folder in self.created:  # deepest first; only folders left empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        self.created = []
+
+    def keep_folder(self) -> None:
+        """The run has written into the folder: it stays whatever happens next."""
+        self.created = []
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), which tells a live owner from
+    a new process that got a dead owner's pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _read_lock(path: Path) -> dict[str, Any]:
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # unreadable or half-written: its writer died before finishing it
+    return owner if isinstance(owner, dict) else {}
+
+
+def _alive(owner: dict[str, Any]) -> bool:
+    """Could the lock's owner still be running? Another host's process cannot be checked, so it
+    counts as alive."""
+    pid = owner.get("pid")
+    if not isinstance(pid, int):
+        return False
+    if owner.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    start = _start_time(pid)
+    return start is None or owner.get("start") in (None, start)
+
+
+def check_output_dir(cfg: TrainConfig) -> tuple[Path, list[str]]:
+    """The run folder, checked: holding checkpoints only with --resume or --overwrite, and with
+    --resume the changes to the saved config judged. Returns the folder and what to tell the
+    user about the resumed run. Nothing is written."""
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"--output-dir {out} is a file; pass a folder path")
-    # The nearest existing ancestor must be a writable folder.
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"--output-dir {out}: {probe} is not a writable folder; pass another path")
     existing = ckpt.list_checkpoints(out)
     if cfg.run.resume and not existing:
         raise UserError(
@@ -51,7 +184,62 @@ def check_output_dir(cfg: TrainConfig) -> Path:
             f"--output-dir {out} already holds checkpoints (up to {existing[-1][1].name}); "
             "pass --resume to continue, --overwrite to start over, or another --output-dir"
         )
-    return out
+    notes: list[str] = []
+    if cfg.run.resume:
+        saved = read_saved_config(out)
+        if saved is not None:
+            notes = judge_resume(cfg, saved, existing[-1][0])
+    return out, notes
+
+
+def judge_resume(cfg: TrainConfig, saved: dict[str, Any], at_step: int) -> list[str]:
+    """Refuse a resume whose options change the result (unless --accept-changes); explain a
+    changed length. Returns the lines to print."""
+    kinds = resume_changes(saved, cfg)
+    if kinds["fixed"]:
+        raise UserError(
+            f"--resume: {'; '.join(kinds['fixed'])}: the checkpoint holds the run's model, "
+            "adapters and optimizer state, which a resumed run keeps; drop these options, or "
+            "start a new run from the checkpoint's weights with --model-dir"
+        )
+    changed = kinds["same"]
+    if changed and not cfg.run.accept_changes:
+        raise UserError(
+            f"--resume: these options differ from the run's {SAVED_CONFIG} and change its result: "
+            f"{'; '.join(changed)}; drop them to continue the run as it was, or add "
+            "--accept-changes to continue with them"
+        )
+    notes = [f"--resume with changed options (accepted): {'; '.join(changed)}"] if changed else []
+    new, old = cfg.run.max_steps, saved.get("max_steps")
+    if new is not None:
+        check_length(new, at_step)
+        if isinstance(old, int) and new != old:
+            notes.append(
+                f"--max-steps {new} (was {old}): the {cfg.optim.schedule} learning-rate schedule "
+                f"now ends at step {new}; the lr at step {at_step} becomes "
+                f"{_lr_at(cfg, at_step, new):.3g} (it was {_lr_at(cfg, at_step, old):.3g})"
+            )
+    if cfg.run.epochs is not None and saved.get("epochs") not in (None, cfg.run.epochs):
+        notes.append(
+            f"--epochs {cfg.run.epochs} (was {saved['epochs']}): the run's length and "
+            "learning-rate schedule are recomputed for the new number of epochs"
+        )
+    return notes
+
+
+def check_length(max_steps: int, at_step: int) -> None:
+    """A resumed run must have steps left to train."""
+    if max_steps <= at_step:
+        raise UserError(
+            f"--max-steps {max_steps}: the latest checkpoint is already at step {at_step}; pass "
+            f"--max-steps above {at_step} to train on"
+        )
+
+
+def _lr_at(cfg: TrainConfig, step: int, max_steps: int) -> float:
+    from compiletune.train.step import lr_factor
+
+    return cfg.optim.lr * lr_factor(step, cfg.replace(max_steps=max_steps, epochs=None))
 
 
 def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
@@ -65,7 +253,58 @@ def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
         for stale in ("metrics.jsonl", "summary.json", WANDB_RUN_ID):
             (out / stale).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    save_yaml(cfg, out / "config.yaml")
+    save_yaml(cfg, out / SAVED_CONFIG)
+
+
+def folder_bytes(folder: Path | None) -> int:
+    """Bytes of the files under `folder` (0 if none)."""
+    if folder is None or not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def checkpoint_bytes(run: Any, last: Path | None) -> int:
+    """About how much disk one checkpoint takes: the last one's size, else the weights it holds
+    (the trainable ones for LoRA, all of them otherwise) plus the optimizer state."""
+    if last is not None and (size := folder_bytes(last)):
+        return size
+    held = run.params if run.lora is not None else list(run.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in held)
+    world = run.world  # state_bytes is this rank's shards
+    return weights + run.optimizer.state_bytes() * world
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def space_warning(out: Path, need: int) -> str | None:
+    """A warning line when the disk of `out` has less free space than one checkpoint."""
+    free = shutil.disk_usage(out).free
+    if free >= need:
+        return None
+    return (
+        f"warning: {out} has {_gib(free)} free but a checkpoint needs about {_gib(need)}; "
+        "saving will fail unless space is freed"
+    )
+
+
+def disk_full_error(out: Path, step: int, exc: BaseException, need: int) -> UserError | None:
+    """The one line for a checkpoint that failed for want of disk space (None: another cause).
+    The half-written folder is gone by now (atomic.py), the previous checkpoint intact."""
+    full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+    free = shutil.disk_usage(out).free if out.is_dir() else 0
+    # torch.save reports a full disk as a RuntimeError of its zip writer, without the errno
+    full = full or "No space left" in str(exc) or free < need
+    if not full:
+        return None
+    last = ckpt.latest_checkpoint(out)
+    return UserError(
+        f"the disk of {out} is full: step_{step} could not be written ({_gib(free)} free, a "
+        f"checkpoint needs about {_gib(need)}); "
+        + (f"the last complete checkpoint is {last}" if last else "no checkpoint was written")
+        + "; free some space and continue with --resume"
+    )
 
 
 def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
@@ -75,7 +314,7 @@ def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
 
 
 def write_summary(out: Path, summary: dict[str, Any]) -> None:
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
 
 
 def closing_line(s: dict[str, Any]) -> str:

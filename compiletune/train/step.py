@@ -7,6 +7,7 @@ micro-batches -> forward (hidden states) -> loss head (fused / chunked / plain) 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,13 @@ def next_batch(run: Run) -> StepBatch:
 class StepResult:
     loss_sum: Tensor  # fp32 [], this rank's loss summed over its target tokens (not synced)
     n_targets: int  # target tokens of the whole global batch, every micro-batch
-    grad_norm: Tensor | None  # before clipping; None when clipping is off
+    grad_norm: Tensor | None  # before clipping; None with --optimizer-in-backward
+    stepped: bool = True  # False: `accept` refused the step, the optimizer did not run
+
+
+# Called between backward and the optimizer step with (loss_sum, grad_norm); False skips the
+# optimizer step (the trainer's check for non-finite values).
+Accept = Callable[[Tensor, Tensor | None], bool]
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -67,9 +74,12 @@ def forward_hidden(model: torch.nn.Module, batch: Batch, doc_mask: bool) -> Tens
     return model.hidden_states(batch["inputs"])
 
 
-def train_step(run: Run, batch: StepBatch, lr: float | None = None) -> StepResult:
+def train_step(
+    run: Run, batch: StepBatch, lr: float | None = None, accept: Accept | None = None
+) -> StepResult:
     """One optimizer step over `batch` (this rank trains its slice of each global batch).
-    `lr` is set before backward, since --optimizer-in-backward steps during backward."""
+    `lr` is set before backward, since --optimizer-in-backward steps during backward.
+    `accept` sees the loss and gradient norm before the optimizer step and can refuse it."""
     cfg, device = run.cfg, run.device
     if lr is not None:
         run.optimizer.set_lr(lr)
@@ -91,10 +101,28 @@ def train_step(run: Run, batch: StepBatch, lr: float | None = None) -> StepResul
         del hidden, loss
     run.observe("step")
     max_norm = cfg.optim.max_grad_norm or 0.0
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm) if max_norm > 0 else None
+    grad_norm = None
+    if max_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm)
+    elif not cfg.optim.optimizer_in_backward:  # the norm alone: a non-finite one is caught
+        grads = [p.grad for p in run.params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+    if accept is not None and not accept(total, grad_norm):
+        run.optimizer.zero_grad()
+        return StepResult(total, n_targets, grad_norm, stepped=False)
     run.optimizer.step()  # a no-op with --optimizer-in-backward: already stepped
     run.optimizer.zero_grad()
     return StepResult(total, n_targets, grad_norm)
+
+
+def weights_finite(params: list[torch.nn.Parameter]) -> bool:
+    """Are all of these (this rank's shards of) parameters finite? One pass, one host sync."""
+    if not params:
+        return True
+    norm = torch.nn.utils.get_total_norm(params)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return bool(torch.isfinite(norm))
 
 
 def evaluate(
