@@ -922,7 +922,7 @@ def from_hf(
                 if name not in expected:
                     to_native_name(name, family)  # raises for names foreign to the family
                     raise UserError(
-                        f"{file.name}: unexpected tensor {stored!r} (config.json describes a "
+                        f"{file}: unexpected tensor {stored!r} (config.json describes a "
                         "model without it); use the config.json that came with these weights"
                     )
                 piece = f.get_slice(stored)
@@ -936,7 +936,7 @@ def from_hf(
                     raise UserError(
                         f"{stored}: checkpoint has {_shape(shape)}, model expects "
                         f"{_shape(expected[name])}; config.json does not match the weights in "
-                        f"{file.name}"
+                        f"{file}"
                     )
                 where[name] = (file, stored)
     missing = [n for n in expected if n not in where]
