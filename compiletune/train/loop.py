@@ -352,7 +352,7 @@ class Trainer:
                     is_main=self.main,
                     export_hf=final,
                 )
-        except (OSError, RuntimeError) as e:
+        except Exception as e:  # OSError, torch's RuntimeError, SafetensorError, ...
             full = run_dir.disk_full_error(self.out, self.step, e, self.checkpoint_bytes)
             if full is None:
                 raise

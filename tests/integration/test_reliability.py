@@ -1,0 +1,318 @@
+"""Nothing lost, nothing cryptic: non-finite steps, a full disk, two runs in one folder, changed
+flags on --resume, and kill -9 at the moments that matter."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from compiletune import checkpoint as ckpt
+from compiletune.cli import main
+from compiletune.metrics import read_metrics
+from compiletune.train import loop, run_dir
+
+TEXT = "\n".join(f"Line {i}: a fox counts to {i * 7 % 13} and back again." for i in range(300))
+TINY = ["--seq-len", "32", "--batch-size", "2"]
+
+
+@pytest.fixture()
+def corpus(tmp_path: Path) -> str:
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+def _train(out: Path, corpus: str, *flags: str) -> int:
+    return main(["train", "--data", corpus, *TINY, "--output-dir", str(out), *flags])
+
+
+def _one_error_line(capsys: pytest.CaptureFixture) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("compiletune: error: "), err
+    return err[0]
+
+
+def _strict(path: Path) -> list[dict]:
+    """Parse JSON lines refusing NaN/Infinity, as a strict consumer does."""
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{path} holds {name}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def _all_finite(folder: Path) -> bool:
+    tensors = load_file(folder / "model.safetensors")
+    return all(bool(torch.isfinite(t).all()) for t in tensors.values())
+
+
+# ----------------------------------------------------------------------------- non-finite
+
+
+def test_diverged_run_stops_and_never_saves_nonfinite_weights(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--lr", "1e6", "--save-every", "1", "--max-steps", "8") == 2
+    line = _one_error_line(capsys)
+    step = int(line.split("step ")[1].split(":")[0])
+    saved = ckpt.list_checkpoints(out)
+    assert [s for s, _ in saved] == list(range(1, step))  # every step before the bad one
+    assert f"the last good checkpoint is {saved[-1][1]}" in line
+    assert all(_all_finite(path) for _, path in saved)
+    records = _strict(out / "metrics.jsonl")
+    assert records[-1]["step"] == step and records[-1]["applied"] is False
+    assert "nonfinite" in records[-1]
+    assert not (out / run_dir.LOCK_FILE).exists()
+
+
+def _nan_on_calls(monkeypatch: pytest.MonkeyPatch, calls: set[int]) -> None:
+    """The trainer's step sees a NaN loss on these (1-based) calls."""
+    real, seen = loop.train_step, [0]
+
+    def step(run, batch, lr=None, accept=None):
+        seen[0] += 1
+        if seen[0] in calls:
+            poisoned = accept
+
+            def accept(loss, norm):  # noqa: F811 - the poisoned check
+                return poisoned(loss * float("nan"), norm)
+
+        return real(run, batch, lr, accept)
+
+    monkeypatch.setattr(loop, "train_step", step)
+
+
+def test_skip_nonfinite_skips_and_reports_each_step(tmp_path, corpus, capsys, monkeypatch):
+    _nan_on_calls(monkeypatch, {3})
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--max-steps", "5", "--skip-nonfinite", "1") == 0
+    assert "step 3: the loss is nan" in capsys.readouterr().out
+    records = _strict(out / "metrics.jsonl")
+    assert [r.get("applied", True) for r in records] == [True, True, False, True, True]
+    assert records[2]["loss"] is None and records[2]["nonfinite_values"] == {"loss": "nan"}
+    # four optimizer updates in five steps: the skipped one never reached the optimizer
+    state = torch.load(out / "step_5" / ckpt.STATE_FILE, weights_only=True)
+    counts = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert counts == {4}
+    assert _all_finite(out / "step_5")
+
+
+def test_nonfinite_beyond_the_allowance_stops(tmp_path, corpus, capsys, monkeypatch):
+    _nan_on_calls(monkeypatch, {3, 4})
+    out = tmp_path / "run"
+    code = _train(out, corpus, "--max-steps", "6", "--save-every", "2", "--skip-nonfinite", "1")
+    assert code == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("compiletune: error: step 4: the loss is nan")
+    assert f"the last good checkpoint is {out / 'step_2'}" in line
+
+
+# ----------------------------------------------------------------------------- --resume
+
+
+def test_resume_continues_from_the_saved_config_and_judges_changes(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--max-steps", "2", "--lr", "5e-3", "--n-layers", "2") == 0
+    saved = (out / "config.yaml").read_text()
+    capsys.readouterr()
+    resume = ["train", "--output-dir", str(out), "--resume"]
+
+    # a result-changing option: listed and refused, nothing written
+    assert main([*resume, "--max-steps", "4", "--lr", "1e-3", "--seq-len", "16"]) == 2
+    line = _one_error_line(capsys)
+    assert "--lr 0.005 -> 0.001" in line and "--seq-len 32 -> 16" in line
+    assert "--accept-changes" in line
+    assert (out / "config.yaml").read_text() == saved
+    # what the checkpoint holds never changes, not even with --accept-changes
+    assert main([*resume, "--max-steps", "4", "--n-layers", "3", "--accept-changes"]) == 2
+    assert "--n-layers 2 -> 3" in _one_error_line(capsys)
+    # a length at or below the checkpoint's step has nothing to train
+    assert main([*resume, "--max-steps", "2"]) == 2
+    assert "already at step 2" in _one_error_line(capsys)
+
+    # --resume alone continues the run as it was configured (data, shape, lr, depth)
+    assert main([*resume, "--max-steps", "4"]) == 0
+    said = capsys.readouterr().out
+    assert "--max-steps 4 (was 2)" in said and "resuming from step_2" in said
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    now = (out / "config.yaml").read_text()
+    assert "n_layers: 2" in now and "lr: 0.005" in now and "seq_len: 32" in now
+
+    # saving options and memory techniques pass; an accepted change is said and recorded
+    assert main([*resume, "--max-steps", "5", "--save-every", "3", "--ac", "full"]) == 0
+    capsys.readouterr()
+    assert main([*resume, "--max-steps", "6", "--lr", "1e-3", "--accept-changes"]) == 0
+    assert "--lr 0.005 -> 0.001" in capsys.readouterr().out
+    assert "lr: 0.001" in (out / "config.yaml").read_text()
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+def test_second_run_refused_while_first_lives_stale_lock_taken_over(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / run_dir.LOCK_FILE
+    # a live owner: this very process
+    live = {
+        "pid": os.getpid(),
+        "host": os.uname().nodename,
+        "start": run_dir._start_time(os.getpid()),
+    }
+    lock.write_text(json.dumps(live))
+    assert _train(out, corpus, "--max-steps", "1") == 2
+    assert f"in use by the run of process {os.getpid()}" in _one_error_line(capsys)
+    assert sorted(p.name for p in out.iterdir()) == [run_dir.LOCK_FILE]  # nothing written
+    # a dead owner (a process that has exited) on this host: taken over, with a message
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    lock.write_text(json.dumps({**live, "pid": int(gone.stdout), "start": "1"}))
+    assert _train(out, corpus, "--max-steps", "1") == 0
+    assert "taking over the lock" in capsys.readouterr().out
+    assert not lock.exists()
+
+
+def test_a_run_that_fails_to_build_leaves_no_folder(tmp_path, capsys):
+    out = tmp_path / "deep" / "run"
+    assert main(["train", "--output-dir", str(out), "--model-dir", str(tmp_path / "none")]) == 2
+    _one_error_line(capsys)
+    assert not (tmp_path / "deep").exists()
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def _small_disk(path: Path, mib: int) -> bool:
+    """A tmpfs of `mib` MiB at `path` (root only); False where it cannot be mounted."""
+    path.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)], capture_output=True
+    )
+    return done.returncode == 0
+
+
+def test_disk_full_during_a_checkpoint(tmp_path, corpus, capsys, monkeypatch):
+    """A real full filesystem where one can be mounted, else a writer that fails as one does;
+    either way: one line naming the folder and the space, the previous checkpoint intact,
+    nothing half-written, and a resume in place once space is freed."""
+    disk = tmp_path / "disk"
+    real = _small_disk(disk, 48)
+    try:
+        out, filler = disk / "run", disk / "filler"
+        flags = ["--n-layers", "1", "--max-steps", "2", "--save-every", "1"]
+        if real:
+            # step_1 (~12 MiB) fits; then the filler leaves too little for step_2
+            def fill(self, record, at_end):
+                if self.step == 2 and not filler.exists():
+                    free = shutil.disk_usage(disk).free
+                    filler.write_bytes(b"\0" * (free - 4 * 2**20))
+
+            monkeypatch.setattr(loop.Trainer, "maybe_evaluate", fill)
+        else:
+            real_save = torch.save
+
+            def failing_save(obj, f, *a, **k):
+                if str(f).endswith(ckpt.STATE_FILE) and "step_2" in str(f):
+                    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+                return real_save(obj, f, *a, **k)
+
+            monkeypatch.setattr(torch, "save", failing_save)
+            monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, 0))
+        assert _train(out, corpus, *flags) == 2
+        line = _one_error_line(capsys)
+        assert f"the disk of {out} is full: step_2 could not be written" in line
+        assert "a checkpoint needs about" in line and f"{out / 'step_1'}" in line
+        assert [s for s, _ in ckpt.list_checkpoints(out)] == [1]
+        assert not [p.name for p in out.iterdir() if p.name.startswith((".tmp", ".old"))]
+        transformers.AutoModelForCausalLM.from_pretrained(out / "step_1")
+        monkeypatch.undo()
+        filler.unlink(missing_ok=True)
+        assert main(["train", "--output-dir", str(out), "--resume"]) == 0
+        assert [s for s, _ in ckpt.list_checkpoints(out)] == [1, 2]
+    finally:
+        if real:
+            subprocess.run(["umount", str(disk)], check=False)
+
+
+# ----------------------------------------------------------------------------- kill -9
+
+
+def _killed(out: Path, corpus: str, at: str, *flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "compiletune", "train", "--data", corpus, *TINY]
+    cmd += ["--output-dir", str(out), *flags]
+    env = {**os.environ, "COMPILETUNE_KILL_AT": at}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _looks_complete_only_if_complete(out: Path) -> None:
+    for child in out.iterdir():
+        if child.name.startswith("step_"):  # a visible checkpoint is a whole one
+            assert (child / ckpt.STATE_FILE).is_file(), child
+            assert list(child.glob("*.safetensors")), child
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "at, flags, left",
+    [
+        ("step:3", ["--max-steps", "4", "--save-every", "2"], [2]),  # in a step
+        ("save:2", ["--max-steps", "4", "--save-every", "1"], [1]),  # mid-checkpoint
+        ("save:3", ["--max-steps", "3", "--save-every", "1"], [1, 2]),  # the last (HF) save
+    ],
+)
+def test_kill_9_then_resume(tmp_path, corpus, at, flags, left):
+    out = tmp_path / "run"
+    assert _killed(out, corpus, at, *flags).returncode == -9
+    _looks_complete_only_if_complete(out)
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == left
+    assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", "4"]) == 0
+    assert ckpt.list_checkpoints(out)[-1][0] == 4
+    assert not [p for p in out.iterdir() if p.name.startswith((".tmp", ".old"))]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    transformers.AutoModelForCausalLM.from_pretrained(out / "step_4")
+
+
+@pytest.mark.slow
+def test_kill_9_during_merge_leaves_no_merged_folder(tmp_path, corpus):
+    out = tmp_path / "run"
+    lora = ["--lora-rank", "4", "--merge", "--max-steps", "2"]
+    assert _killed(out, corpus, "merge", *lora).returncode == -9
+    assert not (out / "merged").exists()
+    assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", "3"]) == 0
+    transformers.AutoModelForCausalLM.from_pretrained(out / "merged")
+
+
+def test_kill_9_between_the_renames_of_a_resave_is_recovered(tmp_path):
+    """Re-saving a step (a stop right after a periodic save) swaps the old folder aside; a kill
+    between the two renames leaves `.old-step_N` as the one complete copy, which the next run
+    puts back before it looks for checkpoints."""
+    out = tmp_path / "run"
+    out.mkdir()
+    code = (
+        "import sys; from pathlib import Path; from compiletune.atomic import "
+        "write_folder_atomically as w\n"
+        "for v in ('first', 'second'):\n"
+        "    w(Path(sys.argv[1]) / 'step_2', lambda t, v=v: (t.mkdir(), (t / 'v').write_text(v)))"
+    )
+    env = {**os.environ, "COMPILETUNE_KILL_AT": "publish"}
+    done = subprocess.run([sys.executable, "-c", code, str(out)], env=env, timeout=60)
+    assert done.returncode == -9
+    assert not (out / "step_2").exists() and (out / ".old-step_2").is_dir()
+    with run_dir.OutputLock(out, say=lambda s: None):
+        pass
+    assert (out / "step_2" / "v").read_text() == "first"
+    assert sorted(p.name for p in out.iterdir()) == ["step_2"]
