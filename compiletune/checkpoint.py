@@ -188,11 +188,32 @@ def save_sharded_checkpoint(
 
 
 def load_train_state(ckpt: Path) -> dict[str, Any]:
+    from compiletune.models.hf import brief
+
     path = ckpt / STATE_FILE
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # Memory-mapped: the optimizer takes the loaded tensors as its state (optim.py), so a
+        # resume never holds a second copy of it.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a state we cannot read must not be silently skipped
-        raise UserError(f"{path}: cannot read the training state ({e}); delete {ckpt}") from e
+        raise UserError(
+            f"{path}: cannot read the training state ({brief(e)}); delete {ckpt} to resume from "
+            "the checkpoint before it"
+        ) from e
+    needed = {"step", "data", "rng"}
+    if (
+        not isinstance(state, dict)
+        or not needed <= set(state)
+        or not isinstance(state["step"], int)
+    ):
+        found = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+        raise UserError(
+            f"{path}: not a compiletune training state (needs {sorted(needed)}, found {found}); "
+            f"delete {ckpt} to resume from the checkpoint before it"
+        )
+    if "optimizer" not in state and "world_size" not in state:
+        raise UserError(f"{path}: the training state holds no optimizer state; delete {ckpt}")
+    return state
 
 
 def convert_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None) -> Path:

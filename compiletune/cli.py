@@ -270,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_configs(ns)
         return _cmd_models(ns)
     except UserError as e:
-        sys.stderr.write(f"compiletune: error: {e}\n")
+        message = " ".join(str(e).split())  # one line, whatever a message quotes
+        sys.stderr.write(f"compiletune: error: {message}\n")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         # Ctrl-C before the training loop takes over signals, or a second one during it:

@@ -347,6 +347,17 @@ class _MaybeCompiled:
 # ----------------------------------------------------------------------------- the optimizer
 
 
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    """Can `b` stand in for `a` as optimizer state (same device, dtype, shape and strides)?"""
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and not b.requires_grad
+    )
+
+
 def _local(t: Tensor) -> Tensor:
     """This rank's shard of a DTensor (a view: in-place writes reach the DTensor); else t."""
     to_local = getattr(t, "to_local", None)
@@ -703,7 +714,8 @@ class Optimizer:
                 f"{missing}, unexpected {extra}); resume with the same model or start a new run"
             )
         for i, name in enumerate(self._names):
-            for key, t in self._param_state(i).items():
+            state = self._param_state(i)
+            for key, t in list(state.items()):
                 if key == "kahan" and key not in saved[name]:
                     t.zero_()  # compensation switched on at resume: start with no residue
                     continue
@@ -716,7 +728,13 @@ class Optimizer:
                         f"needs {tuple(local.shape)}; resume with the same model and number of "
                         "GPUs, or start a new run"
                     )
-                local.copy_(value)
-            self._counts[i] = int(self._param_state(i)["step"].item())
+                if t is local and _same_layout(t, value):
+                    # Take the loaded tensor as the state (the zeros it replaces are freed): a
+                    # resume then never holds the optimizer state twice. A checkpoint loaded
+                    # memory-mapped stays a private copy-on-write mapping of the file.
+                    state[key] = value
+                else:
+                    local.copy_(value)
+            self._counts[i] = int(state["step"].item())
         self.seed = int(sd.get("seed", self.seed))
         self.set_lr(float(sd.get("lr", self.lr)))

@@ -38,8 +38,10 @@ from compiletune.models import (
     from_hf,
     from_name,
     load_hf_config,
+    resolve_model_path,
 )
 from compiletune.models.attention import attention_backend
+from compiletune.models.hf import brief
 from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
 from compiletune.optim import Optimizer
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
@@ -162,7 +164,7 @@ def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
 
 def resolve_tokenizer(cfg: TrainConfig) -> Any:
     if cfg.model.tokenizer is not None:
-        return load_tokenizer(cfg.model.tokenizer)
+        return load_tokenizer(cfg.model.tokenizer, "--tokenizer")
     if cfg.model.model_dir is not None:
         return load_tokenizer(cfg.model.model_dir)
     # Random-init presets train on raw bytes: no tokenizer files needed, any vocab >= 259 fits.
@@ -233,7 +235,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[PackedData, PackedData
 def _model_name(cfg: TrainConfig) -> str:
     """What adapter_config.json names as the base: the folder, or the (seeded) preset."""
     m = cfg.model
-    return str(Path(m.model_dir).resolve()) if m.model_dir else m.preset or "debug"
+    return str(resolve_model_path(m.model_dir).resolve()) if m.model_dir else m.preset or "debug"
 
 
 def build_model_weights(
@@ -544,7 +546,18 @@ def probe_dtype(cfg: TrainConfig) -> torch.dtype:
 
 
 def _load_train_state(run: Run, state: dict[str, Any]) -> None:
-    """Optimizer, data position and RNG from a checkpoint's training state."""
+    """Optimizer, data position and RNG from a checkpoint's training state; a state that does
+    not fit this run is one line naming the file."""
+    try:
+        _apply_train_state(run, state)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise UserError(
+            f"{run.resume_from / ckpt.STATE_FILE} does not fit this run ({type(e).__name__}: "
+            f"{brief(e)}); resume with the run's own options, or delete {run.resume_from}"
+        ) from e
+
+
+def _apply_train_state(run: Run, state: dict[str, Any]) -> None:
     if run.env is not None:
         opt_sd = dist_.load_sharded(
             run.resume_from / dist_.SHARDED_DIR,

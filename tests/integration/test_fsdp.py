@@ -198,6 +198,13 @@ def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> Non
         torch.testing.assert_close(
             exported(tokens).logits, reference(tokens).logits, rtol=1e-4, atol=1e-4
         )
+    # kill -9 in the middle of a convert leaves no folder that looks like a model
+    killed = subprocess.run(
+        [sys.executable, "-m", "compiletune", "convert", str(step2), str(tmp_path / "converted")],
+        env={**os.environ, "COMPILETUNE_KILL_AT": "convert"},
+        timeout=300,
+    )
+    assert killed.returncode == -9 and not (tmp_path / "converted").exists()
     assert main(["convert", str(step2), str(tmp_path / "converted")]) == 0
     converted = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted")
     saved = load_file(tmp_path / "converted" / "model.safetensors")

@@ -316,3 +316,13 @@ def test_kill_9_between_the_renames_of_a_resave_is_recovered(tmp_path):
         pass
     assert (out / "step_2" / "v").read_text() == "first"
     assert sorted(p.name for p in out.iterdir()) == ["step_2"]
+
+
+def test_a_training_state_of_the_wrong_shape_is_one_line(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--max-steps", "1") == 0
+    torch.save({"stp": 1, "optimizer": {}}, out / "step_1" / ckpt.STATE_FILE)
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", "2"]) == 2
+    line = _one_error_line(capsys)
+    assert "not a compiletune training state" in line and "found ['optimizer', 'stp']" in line

@@ -658,3 +658,30 @@ def test_fsdp2_in_backward() -> None:
         assert dict(results) == {
             (rank, kind): (True, True) for rank in (0, 1) for kind in ("adamw", "adamw8bit")
         }
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw8bit"])
+def test_loaded_state_is_taken_not_copied(tmp_path, kind):
+    """A resume holds the optimizer state once: the tensors loaded (memory-mapped) from the
+    checkpoint become the state, and stepping on from them equals stepping on from a copy."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300, 70))
+
+    def make(param):
+        return Optimizer([("w", param)], kind=kind, lr=1e-2, device=torch.device("cpu"))
+
+    opt = make(p)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True, mmap=True)
+    q = torch.nn.Parameter(p.detach().clone())
+    taken = make(q)
+    taken.load_state_dict(loaded)
+    for key, t in taken.state_dict()["state"]["w"].items():
+        assert t.data_ptr() == loaded["state"]["w"][key].data_ptr(), key
+    grad = torch.randn_like(p)
+    p.grad, q.grad = grad.clone(), grad.clone()
+    opt.step()
+    taken.step()
+    assert torch.equal(p, q)
