@@ -558,7 +558,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _check_types(cfg: TrainConfig, origin: str) -> None:
+def _check_types(cfg: TrainConfig) -> None:
     """YAML values arrive untyped; make sure each has its field's type before anything runs."""
     for section, cls in _SECTIONS.items():
         sec = getattr(cfg, section)
@@ -583,7 +583,10 @@ def _check_types(cfg: TrainConfig, origin: str) -> None:
                 raise UserError(f"{_flag(f)} must be a finite number, got {value}")
             if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
                 what = "true or false" if typ is bool else typ.__name__
-                raise UserError(f"{origin}: {key} must be {what}, got {value!r}; fix the value")
+                raise UserError(
+                    f"{_flag(f)} ({key}: in a --config file) must be {what}, got {value!r}; "
+                    "fix the value"
+                )
 
 
 # ----------------------------------------------------------------------------- resolution
@@ -608,7 +611,7 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
         raise UserError(f"config: unknown option '{unknown[0]}'")
     given = {**yaml_values, **flag_values}
     cfg = TrainConfig.from_flat({**_resumed_base(given), **given})
-    _check_types(cfg, "config")
+    _check_types(cfg)
     for section in _SECTIONS:
         getattr(cfg, section).check(cfg)
     fill_defaults(cfg)

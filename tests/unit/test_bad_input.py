@@ -9,6 +9,7 @@ most before the model's weights are read.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -358,3 +359,79 @@ def test_checkpoint_without_weights_is_incomplete(work, capsys):
     (step / "model.safetensors").unlink()
     argv = ["--model-dir", str(step), "--data", str(work / "good.jsonl")]
     assert "is incomplete" in refused(capsys, argv, step.parent / "out")
+
+
+# ----------------------------------------------------------------------------- YAML run files
+
+
+def _wrong_value(field) -> st.SearchStrategy:
+    """Values of the wrong type (or out of range) for a config field."""
+    import typing
+
+    from compiletune.config import _hints, _unwrap
+
+    hint = next(h for cls in _SECTION_CLASSES for n, h in _hints(cls).items() if n == field.name)
+    typ, _ = _unwrap(hint)
+    junk = st.lists(st.integers(), min_size=1, max_size=2) | st.dictionaries(
+        st.text(max_size=3), st.integers(), min_size=1, max_size=2
+    )
+    if typing.get_origin(typ) is typing.Literal:
+        allowed = typing.get_args(typ)
+        return junk | st.text(max_size=8).filter(lambda s: s not in allowed)
+    if typ is bool:
+        return junk | st.sampled_from(["maybe", "on please", 2, 1.5])
+    if typ is int:
+        return junk | st.sampled_from(["eight", 1.5, True, "1e3"])
+    if typ is float:
+        return junk | st.sampled_from(["fast", ".nan", float("inf"), float("-inf"), True])
+    return junk | st.integers() | st.booleans()  # a str field
+
+
+def _section_classes() -> list[type]:
+    from compiletune.config import _SECTIONS
+
+    return list(_SECTIONS.values())
+
+
+_SECTION_CLASSES = _section_classes()
+
+
+@st.composite
+def _bad_yaml(draw) -> str:
+    import dataclasses
+
+    import yaml
+
+    from compiletune.config import _key
+
+    kind = draw(st.sampled_from(["wrong value", "unknown key", "not a mapping", "syntax", "twice"]))
+    fields = [f for cls in _SECTION_CLASSES for f in dataclasses.fields(cls)]
+    if kind == "wrong value":
+        f = draw(st.sampled_from(fields))
+        value = draw(_wrong_value(f))
+        if value == ".nan":
+            return f"{_key(f)}: .nan\n"
+        return yaml.safe_dump({_key(f): value})
+    if kind == "unknown key":
+        key = draw(st.text("abcdefgh_-", min_size=1, max_size=10))
+        known = {_key(f) for f in fields}
+        if key.replace("-", "_") in known:
+            key += "_x"
+        return yaml.safe_dump({key: 1, "seq_len": 16})
+    if kind == "not a mapping":
+        return yaml.safe_dump(draw(st.lists(st.integers(), min_size=1) | st.text(min_size=1)))
+    if kind == "syntax":
+        return draw(
+            st.sampled_from(["a: [1, 2\n", "seq_len: 1\n  bad: indent\n", "{: }", "- a\nb: c\n"])
+        )
+    f = draw(st.sampled_from([f for f in fields if "_" in _key(f)]))
+    return f"{_key(f)}: 1\n{_key(f).replace('_', '-')}: 2\n"
+
+
+@CASES
+@given(text=_bad_yaml())
+def test_bad_yaml_run_file(work, capsys, text):
+    folder = scratch(work)
+    (folder / "run.yaml").write_text(text)
+    line = refused(capsys, ["--config", str(folder / "run.yaml")], folder / "out")
+    assert "--config" in line or re.search(r"--[a-z]", line), line

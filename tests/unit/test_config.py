@@ -40,7 +40,7 @@ def test_derived_defaults():
         ({"resume": True, "overwrite": True, "output_dir": "x"}, "contradict"),
         ({"resume": True}, "--resume needs the --output-dir"),
         ({"dtype": "fp16"}, "--dtype must be one of"),
-        ({"batch_size": "8"}, "batch_size must be int"),
+        ({"batch_size": "8"}, "batch_size: in a --config file\\) must be int"),
         ({"save_every": -2}, "--save-every"),
     ],
 )
@@ -204,10 +204,22 @@ def test_derived_loss_and_doc_mask_need_their_facts():
     [
         ({"loss": "fast"}, "--loss must be one of fused, chunked, plain, got 'fast'"),
         ({"sharding": "zero3", "fsdp": True}, "--sharding must be one of"),
-        ({"compile": "yes"}, "config: compile must be true or false"),
-        ({"lr": "0.1"}, "config: lr must be float"),
+        ({"compile": "yes"}, "--compile \\(compile: in a --config file\\) must be true or false"),
+        ({"lr": "0.1"}, "--lr \\(lr: in a --config file\\) must be float"),
     ],
 )
 def test_yaml_values_are_checked_against_the_field_types(values, needle):
     with pytest.raises(UserError, match=needle):
         resolve(values, {})
+
+
+def test_one_option_twice_and_non_finite_numbers_are_refused(tmp_path):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("seq_len: 64\nseq-len: 128\n")
+    with pytest.raises(UserError, match="'seq_len' and 'seq-len' are the same option"):
+        load_yaml(str(twice))
+    for value in (float("inf"), float("nan")):
+        with pytest.raises(UserError, match="--min-lr-ratio must be"):
+            resolve({"min_lr_ratio": value}, {})
+    with pytest.raises(UserError, match="--lr must be a finite number, got inf"):
+        resolve({}, {"lr": float("inf")})
