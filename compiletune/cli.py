@@ -256,8 +256,8 @@ def huge_page_tensors() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     huge_page_tensors()
-    ns = build_parser().parse_args(argv)
     try:
+        ns = build_parser().parse_args(argv)
         if ns.command == "train":
             return _cmd_train(ns)
         if ns.command == "convert":

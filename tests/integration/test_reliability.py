@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -326,3 +328,43 @@ def test_a_training_state_of_the_wrong_shape_is_one_line(tmp_path, corpus, capsy
     assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", "2"]) == 2
     line = _one_error_line(capsys)
     assert "not a compiletune training state" in line and "found ['optimizer', 'stp']" in line
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def _start(out: Path, corpus: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "compiletune", "train", "--data", corpus, *TINY]
+    cmd += ["--max-steps", "100000", "--save-every", "1", "--output-dir", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, corpus):
+    out = tmp_path / "run"
+    proc = _start(out, corpus)
+    time.sleep(1.5)  # importing torch, building the run
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "compiletune: interrupted" and "Traceback" not in err
+    assert not out.exists() or not ckpt.list_checkpoints(out)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_leaving_only_whole_checkpoints(tmp_path, corpus):
+    out = tmp_path / "run"
+    proc = _start(out, corpus)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(ckpt.list_checkpoints(out)) < 3:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    _looks_complete_only_if_complete(out)
+    assert not [p for p in out.iterdir() if p.name.startswith((".tmp", ".old", ".compiletune"))]
+    last = ckpt.list_checkpoints(out)[-1][0]
+    assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", str(last + 1)]) == 0
