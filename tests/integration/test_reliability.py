@@ -368,3 +368,9 @@ def test_a_second_ctrl_c_stops_at_once_leaving_only_whole_checkpoints(tmp_path, 
     assert not [p for p in out.iterdir() if p.name.startswith((".tmp", ".old", ".compiletune"))]
     last = ckpt.list_checkpoints(out)[-1][0]
     assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", str(last + 1)]) == 0
+
+
+def test_free_space_below_one_checkpoint_is_warned_before_the_first_save(tmp_path):
+    assert run_dir.space_warning(tmp_path, 1) is None
+    warning = run_dir.space_warning(tmp_path, 1 << 60)
+    assert warning.startswith(f"warning: {tmp_path} has ") and "needs about" in warning
