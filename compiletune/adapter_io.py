@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from compiletune.errors import UserError
-from compiletune.models.hf import brief, to_hf_name, to_native_name
+from compiletune.models.hf import brief, read_json, to_hf_name, to_native_name
 from compiletune.models.lora import FUSED_PARTS, SPEC_TARGETS, TARGETS, LoRASpec, lora_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -143,12 +143,7 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
             f"{path} is not a LoRA adapter folder ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} are "
             "needed); pass a folder written by a LoRA run or by PEFT's save_pretrained"
         )
-    try:
-        cfg = json.loads(config_file.read_bytes().decode("utf-8-sig"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise UserError(
-            f"{config_file} is not valid JSON ({brief(e)}); re-export the adapter"
-        ) from e
+    cfg = read_json(config_file, "re-export the adapter")
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA" or "r" not in cfg:
         raise UserError(
             f"{config_file} is not a LoRA adapter config (peft_type LORA with r and lora_alpha); "

@@ -23,6 +23,7 @@ import torch
 from compiletune.errors import UserError
 from compiletune.models import Transformer, from_hf
 from compiletune.models.decoder import KVCache
+from compiletune.models.hf import read_json
 
 
 @dataclass
@@ -101,12 +102,7 @@ def stop_ids(tokenizer: Any, model_dir: Path) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     config = model_dir / "generation_config.json"
     if config.is_file():
-        try:
-            settings = json.loads(config.read_bytes().decode("utf-8-sig"))
-        except (OSError, ValueError, RecursionError) as e:
-            raise UserError(
-                f"{config} is not valid JSON ({' '.join(str(e).split())[:200]}); fix or remove it"
-            ) from e
+        settings = read_json(config, "fix or remove it")
         eos = settings.get("eos_token_id") if isinstance(settings, dict) else None
         if isinstance(eos, list):
             ids |= {i for i in eos if isinstance(i, int) and not isinstance(i, bool)}

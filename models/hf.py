@@ -199,6 +199,15 @@ def brief(error: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def read_json(path: Path, fix: str) -> Any:
+    """A JSON file a user gave us (a BOM allowed); unreadable or invalid is one line ending in
+    `fix`."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8-sig"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(f"{path} is not valid JSON ({brief(e)}); {fix}") from e
+
+
 # A hub model id: "org/name" (what `from_pretrained` takes), never a path that exists here.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
@@ -247,12 +256,7 @@ def load_hf_config(path: str | os.PathLike) -> dict:
         raise UserError(
             f"{path} has no config.json{hint}; pass an HF model folder (save_pretrained output)"
         )
-    try:
-        cfg = json.loads(file.read_bytes().decode("utf-8-sig"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise UserError(
-            f"{file} is not valid JSON ({brief(e)}); re-export the checkpoint's config"
-        ) from e
+    cfg = read_json(file, "re-export the checkpoint's config")
     if not isinstance(cfg, dict):
         raise UserError(
             f"{file} holds a JSON {type(cfg).__name__}, not an object; re-export the "

@@ -183,7 +183,8 @@ def test_resume_refuses_the_other_kind_of_checkpoint(tmp_path, capsys):
         str(tmp_path / "c.txt"),
     ]
     assert main([*argv, "--lora-rank", "4"]) == 2
-    assert "holds full weights, not a LoRA adapter" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--lora-rank 0 -> 4" in err and "a resumed run keeps" in err
 
 
 # --- the trainer under FSDP2 (2 processes, gloo) -------------------------------------------------
