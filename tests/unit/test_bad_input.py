@@ -30,6 +30,7 @@ CASES = settings(
     max_examples=20,
     deadline=None,
     database=None,  # nothing written into the source tree
+    derandomize=True,  # the same cases on every run (CI)
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 GOOD_ROW = {
@@ -407,7 +408,9 @@ def _bad_yaml(draw) -> str:
     kind = draw(st.sampled_from(["wrong value", "unknown key", "not a mapping", "syntax", "twice"]))
     fields = [f for cls in _SECTION_CLASSES for f in dataclasses.fields(cls)]
     if kind == "wrong value":
-        f = draw(st.sampled_from(fields))
+        # not the options `refused` passes as flags (a flag overrides the file)
+        given = {"seq_len", "batch_size", "max_steps", "output_dir"}
+        f = draw(st.sampled_from([f for f in fields if _key(f) not in given]))
         value = draw(_wrong_value(f))
         if value == ".nan":
             return f"{_key(f)}: .nan\n"
