@@ -18,6 +18,7 @@ OptimizerKind = Literal["adamw", "adamw8bit"]
 Bf16Compensation = Literal["none", "kahan", "stochastic"]
 Sharding = Literal["full", "grad-op", "hybrid", "none"]
 Quantize = Literal["nf4"]
+DataFormat = Literal["auto", "text", "prompt-completion", "messages", "sharegpt", "alpaca"]
 
 
 def choices(literal: object) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from compiletune.choices import (
     BaseDtype,
     Bf16Compensation,
     CompileBackend,
+    DataFormat,
     Dtype,
     Loss,
     OptimizerKind,
@@ -119,10 +120,45 @@ class DataConfig:
     TITLE = "data and step shape"
     source: str = opt(
         "pydocs",
-        "pydocs (embedded default) | FILE.txt | FILE.jsonl",
+        "pydocs (embedded default) | a file (.jsonl .json .parquet .arrow .csv .txt) | a folder "
+        "or glob of shards | a save_to_disk folder | a dataset in the local HF cache | a "
+        "mixture SRC:W,SRC:W",
         key="data",
         estimate=False,
         metavar="SOURCE",
+    )
+    data_format: DataFormat = opt(
+        "auto",
+        "the rows' layout (auto: detected from the columns)",
+        estimate=False,
+    )
+    data_columns: str | None = opt(
+        None,
+        "map the layout's fields to other column names, e.g. prompt=question,completion=answer",
+        estimate=False,
+        metavar="FIELD=COL,...",
+    )
+    data_split: str | None = opt(
+        None,
+        "the split of a DatasetDict or HF-cache dataset",
+        shows="train",
+        estimate=False,
+        metavar="NAME",
+    )
+    cache_dir: str | None = opt(
+        None,
+        "where tokenised data is cached",
+        shows="$XDG_CACHE_HOME/compiletune/data (~/.cache/...)",
+        estimate=False,
+        on_resume="free",
+        metavar="DIR",
+    )
+    data_workers: int | None = opt(
+        None,
+        "processes that tokenise (0: in this process)",
+        shows="the CPU count, at most 8",
+        estimate=False,
+        on_resume="free",
     )
     doc_mask: bool | None = opt(
         None,
@@ -148,6 +184,8 @@ class DataConfig:
     def check(self, cfg: TrainConfig) -> None:
         for name in ("seq_len", "batch_size", "grad_accum"):
             _at_least_one(name, getattr(self, name))
+        if self.data_workers is not None and self.data_workers < 0:
+            raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
         if self.eval_every < 0:
             raise UserError(
                 f"--eval-every must be 0 (only at the end) or positive, got {self.eval_every}"
