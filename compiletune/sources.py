@@ -573,9 +573,12 @@ def parse_columns(spec: str | None) -> dict[str, str]:
 
 
 def _detect(row: dict, col: dict[str, str]) -> str | None:
-    for layout, keys in _KEY.items():
-        if any(col.get(k, k) in row for k in keys):
-            return layout
+    """The layout of `row`: the first whose key column it has with a value (parquet, arrow
+    and csv give every row every column, null where a row has none), else merely has."""
+    for present in (lambda k: row.get(k) is not None, lambda k: k in row):
+        for layout, keys in _KEY.items():
+            if any(present(col.get(k, k)) for k in keys):
+                return layout
     return None
 
 
@@ -605,12 +608,12 @@ def _messages(row: dict, layout: str, col: dict[str, str], where: str) -> list[d
     messages = row[list_col]
     shape = f'"{list_col}" must be a list of {{"{role_col}": str, "{content_col}": str}} objects'
     if not isinstance(messages, list):
-        raise UserError(f"{where}: {shape}, got {type(messages).__name__}; fix the line")
+        raise UserError(f"{where}: {shape}, got {type(messages).__name__}; fix the row")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise UserError(
-                f"{where}: {shape}; {list_col}[{i}] is a {type(m).__name__}; fix the line"
+                f"{where}: {shape}; {list_col}[{i}] is a {type(m).__name__}; fix the row"
             )
         for key in (role_col, content_col):
             if not isinstance(m.get(key), str):
@@ -620,7 +623,7 @@ def _messages(row: dict, layout: str, col: dict[str, str], where: str) -> list[d
                     hint = f" (keys: {_found(m)}; map them with --data-columns"
                     hint += f" {role_key}=...,{content_key}=...)"
                 raise UserError(
-                    f'{where}: {shape}; {list_col}[{i}]["{key}"] is {got}{hint}; fix the line'
+                    f'{where}: {shape}; {list_col}[{i}]["{key}"] is {got}{hint}; fix the row'
                 )
             check_utf8(m[key], where, f'{list_col}[{i}]["{key}"]')
         role = m[role_col]
@@ -640,7 +643,7 @@ def _messages(row: dict, layout: str, col: dict[str, str], where: str) -> list[d
         }
         out.append({"role": role, "content": m[content_col], **extra})
     if not out:
-        raise UserError(f'{where}: "{list_col}" is empty; add the conversation or remove the line')
+        raise UserError(f'{where}: "{list_col}" is empty; add the conversation or remove the row')
     # The reply's prompt is rendered from the messages before it, and templates (and
     # transformers 5) refuse an empty conversation.
     if out[0]["role"] == "assistant":
@@ -651,7 +654,7 @@ def _messages(row: dict, layout: str, col: dict[str, str], where: str) -> list[d
     if not any(m["role"] == "assistant" for m in out):
         raise UserError(
             f'{where}: the conversation has no "assistant" message, so there is nothing to '
-            "learn from it; add the assistant reply or remove the line"
+            "learn from it; add the assistant reply or remove the row"
         )
     return out
 
