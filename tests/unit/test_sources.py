@@ -191,6 +191,24 @@ def test_same_examples_whatever_the_container(tok, tmp_path, layout):
     assert load(shards, tok, split="test") == load(shards / "test-00000-of-00001.parquet", tok)
 
 
+def test_folders_written_by_datasets(tok, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = ROWS["messages"] + [{"messages": CONVERSATIONS[1]}] * 3
+    want = load(write_jsonl(tmp_path / "d.jsonl", rows), tok)
+    dataset = datasets.Dataset.from_list(rows)
+    dataset.save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    assert load(tmp_path / "saved", tok) == want
+    datasets.DatasetDict({"train": dataset, "eval": dataset.select([1])}).save_to_disk(
+        str(tmp_path / "dict")
+    )
+    assert load(tmp_path / "dict", tok) == want
+    assert load(tmp_path / "dict", tok, split="eval") == want[1:2]
+    dataset.to_parquet(str(tmp_path / "d.parquet"))
+    dataset.to_json(str(tmp_path / "lines.json"))  # JSON lines under a .json name
+    for path in ("d.parquet", "lines.json"):
+        assert load(tmp_path / path, tok) == want
+
+
 def test_txt_and_folder_of_txt(tok, tmp_path):
     (tmp_path / "a.txt").write_text("one\n\n\ntwo\n", encoding="utf-8")
     (tmp_path / "b.txt").write_text("three", encoding="utf-8")
