@@ -45,6 +45,7 @@ from __future__ import annotations
 import glob as globlib
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -101,6 +102,8 @@ _DOC_GAP = re.compile(r"\n[ \t\r\f\v]*\n(?:[ \t\r\f\v]*\n)+")
 _BATCH_ROWS = 1024  # rows converted to Python objects at a time (parquet, arrow, csv)
 _SHARD = re.compile(r"^(?P<split>[A-Za-z][\w.]*?)-\d{5}-of-\d{5}$")
 _SPLIT_NAMES = {"train", "test", "validation", "valid", "dev", "eval", "val"}
+# Files of datasets' own bookkeeping, never rows (hub repositories and save_to_disk folders).
+_METADATA = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 _REPO_ID = re.compile(r"^[\w.-]+(?:/[\w.-]+)?$")
 
 
@@ -337,7 +340,7 @@ class _Files:
 
 def _kind_of(path: Path) -> str | None:
     suffix = path.suffix.lower()
-    return suffix if suffix in FILE_KINDS else None
+    return suffix if suffix in FILE_KINDS and path.name not in _METADATA else None
 
 
 def _split_of(path: Path, root: Path) -> str | None:
@@ -496,7 +499,8 @@ def _resolve(source: str, split: str | None) -> _Files:
                 f"{source} matches no data file ({', '.join(FILE_KINDS)}); check the pattern"
             )
         if split is not None:
-            files = _pick_split(files, Path(source.split("*")[0]).parent, source, split)
+            root = Path(os.path.commonpath([f.parent for f in files]))
+            files = _pick_split(files, root, source, split)
         return _one_kind(files, source)
     if _REPO_ID.match(source) and _kind_of(path) is None:
         return _folder_files(_hf_cache_folder(source), source, split)
