@@ -21,27 +21,20 @@ it into rows of `seq_len + 1` tokens that overlap by one (inputs and shifted tar
 
 from __future__ import annotations
 
-import json
-import re
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from compiletune.corpus import pydoc_corpus
 from compiletune.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100  # targets value for "not a target", what cross_entropy ignores by default
-
-# Two or more consecutive empty (or whitespace-only) lines separate documents in a .txt file.
-_DOC_GAP = re.compile(r"\n[ \t\r\f\v]*\n(?:[ \t\r\f\v]*\n)+")
 
 # Tokenise this many strings per tokenizer call: big enough for the Rust batch path to pay
 # off, small enough for the progress bar to move.
@@ -95,197 +88,19 @@ class PackedData:
 # ----------------------------------------------------------------------------- reading sources
 
 
-def _read_text_file(path: Path) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"{path}: cannot be read ({e.strerror or e}); check the path") from e
-    try:
-        # utf-8-sig: a byte-order mark (Windows editors) would otherwise break line 1's JSON.
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise UserError(
-            f"{path}:{line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
-            "save the file as UTF-8"
-        ) from e
+def _read_source(
+    source: str,
+    tokenizer,
+    fmt: str = "auto",
+    columns: str | None = None,
+    split: str | None = None,
+) -> list[_RawExample]:
+    """The examples of `source` (see `compiletune.sources`): any container (files, folders,
+    save_to_disk folders, the HF cache) and layout, `fmt` (--data-format), `columns`
+    (--data-columns) and `split` (--data-split). `sources.read_examples` gives them lazily."""
+    from compiletune.sources import read_examples
 
-
-def _check_utf8(text: str, where: str, what: str) -> str:
-    """`text`, which must be encodable as UTF-8 (a JSON escape like \\ud800 gives a lone
-    surrogate, which no tokenizer can take)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UserError(
-            f"{where}: {what} holds {text[e.start]!r} (a lone UTF-16 surrogate, from an escape "
-            "like \\ud800 without its pair), which is not text; fix the line"
-        ) from e
-    return text
-
-
-def _split_documents(text: str) -> list[str]:
-    docs = (doc.strip("\n") for doc in _DOC_GAP.split(text))
-    return [doc for doc in docs if doc.strip()]
-
-
-def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except Exception as e:  # jinja errors and the templates' own raise_exception()
-        raise UserError(
-            f"{where}: the tokenizer's chat template failed on this conversation ({e}); "
-            "fix the messages (roles, order) or use a tokenizer whose template accepts them"
-        ) from e
-
-
-def _chat_pieces(tokenizer, messages: list[dict], where: str) -> list[Piece]:
-    """Split a rendered conversation into prompt pieces and assistant-reply pieces.
-
-    The reply to message i spans from the end of `messages[:i]` rendered with the generation
-    prompt to the end of `messages[:i+1]`: whatever the template puts there (content, end of
-    turn, eos) is what the model must produce, and this holds for any template that renders
-    conversations prefix by prefix.
-    """
-    full = _render_chat(tokenizer, messages, False, where)
-    pieces: list[Piece] = []
-    done = 0  # characters of `full` already assigned to pieces
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render_chat(tokenizer, messages[:i], True, where)
-        through = _render_chat(tokenizer, messages[: i + 1], False, where)
-        if not (full.startswith(through) and through.startswith(before) and len(before) >= done):
-            raise UserError(
-                f"{where}: the tokenizer's chat template renders a conversation differently "
-                "from its prefixes, so the assistant replies cannot be located; use a "
-                "tokenizer whose template extends the text turn by turn"
-            )
-        pieces.append((full[done : len(before)], False))
-        pieces.append((full[len(before) : len(through)], True))
-        done = len(through)
-    pieces.append((full[done:], False))
-    return [piece for piece in pieces if piece[0]]
-
-
-def _check_str(obj: dict, key: str, where: str) -> str:
-    value = obj[key]
-    if not isinstance(value, str):
-        raise UserError(
-            f'{where}: "{key}" must be a string, got {type(value).__name__}; fix the line'
-        )
-    return _check_utf8(value, where, f'"{key}"')
-
-
-def _check_messages(obj: dict, where: str) -> list[dict]:
-    messages = obj["messages"]
-    shape = '"messages" must be a list of {"role": str, "content": str} objects'
-    if not isinstance(messages, list):
-        raise UserError(f"{where}: {shape}, got {type(messages).__name__}; fix the line")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise UserError(
-                f"{where}: {shape}; messages[{i}] is a {type(m).__name__}; fix the line"
-            )
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                got = "missing" if key not in m else f"a {type(m[key]).__name__}"
-                raise UserError(f'{where}: {shape}; messages[{i}]["{key}"] is {got}; fix the line')
-            _check_utf8(m[key], where, f'messages[{i}]["{key}"]')
-    if not messages:
-        raise UserError(f'{where}: "messages" is empty; add the conversation or remove the line')
-    # The reply's prompt is rendered from the messages before it, and templates (and
-    # transformers 5) refuse an empty conversation.
-    if messages[0]["role"] == "assistant":
-        raise UserError(
-            f"{where}: the conversation starts with an assistant message; put the user (or "
-            "system) message it answers before it"
-        )
-    if not any(m["role"] == "assistant" for m in messages):
-        raise UserError(
-            f'{where}: the conversation has no "assistant" message, so there is nothing to '
-            "learn from it; add the assistant reply or remove the line"
-        )
-    return messages
-
-
-def _read_jsonl(path: Path, tokenizer) -> list[_RawExample]:
-    examples = []
-    text = _read_text_file(path)
-    # split("\n"), not splitlines(): JSON strings may hold a raw U+2028, which is not a line end
-    # here (read_text already turned \r\n into \n).
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, too many digits, nesting
-            why = "nested too deeply" if isinstance(e, RecursionError) else e
-            raise UserError(f"{where}: invalid JSON ({why}); fix the line or remove it") from e
-        if not isinstance(obj, dict):
-            raise UserError(
-                f"{where}: expected a JSON object, got {type(obj).__name__}; write one object "
-                'per line with "text", "prompt" and "completion", or "messages"'
-            )
-        if "messages" in obj:
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise UserError(
-                    f'{where}: chat "messages" need a tokenizer with a chat template and this '
-                    "one has none; pass --tokenizer with a chat template (an instruct model's) "
-                    'or use "text" / "prompt"+"completion" lines'
-                )
-            messages = _check_messages(obj, where)
-            pieces = _chat_pieces(tokenizer, messages, where)
-            last_is_reply = messages[-1]["role"] == "assistant"
-            examples.append(_RawExample(pieces, eos_is_target=last_is_reply, where=where))
-        elif "prompt" in obj or "completion" in obj:
-            if not ("prompt" in obj and "completion" in obj):
-                missing = "completion" if "prompt" in obj else "prompt"
-                raise UserError(f'{where}: "{missing}" is missing; give both prompt and completion')
-            prompt = _check_str(obj, "prompt", where)
-            completion = _check_str(obj, "completion", where)
-            pieces = [(prompt, False), (completion, True)]
-            examples.append(_RawExample(pieces, eos_is_target=True, where=where))
-        elif "text" in obj:
-            examples.append(_RawExample([(_check_str(obj, "text", where), True)], True, where))
-        else:
-            found = ", ".join(sorted(obj)) or "none"
-            raise UserError(
-                f"{where}: no known key (found: {found}); each line needs "
-                '"text", or "prompt" and "completion", or "messages"'
-            )
-    return examples
-
-
-def _read_source(source: str, tokenizer) -> list[_RawExample]:
-    if source == "pydocs":
-        docs = pydoc_corpus()
-        if not docs:
-            raise UserError(
-                "the pydocs corpus is empty because Python runs with -OO, which strips "
-                "docstrings; run without -OO or pass --data FILE"
-            )
-        return [_RawExample([(doc, True)], True) for doc in docs]
-    path = Path(source)
-    if not path.exists():
-        raise UserError(
-            f"data source {source} does not exist; pass --data pydocs, a .txt file or a .jsonl file"
-        )
-    if path.is_dir():
-        raise UserError(f"{source} is a directory; pass --data with a .txt or .jsonl file")
-    suffix = path.suffix.lower()
-    if suffix == ".txt":
-        docs = _split_documents(_read_text_file(path))
-        return [_RawExample([(doc, True)], True, str(path)) for doc in docs]
-    if suffix == ".jsonl":
-        return _read_jsonl(path, tokenizer)
-    raise UserError(
-        f"{source}: unsupported data file type {suffix or '(no extension)'}; "
-        "use a .txt or .jsonl file, or pydocs"
-    )
+    return list(read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split))
 
 
 # ----------------------------------------------------------------------------- tokenising

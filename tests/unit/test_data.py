@@ -134,23 +134,24 @@ def test_chat_masking_with_other_template(tok, tmp_path):
     ]
 
 
-def test_jsonl_mixed_shapes_and_blank_lines(tok, tmp_path):
-    path = tmp_path / "mixed.jsonl"
+def test_jsonl_bom_crlf_and_blank_lines(tok, tmp_path):
+    path = tmp_path / "lines.jsonl"
     lines = [
         "\ufeff" + json.dumps({"text": "t"}),  # a byte-order mark from a Windows editor
         json.dumps({"text": "line\u2028separator"}, ensure_ascii=False),
         "",
         "   ",
-        json.dumps({"prompt": "p", "completion": "c", "extra": 1}),
-        json.dumps(
-            {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
-        ),
+        json.dumps({"text": "x", "extra": 1}),
     ]
     path.write_text("\r\n".join(lines), encoding="utf-8")
     examples = load_examples(str(path), tok)
-    assert len(examples) == 4
+    assert len(examples) == 3
     assert examples[0].ids == [BOS, *b("t"), EOS]
     assert examples[1].ids == [BOS, *b("line\u2028separator"), EOS]
+    # One layout per source: a row of another shape is refused, naming its line.
+    path.write_text("\n".join([*lines, json.dumps({"prompt": "p", "completion": "c"})]))
+    with pytest.raises(UserError, match=r"lines\.jsonl:6: a prompt-completion row, but .* text"):
+        load_examples(str(path), tok)
 
 
 def test_pydocs_source(tok):
@@ -183,12 +184,12 @@ def test_error_missing_file(tok, tmp_path):
         load_examples(str(tmp_path / "missing.jsonl"), tok)
 
 
-def test_error_unsupported_extension_and_directory(tok, tmp_path):
-    path = tmp_path / "data.csv"
+def test_error_unsupported_extension_and_empty_directory(tok, tmp_path):
+    path = tmp_path / "data.xlsx"
     path.write_text("a,b\n")
-    with pytest.raises(UserError, match=r"data\.csv: unsupported data file type \.csv"):
+    with pytest.raises(UserError, match=r"data\.xlsx: unsupported data file type \.xlsx"):
         load_examples(str(path), tok)
-    with pytest.raises(UserError, match="is a directory"):
+    with pytest.raises(UserError, match="is a folder without data files"):
         load_examples(str(tmp_path), tok)
 
 
@@ -349,13 +350,14 @@ def test_pack_matches_stream_definition():
 
 
 def test_load_and_pack_deterministic(tok, tmp_path):
-    path = write_jsonl(
-        tmp_path / "d.jsonl",
-        [{"text": f"doc {i} " * (i % 7 + 1)} for i in range(60)]
-        + [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(20)],
+    text = write_jsonl(
+        tmp_path / "d.jsonl", [{"text": f"doc {i} " * (i % 7 + 1)} for i in range(60)]
     )
-    first = pack(load_examples(path, tok), 32)
-    second = pack(load_examples(path, tok), 32)
+    pc = write_jsonl(
+        tmp_path / "pc.jsonl", [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(20)]
+    )
+    first = pack(load_examples(text, tok) + load_examples(pc, tok), 32)
+    second = pack(load_examples(text, tok) + load_examples(pc, tok), 32)
     for name in ("inputs", "targets", "positions", "doc_ids"):
         assert torch.equal(getattr(first, name), getattr(second, name))
     # Targets are the next input token wherever they are not masked.
