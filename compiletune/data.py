@@ -21,20 +21,21 @@ it into rows of `seq_len + 1` tokens that overlap by one (inputs and shifted tar
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from compiletune.errors import UserError
+from compiletune.token_store import IGNORE_INDEX, MemoryStore, PackedData
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-IGNORE_INDEX = -100  # targets value for "not a target", what cross_entropy ignores by default
 
 # Tokenise this many strings per tokenizer call: big enough for the Rust batch path to pay
 # off, small enough for the progress bar to move.
@@ -59,30 +60,6 @@ class _RawExample:
     pieces: list[Piece]
     eos_is_target: bool  # whether an eos appended at the end is a target
     where: str = ""  # FILE:LINE (or the source), for messages
-
-
-@dataclass
-class PackedData:
-    """All training rows. Every tensor is `[rows, seq_len]`.
-
-    `positions` restart at 0 at each document start and at the start of each row: a document
-    that began in an earlier row cannot attend to that part, so inside this row it starts
-    fresh, and positions stay below `seq_len`. `doc_ids` number the documents within a row
-    (0, 1, 2, ...) for document-masked attention.
-    """
-
-    inputs: torch.Tensor  # [rows, seq_len] int64
-    targets: torch.Tensor  # [rows, seq_len] int64, IGNORE_INDEX where not a target
-    positions: torch.Tensor  # [rows, seq_len] int64
-    doc_ids: torch.Tensor  # [rows, seq_len] int32
-
-    @property
-    def rows(self) -> int:
-        return self.inputs.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.inputs.shape[1]
 
 
 # ----------------------------------------------------------------------------- reading sources
@@ -134,15 +111,29 @@ def _tokenize_pieces(
     return out
 
 
-def load_examples(source: str, tokenizer: PreTrainedTokenizerBase) -> list[Example]:
-    """Read `source` (pydocs, a .txt or a .jsonl path) and tokenise it into examples.
+def load_examples(
+    source: str,
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: str = "auto",
+    columns: str | None = None,
+    split: str | None = None,
+) -> list[Example]:
+    """Read `source` (see `compiletune.sources`) and tokenise it into examples, in memory (the
+    trainer goes through the token cache instead, token_cache.py)."""
+    raw = _read_source(source, tokenizer, fmt=fmt, columns=columns, split=split)
+    if not raw:
+        raise UserError(f"{source} has no examples; add data to it or pick another --data")
+    return encode(raw, tokenizer, source)
+
+
+def encode(
+    raw: list, tokenizer: PreTrainedTokenizerBase, source: str = "the data"
+) -> list[Example]:
+    """Tokenise raw examples (text pieces with target flags).
 
     Each example starts with bos (if the tokenizer has one; not a target) and ends with eos
     (a target, except after a chat whose last message is not the assistant's).
     """
-    raw = _read_source(source, tokenizer)
-    if not raw:
-        raise UserError(f"{source} has no examples; add data to it or pick another --data")
     texts = [text for example in raw for text, _ in example.pieces]
     wheres = [example.where or source for example in raw for _ in example.pieces]
     piece_ids = iter(_tokenize_pieces(texts, tokenizer, wheres))
@@ -170,16 +161,10 @@ def load_examples(source: str, tokenizer: PreTrainedTokenizerBase) -> list[Examp
 # ----------------------------------------------------------------------------- held-out split
 
 
-def split_examples(
-    examples: list[Example], fraction: float, seed: int
-) -> tuple[list[Example], list[Example]]:
-    """(train, held_out): a seeded random `fraction` of whole examples is held out.
-
-    Splitting examples before packing keeps every example on one side (a packed row may cut an
-    example in two, a row-level split would leak it). Both sides keep the source order. The
-    same seed and data give the same split, so a resumed run evaluates on the same examples.
-    """
-    n = len(examples)
+def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held_out) indices of `n` examples, each ascending: a seeded random `fraction`
+    is held out. The same seed and data give the same split, so a resumed run evaluates on
+    the same examples."""
     n_held = round(fraction * n)
     if n_held < 1 or n_held >= n:
         raise UserError(
@@ -189,21 +174,27 @@ def split_examples(
         )
     g = torch.Generator()
     g.manual_seed(seed % (1 << 63))
-    held = set(torch.randperm(n, generator=g)[:n_held].tolist())
-    train = [e for i, e in enumerate(examples) if i not in held]
-    return train, [e for i, e in enumerate(examples) if i in held]
+    held = np.zeros(n, dtype=bool)
+    held[torch.randperm(n, generator=g)[:n_held].numpy()] = True
+    return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def split_examples(
+    examples: list[Example], fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """(train, held_out): a seeded random `fraction` of whole examples is held out.
+
+    Splitting examples before packing keeps every example on one side (a packed row may cut an
+    example in two, a row-level split would leak it). Both sides keep the source order.
+    """
+    train, held = split_indices(len(examples), fraction, seed)
+    return [examples[i] for i in train], [examples[i] for i in held]
 
 
 def eval_batches(data: PackedData, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
     """Every row of `data` once, in order, in batches of up to `batch_size` rows."""
     for start in range(0, data.rows, batch_size):
-        sl = slice(start, start + batch_size)
-        yield {
-            "inputs": data.inputs[sl],
-            "targets": data.targets[sl],
-            "positions": data.positions[sl],
-            "doc_ids": data.doc_ids[sl],
-        }
+        yield data.take(np.arange(start, min(data.rows, start + batch_size)))
 
 
 # ----------------------------------------------------------------------------- packing
@@ -212,75 +203,29 @@ def eval_batches(data: PackedData, batch_size: int) -> Iterator[dict[str, torch.
 def pack(
     examples: list[Example], seq_len: int, source: str = "the data", keep_tail: bool = False
 ) -> PackedData:
-    """Concatenate `examples` into one token stream and cut it into training rows.
+    """`examples` in one token stream, cut into training rows (see `PackedData`). `source`
+    names the data in error messages."""
+    return check_rows(PackedData(MemoryStore.from_examples(examples), seq_len, keep_tail), source)
 
-    Row r covers stream tokens [r*L, r*L + L] (L + 1 tokens, L = seq_len): inputs are the first
-    L, targets the last L where they are targets of the same document and IGNORE_INDEX
-    elsewhere, so consecutive rows share one token and no token is lost. The tail that does not
-    fill a row is dropped (training), or with `keep_tail` (evaluation: every held-out target
-    counts) padded to a last row with token 0 in a document of its own, never a target; causal
-    attention keeps the padding out of every real token's logits. Any row without a single
-    target is dropped. `source` names the data in error messages.
-    """
-    if seq_len < 1:
-        raise UserError(f"seq-len must be at least 1, got {seq_len}; pass a positive --seq-len")
-    lengths = [len(e.ids) for e in examples]
-    n = sum(lengths)
-    rows = (n - 1) // seq_len if n > 0 else 0
-    pad = 0
-    if keep_tail and n > 1 and (n - 1) % seq_len:
-        rows += 1
-        pad = rows * seq_len + 1 - n
-    if rows == 0:
+
+def check_rows(data: PackedData, source: str) -> PackedData:
+    """`data`, refused in one line when it has no row to train on."""
+    if data.seq_len < 1:
         raise UserError(
-            f"{source} has {n} tokens; seq-len {seq_len} needs at least "
-            f"{2 if keep_tail else seq_len + 1}; "
-            "lower --seq-len or add data"
+            f"seq-len must be at least 1, got {data.seq_len}; pass a positive --seq-len"
         )
-    # array.fromlist then frombuffer: several times faster than torch.tensor on a long list.
-    ids_buffer, target_buffer = array("q"), array("b")
-    for e in examples:
-        ids_buffer.fromlist(e.ids)
-        target_buffer.fromlist(e.is_target)
-    ids_buffer.fromlist([0] * pad)
-    target_buffer.fromlist([0] * pad)
-    stream = torch.frombuffer(ids_buffer, dtype=torch.int64).clone()  # [n + pad]
-    stream_is_target = torch.frombuffer(target_buffer, dtype=torch.int8).bool()  # [n + pad]
-    # Document index of every stream token (the padding is a document of its own): [n + pad]
-    stream_doc = torch.repeat_interleave(
-        torch.arange(len(examples) + 1), torch.tensor([*lengths, pad], dtype=torch.long)
-    )
-    end = rows * seq_len
-    inputs = stream[:end].view(rows, seq_len)
-    next_ids = stream[1 : end + 1].view(rows, seq_len)
-    next_is_target = stream_is_target[1 : end + 1].view(rows, seq_len)
-    # A token never predicts the first token of the next document: trained one by one, no
-    # example has that target, and with document masking nothing of the next document is
-    # visible. (With a bos token that first token is bos, which is no target anyway.)
-    same_doc = (stream_doc[1 : end + 1] == stream_doc[:end]).view(rows, seq_len)
-    targets = torch.where(next_is_target & same_doc, next_ids, IGNORE_INDEX)
-
-    doc = stream_doc[:end].view(rows, seq_len)  # [rows, L], global document index
-    doc_ids = (doc - doc[:, :1]).to(torch.int32)  # documents are contiguous, so 0, 1, 2 ...
-    # positions: distance to the latest document start (or row start) at or before each column.
-    col = torch.arange(seq_len).expand(rows, seq_len)
-    starts = torch.ones(rows, seq_len, dtype=torch.bool)
-    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    last_start = torch.where(starts, col, 0).cummax(dim=1).values
-    positions = col - last_start
-
-    keep = (targets != IGNORE_INDEX).any(dim=1)
-    if not keep.any():
+    n, L = data.store.n_tokens, data.seq_len
+    if data.total_rows == 0:
+        raise UserError(
+            f"{source} has {n} tokens; seq-len {L} needs at least "
+            f"{2 if data.keep_tail else L + 1}; lower --seq-len or add data"
+        )
+    if data.rows == 0:
         raise UserError(
             f"{source}: no row has a token to predict (every target is masked); check that "
             "completions and assistant replies are not empty"
         )
-    return PackedData(
-        inputs=inputs[keep].contiguous(),
-        targets=targets[keep].contiguous(),
-        positions=positions[keep].contiguous(),
-        doc_ids=doc_ids[keep].contiguous(),
-    )
+    return data
 
 
 # ----------------------------------------------------------------------------- batching
@@ -324,9 +269,13 @@ class Batches:
     def next(self) -> dict[str, torch.Tensor]:
         """The next batch: `inputs`, `targets`, `positions` (int64) and `doc_ids` (int32), each
         `[batch_size, seq_len]`."""
+        return self.data.take(self.next_rows(self.batch_size).numpy())
+
+    def next_rows(self, n: int) -> torch.Tensor:
+        """The row numbers of the next `n` rows (what `next` serves, `n` at a time)."""
         rows = self.data.rows
         picked = []
-        need = self.batch_size
+        need = n
         while need > 0:
             if self._index >= rows:
                 self._epoch += 1
@@ -338,13 +287,7 @@ class Batches:
         if self._index >= rows:  # so that `epoch` and the saved state name the upcoming epoch
             self._epoch += 1
             self._index = 0
-        idx = torch.cat(picked)
-        return {
-            "inputs": self.data.inputs[idx],
-            "targets": self.data.targets[idx],
-            "positions": self.data.positions[idx],
-            "doc_ids": self.data.doc_ids[idx],
-        }
+        return torch.cat(picked)
 
     __next__ = next
 
@@ -365,6 +308,97 @@ class Batches:
             )
         self._epoch = epoch
         self._index = index
+
+
+class Mixture:
+    """Batches drawn from several sources by weight (`--data a.parquet:0.7,b.jsonl:0.3`).
+
+    Each row of a batch comes from a source drawn with the given probabilities; the draws come
+    from a generator seeded by (seed, block of 4096 draws), so draw k is a function of the seed
+    and k alone. Each source serves its rows as `Batches` does (its own seeded order, epoch by
+    epoch). The state is the number of draws so far and every source's position: a resume
+    continues with exactly the batches an uninterrupted run would have drawn.
+    """
+
+    BLOCK = 4096
+
+    def __init__(
+        self, datas: list[PackedData], weights: list[float], batch_size: int, seed: int
+    ) -> None:
+        self.parts = [Batches(d, 1, seed * 7919 + i) for i, d in enumerate(datas)]
+        self.weights = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+        self.batch_size, self.seed = batch_size, seed
+        self.draws = 0
+        self._block, self._choices = -1, torch.empty(0, dtype=torch.long)
+
+    @property
+    def epoch(self) -> int:
+        """Passes completed over every source (the slowest source's epoch)."""
+        return min(p.epoch for p in self.parts)
+
+    def _source(self, k: int) -> int:
+        block = k // self.BLOCK
+        if block != self._block:
+            g = torch.Generator()
+            g.manual_seed((self.seed * 1_000_033 + block) % (1 << 63))
+            self._choices = torch.multinomial(self.weights, self.BLOCK, True, generator=g)
+            self._block = block
+        return int(self._choices[k % self.BLOCK])
+
+    def next(self) -> dict[str, torch.Tensor]:
+        picks = [self._source(self.draws + j) for j in range(self.batch_size)]
+        self.draws += self.batch_size
+        parts = []
+        for j, src in enumerate(picks):
+            rows = self.parts[src].next_rows(1).numpy()
+            parts.append((j, self.parts[src].data.take(rows)))
+        return {k: torch.cat([b[k] for _, b in parts]) for k in parts[0][1]}
+
+    __next__ = next
+
+    def __iter__(self) -> Mixture:
+        return self
+
+    def state_dict(self) -> dict:
+        return {"draws": self.draws, "sources": [p.state_dict() for p in self.parts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("sources")
+        if not isinstance(saved, list) or len(saved) != len(self.parts):
+            raise UserError(
+                f"the saved data position {state} is not one of this {len(self.parts)}-source "
+                "mixture; resume with the same --data"
+            )
+        draws = state.get("draws")
+        if not isinstance(draws, int) or draws < 0:
+            raise UserError(f"the saved data position {state} is not valid; resume with --data")
+        for part, st in zip(self.parts, saved, strict=True):
+            part.load_state_dict(st)
+        self.draws = draws
+
+
+def parse_sources(spec: str) -> list[tuple[str, float]]:
+    """`--data`: one source, or a mixture `SRC:W,SRC:W,...` (weights, normalised)."""
+    if "," not in spec and (":" not in spec or Path(spec).exists()):
+        return [(spec, 1.0)]
+    out = []
+    for part in spec.split(","):
+        source, sep, weight = part.strip().rpartition(":")
+        if not sep or not source:
+            raise UserError(
+                f"--data {spec}: '{part}' has no weight; give every source of a mixture one, "
+                "e.g. a.parquet:0.7,b.jsonl:0.3"
+            )
+        try:
+            w = float(weight)
+        except ValueError:
+            raise UserError(
+                f"--data {spec}: the weight '{weight}' of {source} is not a number"
+            ) from None
+        if not (w > 0 and w < float("inf")):
+            raise UserError(f"--data {spec}: the weight of {source} must be positive, got {w}")
+        out.append((source, w))
+    return out
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:

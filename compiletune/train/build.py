@@ -27,7 +27,7 @@ from compiletune import distributed as dist_
 from compiletune.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compile import CompiledRegions, CompileOptions, compile_regions
 from compiletune.config import RunFacts, TrainConfig, fill_defaults
-from compiletune.data import Batches, PackedData, load_examples, pack, split_examples
+from compiletune.data import Batches, Mixture, PackedData, check_rows, parse_sources, split_indices
 from compiletune.errors import UserError
 from compiletune.loss import LossHead, head_kind
 from compiletune.models import (
@@ -44,6 +44,8 @@ from compiletune.models.attention import attention_backend
 from compiletune.models.hf import brief
 from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
 from compiletune.optim import Optimizer
+from compiletune.token_cache import cached_store
+from compiletune.token_store import MemoryStore, Store
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
 # Fields that make two architectures different models (head_dim is compared resolved).
@@ -86,7 +88,7 @@ class Run:
     lora: LoRASpec | None
     regions: CompiledRegions | None = None
     tokenizer: Any = None
-    data: PackedData | None = None
+    data: list[PackedData] | None = None  # one per --data source
     eval_set: PackedData | None = None
     batches: Batches | None = None
     resume_from: Path | None = None
@@ -212,21 +214,50 @@ def _check_shapes(cfg: TrainConfig, args: ModelArgs, tokenizer: Any) -> None:
 # ----------------------------------------------------------------------------- data
 
 
-def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[PackedData, PackedData | None]:
-    """The packed training rows, and the held-out rows (--val-split or --eval-data) if any."""
+def build_data(
+    cfg: TrainConfig, tokenizer: Any, say: Any = print
+) -> tuple[list[PackedData], list[float], PackedData | None]:
+    """The training rows of each --data source (with its mixture weight), and the held-out rows
+    (--val-split or --eval-data) if any. Sources are read from the token cache, tokenised
+    first if needed (token_cache.py)."""
     d = cfg.data
-    examples = load_examples(d.source, tokenizer)
-    held_out, held_out_name = None, None
+    opts = {
+        "fmt": d.data_format,
+        "columns": d.data_columns,
+        "split": d.data_split,
+        "cache_dir": d.cache_dir,
+        "workers": d.data_workers,
+        "say": say,
+    }
+    sources = parse_sources(d.source)
+    stores: list[Store] = [cached_store(src, tokenizer, **opts) for src, _ in sources]
+    held: Store | None = None
+    held_name = None
     if d.val_split > 0:
-        # Whole examples are held out before packing, so none is on both sides.
-        examples, held_out = split_examples(examples, d.val_split, cfg.run.seed)
-        held_out_name = f"the --val-split {d.val_split} held-out examples"
+        # Whole documents are held out before packing, so none is on both sides.
+        docs = []
+        for i, store in enumerate(stores):
+            train, out = split_indices(store.n_docs, d.val_split, cfg.run.seed)
+            docs += [store.document(int(j)) for j in out]
+            stores[i] = store.subset(train)
+        held = MemoryStore.from_documents(docs)
+        held_name = f"the --val-split {d.val_split} held-out examples"
     elif d.eval_data is not None:
-        held_out = load_examples(d.eval_data, tokenizer)
-        held_out_name = f"--eval-data {d.eval_data}"
-    data = pack(examples, d.seq_len, source=d.source)
-    eval_set = pack(held_out, d.seq_len, source=held_out_name, keep_tail=True) if held_out else None
-    return data, eval_set
+        evals = [cached_store(src, tokenizer, **opts) for src, _ in parse_sources(d.eval_data)]
+        held = (
+            evals[0]
+            if len(evals) == 1
+            else MemoryStore.from_documents([e.document(j) for e in evals for j in range(e.n_docs)])
+        )
+        held_name = f"--eval-data {d.eval_data}"
+    datas = [
+        check_rows(PackedData(store, d.seq_len), src)
+        for store, (src, _) in zip(stores, sources, strict=True)
+    ]
+    eval_set = None
+    if held is not None:
+        eval_set = check_rows(PackedData(held, d.seq_len, keep_tail=True), held_name)
+    return datas, [w for _, w in sources], eval_set
 
 
 # ----------------------------------------------------------------------------- model
@@ -369,10 +400,11 @@ class _Inputs:
 
     facts: RunFacts
     tokenizer: Any = None
-    data: PackedData | None = None
+    data: list[PackedData] | None = None  # one per --data source
     eval_set: PackedData | None = None
     resume_from: Path | None = None
     state: dict[str, Any] | None = None
+    weights: list[float] | None = None  # the sources' mixture weights
 
 
 def _read_inputs(
@@ -382,10 +414,12 @@ def _read_inputs(
     world = env.world if env is not None else 1
     tokenizer = resolve_tokenizer(cfg)
     _check_shapes(cfg, args, tokenizer)
-    data, eval_set = build_data(cfg, tokenizer)
-    packs = bool((data.doc_ids > 0).any())
-    facts = RunFacts(args.vocab_size, packs_documents=packs, rows=data.rows, world=world)
-    inputs = _Inputs(facts, tokenizer, data, eval_set)
+    say = print if env is None or env.is_main else (lambda line: None)
+    datas, weights, eval_set = build_data(cfg, tokenizer, say)
+    packs = any(d.packs_documents() for d in datas)
+    rows = sum(d.rows for d in datas)
+    facts = RunFacts(args.vocab_size, packs_documents=packs, rows=rows, world=world)
+    inputs = _Inputs(facts, tokenizer, datas, eval_set, weights=weights)
     if cfg.run.resume:
         inputs.resume_from = ckpt.latest_checkpoint(Path(cfg.run.output_dir))
         inputs.state = ckpt.load_train_state(inputs.resume_from)
@@ -510,7 +544,11 @@ def build_run(
     )
     if inputs.data is not None:
         # Every rank draws the same global batch of world x --batch-size rows, trains its slice.
-        run.batches = Batches(inputs.data, cfg.data.batch_size * run.world, cfg.run.seed)
+        global_batch = cfg.data.batch_size * run.world
+        if len(inputs.data) == 1:
+            run.batches = Batches(inputs.data[0], global_batch, cfg.run.seed)
+        else:
+            run.batches = Mixture(inputs.data, inputs.weights, global_batch, cfg.run.seed)
     if inputs.state is not None:
         _load_train_state(run, inputs.state)
     return run

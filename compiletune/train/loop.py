@@ -404,7 +404,7 @@ class Trainer:
         n_params = num_params(run.args)
         line = (
             f"model {cfg.name}: {n_params / 1e6:.1f}M parameters, {where}; data "
-            f"{cfg.data.source}: {run.data.inputs.shape[0]} rows of {cfg.data.seq_len} tokens"
+            f"{cfg.data.source}: {sum(d.rows for d in run.data)} rows of {cfg.data.seq_len} tokens"
             + (", document-masked" if cfg.data.doc_mask else "")
             + (f"; eval {run.eval_set.rows} rows" if run.eval_set is not None else "")
             + f"; output {self.out}"

@@ -370,13 +370,11 @@ def test_load_and_pack_deterministic(tok, tmp_path):
 
 
 def toy_data(rows: int, seq_len: int = 4) -> PackedData:
-    inputs = torch.arange(rows * seq_len).view(rows, seq_len)
-    return PackedData(
-        inputs=inputs,
-        targets=inputs + 1,
-        positions=torch.arange(seq_len).expand(rows, seq_len).clone(),
-        doc_ids=torch.zeros(rows, seq_len, dtype=torch.int32),
-    )
+    """One document 0, 1, 2, ...: row r holds inputs r*L .. r*L+L-1, each target the next."""
+    n = rows * seq_len + 1
+    data = pack([Example(list(range(n)), [True] * n)], seq_len)
+    assert data.rows == rows
+    return data
 
 
 def row_ids(batch) -> list[int]:

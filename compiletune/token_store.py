@@ -1,0 +1,265 @@
+"""Tokenised data as a stream of documents, and the training rows cut from it on demand.
+
+A `Store` holds documents back to back: token ids (int32), a target flag per token (uint8: is
+this token something to predict), and where each document starts. `MemoryStore` keeps them in
+arrays (small data, held-out sets, tests); `FileStore` reads them from a folder of the token
+cache (token_cache.py) a row at a time with `pread`, so the process's memory does not grow with
+the corpus (nothing is memory-mapped, so no page of the corpus counts in its resident set).
+`Store.subset(docs)` is a view of some documents in order (what `--val-split` leaves), with no
+copy.
+
+`PackedData` cuts a store's stream into rows of `seq_len + 1` tokens that overlap by one
+(inputs and shifted targets) and builds a batch of rows when asked (`take`): the training step
+never needs more than its own rows in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100  # targets value for "not a target", what cross_entropy ignores by default
+IDS, FLAGS, DOCS, META = "ids.i32", "flags.u8", "docs.i64", "meta.json"
+
+
+class Store:
+    """Documents back to back. Subclasses give `_read(start, count)` over physical offsets and
+    the physical start of every document (`_phys`, int64 [n_docs]) and its length."""
+
+    _phys: np.ndarray  # physical start of each document (of this view), int64 [n_docs]
+    _lens: np.ndarray  # length of each document, int64 [n_docs]
+
+    def _init_view(self, phys: np.ndarray, lens: np.ndarray) -> None:
+        self._phys, self._lens = phys.astype(np.int64), lens.astype(np.int64)
+        # virtual start of each document in this view's stream, and the stream's end
+        self.starts = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(self._lens, out=self.starts[1:])
+        # every document where the stream has it: a range is one read
+        self._contiguous = bool(np.array_equal(self._phys, self.starts[:-1]))
+
+    @property
+    def n_docs(self) -> int:
+        return len(self._lens)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.starts[-1])
+
+    def _read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32, flags uint8) of virtual tokens [start, start + count), within the
+        stream."""
+        if count <= 0:
+            return np.empty(0, np.int32), np.empty(0, np.uint8)
+        if self._contiguous:
+            return self._read(start, count)
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        ids, flags, need, at = [], [], count, start
+        doc = first
+        while need > 0:
+            offset = at - int(self.starts[doc])
+            take = min(need, int(self._lens[doc]) - offset)
+            i, f = self._read(int(self._phys[doc]) + offset, take)
+            ids.append(i)
+            flags.append(f)
+            need -= take
+            at += take
+            doc += 1
+        if len(ids) == 1:
+            return ids[0], flags[0]
+        return np.concatenate(ids), np.concatenate(flags)
+
+    def subset(self, docs: np.ndarray) -> Store:
+        """The documents `docs` (indices in this view, ascending) as a store of their own."""
+        return _Subset(self, self._phys[docs], self._lens[docs])
+
+    def document(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.read(int(self.starts[doc]), int(self._lens[doc]))
+
+
+class _Subset(Store):
+    def __init__(self, base: Store, phys: np.ndarray, lens: np.ndarray) -> None:
+        self.base = base
+        self._init_view(phys, lens)
+
+    def _read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.base._read(start, count)
+
+
+class MemoryStore(Store):
+    """Documents held in arrays."""
+
+    def __init__(self, ids: np.ndarray, flags: np.ndarray, lens: np.ndarray) -> None:
+        self.ids, self.flags = ids.astype(np.int32, copy=False), flags.astype(np.uint8, copy=False)
+        lens = np.asarray(lens, dtype=np.int64)
+        phys = np.zeros(len(lens), dtype=np.int64)
+        np.cumsum(lens[:-1], out=phys[1:])
+        self._init_view(phys, lens)
+
+    @classmethod
+    def from_examples(cls, examples: list) -> MemoryStore:
+        """From `data.Example`s (ids and is_target lists)."""
+        lens = np.array([len(e.ids) for e in examples], dtype=np.int64)
+        ids = np.fromiter((t for e in examples for t in e.ids), np.int64, int(lens.sum()))
+        flags = np.fromiter((t for e in examples for t in e.is_target), np.uint8, int(lens.sum()))
+        return cls(ids, flags, lens)
+
+    @classmethod
+    def from_documents(cls, docs: list[tuple[np.ndarray, np.ndarray]]) -> MemoryStore:
+        """From (ids, flags) pairs, one per document (`Store.document`)."""
+        if not docs:
+            return cls(np.empty(0, np.int32), np.empty(0, np.uint8), np.empty(0, np.int64))
+        lens = np.array([len(i) for i, _ in docs], dtype=np.int64)
+        return cls(np.concatenate([i for i, _ in docs]), np.concatenate([f for _, f in docs]), lens)
+
+    def _read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.ids[start : start + count], self.flags[start : start + count]
+
+
+class FileStore(Store):
+    """A token cache folder: `ids.i32`, `flags.u8`, `docs.i64` (document starts, then the
+    end), `meta.json`. Rows are read with `pread`: nothing of the corpus stays in memory but
+    the document offsets (8 bytes per document)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.meta = json.loads((folder / META).read_text())
+        bounds = np.fromfile(folder / DOCS, dtype=np.int64)
+        self._ids_fd = os.open(folder / IDS, os.O_RDONLY)
+        self._flags_fd = os.open(folder / FLAGS, os.O_RDONLY)
+        self._init_view(bounds[:-1], np.diff(bounds))
+
+    def _read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.frombuffer(os.pread(self._ids_fd, 4 * count, 4 * start), dtype=np.int32)
+        flags = np.frombuffer(os.pread(self._flags_fd, count, start), dtype=np.uint8)
+        return ids, flags
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_ids_fd", None), getattr(self, "_flags_fd", None)):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def __getstate__(self) -> dict:  # picklable (spawned workers reopen the files)
+        return {"folder": self.folder}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["folder"])
+
+
+class PackedData:
+    """The training rows of a store. Row r covers stream tokens [r*L, r*L + L] (L + 1 tokens,
+    L = seq_len): inputs are the first L, targets the last L where they are targets of the
+    same document and IGNORE_INDEX elsewhere, so consecutive rows share one token and no token
+    is lost. The tail that does not fill a row is dropped, or with `keep_tail` (evaluation:
+    every held-out target counts) padded with token 0 in a document of its own, never a
+    target. Rows without a single target are left out.
+
+    `positions` restart at 0 at each document start and at the start of each row: a document
+    that began in an earlier row cannot attend to that part, so inside this row it starts
+    fresh, and positions stay below `seq_len`. `doc_ids` number the documents within a row
+    (0, 1, 2, ...) for document-masked attention.
+    """
+
+    def __init__(self, store: Store, seq_len: int, keep_tail: bool = False) -> None:
+        self.store, self.seq_len, self.keep_tail = store, seq_len, keep_tail
+        n, L = store.n_tokens, seq_len
+        rows = (n - 1) // L if n > 0 else 0
+        if keep_tail and n > 1 and (n - 1) % L:
+            rows += 1
+        self.total_rows = rows
+        self._row = self._rows_with_targets(rows)  # kept row -> stream row, int64
+
+    @property
+    def rows(self) -> int:
+        return len(self._row)
+
+    def _rows_with_targets(self, rows: int) -> np.ndarray:
+        """Stream rows that have at least one target (scanned a block of rows at a time)."""
+        L, keep = self.seq_len, []
+        block = max(1, (1 << 24) // L)
+        for r0 in range(0, rows, block):
+            r1 = min(rows, r0 + block)
+            t = self._targets_of(r0 * L, (r1 - r0) * L).reshape(r1 - r0, L)
+            keep.append(r0 + np.flatnonzero(t.any(axis=1)))
+        return np.concatenate(keep) if keep else np.empty(0, np.int64)
+
+    def _window(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, flags, document index) of stream tokens [start, start + count), padded past
+        the end (keep_tail) with token 0 in a document of its own."""
+        s = self.store
+        real = max(0, min(count, s.n_tokens - start))
+        ids, flags = s.read(start, real)
+        doc = np.searchsorted(s.starts, np.arange(start, start + real), side="right") - 1
+        if real < count:
+            pad = count - real
+            ids = np.concatenate([ids, np.zeros(pad, np.int32)])
+            flags = np.concatenate([flags, np.zeros(pad, np.uint8)])
+            doc = np.concatenate([doc, np.full(pad, s.n_docs, dtype=doc.dtype)])
+        return ids, flags, doc
+
+    def _targets_of(self, start: int, count: int) -> np.ndarray:
+        """Whether stream tokens [start + 1, start + count] are targets for the token before
+        them (a target of the same document), as a bool array [count]."""
+        _, flags, doc = self._window(start, count + 1)
+        return (flags[1:] > 0) & (doc[1:] == doc[:-1])
+
+    def take(self, idx: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
+        """Rows `idx` (kept-row numbers) as a batch: `inputs`, `targets`, `positions` (int64)
+        and `doc_ids` (int32), each `[len(idx), seq_len]`."""
+        L = self.seq_len
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        out = {k: np.empty((len(idx), L), dtype=np.int64) for k in ("i", "t", "p")}
+        doc_ids = np.empty((len(idx), L), dtype=np.int32)
+        col = np.arange(L)
+        for j, r in enumerate(self._row[idx]):
+            ids, flags, doc = self._window(int(r) * L, L + 1)
+            out["i"][j] = ids[:L]
+            target = (flags[1:] > 0) & (doc[1:] == doc[:-1])
+            out["t"][j] = np.where(target, ids[1:], IGNORE_INDEX)
+            # position: distance to the latest document start in the row (or the row start)
+            starts = np.ones(L, dtype=bool)
+            starts[1:] = doc[1:L] != doc[: L - 1]
+            out["p"][j] = col - np.maximum.accumulate(np.where(starts, col, 0))
+            doc_ids[j] = doc[:L] - doc[0]
+        return {
+            "inputs": torch.from_numpy(out["i"]),
+            "targets": torch.from_numpy(out["t"]),
+            "positions": torch.from_numpy(out["p"]),
+            "doc_ids": torch.from_numpy(doc_ids),
+        }
+
+    def all_rows(self) -> dict[str, torch.Tensor]:
+        return self.take(np.arange(self.rows))
+
+    # Whole-tensor views (small data and tests; training reads batches with `take`).
+    @property
+    def inputs(self) -> torch.Tensor:
+        return self.all_rows()["inputs"]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.all_rows()["targets"]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.all_rows()["positions"]
+
+    @property
+    def doc_ids(self) -> torch.Tensor:
+        return self.all_rows()["doc_ids"]
+
+    def packs_documents(self) -> bool:
+        """Does any kept row hold the start of a second document (so document masking
+        changes something)?"""
+        L = self.seq_len
+        starts = self.store.starts[1:-1]  # document starts after the first
+        inside = starts[(starts % L) != 0] // L  # rows where a document starts mid-row
+        return bool(np.isin(inside, self._row).any())

@@ -1,0 +1,199 @@
+"""The token cache and what reads it: rows equal to in-memory packing, cache hits, invalidation,
+killed builds, concurrent builders, worker processes; mixtures of sources."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from compiletune import data as data_mod
+from compiletune.cli import main
+from compiletune.data import Batches, Mixture, PackedData, load_examples, pack, parse_sources
+from compiletune.errors import UserError
+from compiletune.metrics import read_metrics
+from compiletune.token_cache import cached_store
+from compiletune.token_store import META, MemoryStore
+from compiletune.tokenizer import byte_tokenizer
+
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "what is {i}?"},
+        {"role": "assistant", "content": "{i} is a number."},
+    ]
+}
+
+
+def _chat_file(path: Path, n: int, offset: int = 0) -> Path:
+    rows = []
+    for i in range(offset, offset + n):
+        row = json.loads(json.dumps(CHAT).replace("{i}", str(i)))
+        rows.append(json.dumps(row))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _text_file(path: Path, n: int, word: str) -> Path:
+    path.write_text("\n".join(json.dumps({"text": f"{word} {i} " * (1 + i % 5)}) for i in range(n)))
+    return path
+
+
+def _same_rows(a: PackedData, b: PackedData) -> None:
+    assert a.rows == b.rows
+    x, y = a.all_rows(), b.all_rows()
+    for k in x:
+        assert torch.equal(x[k], y[k]), k
+
+
+@pytest.mark.parametrize("seq_len", [7, 32])
+def test_cached_rows_equal_in_memory_packing(tmp_path, seq_len):
+    tok = byte_tokenizer()
+    src = _chat_file(tmp_path / "chat.jsonl", 40)
+    store = cached_store(str(src), tok, cache_dir=str(tmp_path / "c"), say=lambda s: None)
+    examples = load_examples(str(src), tok)
+    _same_rows(PackedData(store, seq_len), pack(examples, seq_len))
+    _same_rows(PackedData(store, seq_len, keep_tail=True), pack(examples, seq_len, keep_tail=True))
+    # a subset of documents (what --val-split leaves) packs like the same examples in memory
+    keep = np.array([i for i in range(store.n_docs) if i % 3])
+    _same_rows(PackedData(store.subset(keep), seq_len), pack([examples[i] for i in keep], seq_len))
+    docs = [store.document(int(i)) for i in keep]
+    _same_rows(
+        PackedData(MemoryStore.from_documents(docs), seq_len),
+        pack([examples[i] for i in keep], seq_len),
+    )
+
+
+def test_second_run_reads_the_cache_and_a_changed_input_rebuilds(tmp_path, monkeypatch):
+    tok, cache = byte_tokenizer(), str(tmp_path / "c")
+    src = _chat_file(tmp_path / "chat.jsonl", 20)
+    said = []
+    first = cached_store(str(src), tok, cache_dir=cache, say=said.append)
+    assert len(said) == 1 and said[0].startswith(f"tokenized {src}: 20 documents")
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(data_mod, "encode", no_tokenizing)
+    again = cached_store(str(src), tok, cache_dir=cache, say=said.append)
+    assert again.folder == first.folder and len(said) == 1
+    monkeypatch.undo()
+    _chat_file(src, 20, offset=1)  # same size, other content
+    changed = cached_store(str(src), tok, cache_dir=cache, say=said.append)
+    assert changed.folder != first.folder and len(said) == 2
+    # another tokenizer (another chat template) is another entry too
+    tok.chat_template = tok.chat_template.replace("### ", "## ")
+    assert cached_store(str(src), tok, cache_dir=cache, say=said.append).folder != changed.folder
+
+
+def test_a_killed_build_is_never_used(tmp_path):
+    src = _text_file(tmp_path / "t.jsonl", 3000, "word")
+    cache = tmp_path / "c"
+    code = (
+        "import sys; from compiletune.token_cache import cached_store; "
+        "from compiletune.tokenizer import byte_tokenizer; "
+        "cached_store(sys.argv[1], byte_tokenizer(), cache_dir=sys.argv[2], workers=0)"
+    )
+    env = {**os.environ, "COMPILETUNE_KILL_AT": "cache:2"}
+    done = subprocess.run([sys.executable, "-c", code, str(src), str(cache)], env=env, timeout=120)
+    assert done.returncode == -9
+    assert not [p for p in cache.iterdir() if (p / META).exists()]  # nothing complete
+    store = cached_store(str(src), byte_tokenizer(), cache_dir=str(cache), say=lambda s: None)
+    assert store.n_docs == 3000
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+
+
+def _build(args: tuple[str, str]) -> str:
+    lines = []
+    cached_store(args[0], byte_tokenizer(), cache_dir=args[1], workers=0, say=lines.append)
+    return "".join(lines)
+
+
+def test_concurrent_builders_build_once(tmp_path):
+    """What torchrun's ranks do: all ask at once, one builds, the others wait and read it."""
+    src = _text_file(tmp_path / "t.jsonl", 4000, "token")
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(3) as pool:
+        said = pool.map(_build, [(str(src), str(tmp_path / "c"))] * 3)
+    assert sum(s.startswith("tokenized") for s in said) == 1
+
+
+def test_worker_processes_give_the_same_entry(tmp_path):
+    tok = byte_tokenizer()
+    src = _chat_file(tmp_path / "chat.jsonl", 1500)
+    one = cached_store(str(src), tok, cache_dir=str(tmp_path / "a"), workers=0, say=lambda s: None)
+    two = cached_store(str(src), tok, cache_dir=str(tmp_path / "b"), workers=2, say=lambda s: None)
+    for name in ("ids.i32", "flags.u8", "docs.i64"):
+        assert (one.folder / name).read_bytes() == (two.folder / name).read_bytes(), name
+
+
+# ----------------------------------------------------------------------------- mixtures
+
+
+def test_mixture_proportions_determinism_and_exact_resume(tmp_path):
+    tok = byte_tokenizer()
+    a = pack(load_examples(str(_text_file(tmp_path / "a.jsonl", 300, "x" * 8)), tok), 8)
+    b = pack(load_examples(str(_text_file(tmp_path / "b.jsonl", 300, "y" * 8)), tok), 8)
+    mix = Mixture([a, b], [0.7, 0.3], batch_size=10, seed=3)
+    batches = [mix.next() for _ in range(300)]
+    from_a = sum(int((bt["inputs"] == ord("x")).any(dim=1).sum()) for bt in batches)
+    assert abs(from_a / 3000 - 0.7) < 0.04
+    state = None
+    again = Mixture([a, b], [0.7, 0.3], batch_size=10, seed=3)
+    for i in range(300):
+        if i == 123:
+            state = json.loads(json.dumps(again.state_dict()))  # JSON-able, as saved
+        nxt = again.next()
+        assert all(torch.equal(nxt[k], batches[i][k]) for k in nxt)
+    resumed = Mixture([a, b], [0.7, 0.3], batch_size=10, seed=3)
+    resumed.load_state_dict(state)
+    for i in range(123, 160):
+        nxt = resumed.next()
+        assert all(torch.equal(nxt[k], batches[i][k]) for k in nxt)
+    other = Mixture([a, b], [0.7, 0.3], batch_size=10, seed=4).next()
+    assert not torch.equal(other["inputs"], batches[0]["inputs"])
+    with pytest.raises(UserError, match="2-source mixture"):
+        resumed.load_state_dict(Batches(a, 4, 0).state_dict())  # a single source's state
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("a.jsonl:0.5,b.jsonl:x", "the weight 'x' of b.jsonl is not a number"),
+        ("a.jsonl:0.5,b.jsonl", "'b.jsonl' has no weight"),
+        ("a.jsonl:-1,b.jsonl:1", "must be positive"),
+        ("a.jsonl:inf", "must be positive"),
+    ],
+)
+def test_bad_mixtures(spec, needle):
+    with pytest.raises(UserError, match=needle):
+        parse_sources(spec)
+
+
+def test_mixture_trains_and_resumes_exactly(tmp_path, capsys):
+    a = _text_file(tmp_path / "a.jsonl", 200, "alpha")
+    b = _chat_file(tmp_path / "b.jsonl", 100)
+    flags = ["--data", f"{a}:0.6,{b}:0.4", "--seq-len", "32", "--batch-size", "2"]
+    flags += ["--val-split", "0.1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert (
+        main(["train", *flags, "--max-steps", "6", "--save-every", "3", "--output-dir", str(full)])
+        == 0
+    )
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "step_6")  # as if the run had died after step 3's checkpoint
+    assert main(["train", "--output-dir", str(part), "--resume"]) == 0
+    want = [r["loss"] for r in read_metrics(full / "metrics.jsonl")]
+    got = [r["loss"] for r in read_metrics(part / "metrics.jsonl")]
+    assert got == want
+    assert read_metrics(full / "metrics.jsonl")[-1]["eval_loss"] > 0
+    assert main(["train", "--data", f"{a}:0.6,{b}:oops", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "the weight 'oops'" in capsys.readouterr().err
