@@ -186,6 +186,13 @@ class DataConfig:
             _at_least_one(name, getattr(self, name))
         if self.data_workers is not None and self.data_workers < 0:
             raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
+        if self.data_columns is not None:
+            from compiletune.sources import parse_columns
+
+            parse_columns(self.data_columns)  # a malformed mapping fails before the model loads
+        from compiletune.data import parse_sources
+
+        parse_sources(self.source)  # a malformed mixture too
         if self.eval_every < 0:
             raise UserError(
                 f"--eval-every must be 0 (only at the end) or positive, got {self.eval_every}"

@@ -1,22 +1,16 @@
-"""Training data: read a source, tokenise it with target masks, pack it into rows, batch it.
+"""Training data: tokenise examples with target masks, pack them into rows, batch them.
 
-Sources (`--data SOURCE`):
+Reading a source (files, folders, datasets, layouts) is `sources.py`'s; the trainer's path goes
+through the token cache (`token_cache.py`, `token_store.py`), and this module gives what both
+paths share:
 
-- `pydocs`: the embedded corpus of standard-library docstrings (see `compiletune.corpus`).
-- `FILE.txt`: plain text. Documents are separated by two or more consecutive empty lines, so a
-  file of paragraphs (single empty lines) stays one document and a file with no such gap is
-  one document. Every token is a target.
-- `FILE.jsonl`: one JSON object per line, each in one of three shapes:
-  `{"text": ...}` (every token is a target),
-  `{"prompt": ..., "completion": ...}` (only the completion and the closing eos are targets),
-  `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the tokenizer's chat
-  template; only the assistant replies, including the end-of-turn tokens the template puts
-  after them, are targets). Empty lines are skipped.
-
-Each example becomes token ids that start with bos (when the tokenizer has one) and end with eos,
-plus a same-length `is_target` mask. `pack` concatenates all examples into one stream and cuts
-it into rows of `seq_len + 1` tokens that overlap by one (inputs and shifted targets), and
-`Batches` serves those rows in a seeded order that can be saved and resumed exactly.
+- `encode`: raw examples (text pieces with target flags) to token ids that start with bos (when
+  the tokenizer has one) and end with eos, plus a same-length `is_target` mask;
+- `load_examples` + `pack`: the in-memory path (small data, held-out sets, tests), rows as
+  `token_store.PackedData` describes them;
+- `split_indices`: the seeded held-out documents of --val-split;
+- `Batches` (one source) and `Mixture` (`--data SRC:W,...`): rows served in a seeded order
+  whose position is saved with each checkpoint and restored exactly.
 """
 
 from __future__ import annotations
