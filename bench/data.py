@@ -63,7 +63,8 @@ def make_tokenizer(sample: Path, folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<s>", "</s>"])
-    lines = sample.read_text()[: 1 << 20].splitlines()[:-1]  # the last one is cut
+    with sample.open() as f:  # the first MiB only: this process's peak is its children's start
+        lines = f.read(1 << 20).splitlines()[:-1]  # the last one is cut
     tok.train_from_iterator((json.loads(x)["text"] for x in lines), trainer)
     PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
@@ -71,6 +72,11 @@ def make_tokenizer(sample: Path, folder: Path) -> None:
 
 
 def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM: unlike ru_maxrss it starts afresh at exec, so
+    the parent's own peak does not leak into a child's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
