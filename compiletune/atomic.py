@@ -14,6 +14,19 @@ from pathlib import Path
 from compiletune import faults
 
 
+def make_folder(path: Path, flag: str) -> None:
+    """Create the user-given folder `path` (and its parents); failure is one line naming
+    `flag`."""
+    from compiletune.errors import UserError
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"{flag} {path}: cannot create it ({e.strerror}); pass a writable path"
+        ) from e
+
+
 def write_folder_atomically(final: Path, write: Callable[[Path], None]) -> Path:
     """`write(tmp)` fills a temporary sibling `.tmp-<name>`, which then replaces `final`."""
     tmp = final.parent / f".tmp-{final.name}"

@@ -37,8 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from compiletune import faults
-from compiletune.atomic import write_folder_atomically
-from compiletune.errors import UserError
+from compiletune.atomic import make_folder, write_folder_atomically
 from compiletune.token_store import DOCS, FLAGS, IDS, META, FileStore
 
 FORMAT = 1  # bump when the entry layout or the tokenisation rules change
@@ -111,12 +110,7 @@ def cached_store(
 ) -> FileStore:
     """The tokenised documents of `source`, from the cache (built first if missing)."""
     root = cache_root(cache_dir)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(
-            f"--cache-dir {root}: cannot create it ({e.strerror}); pass a writable folder"
-        ) from e
+    make_folder(root, "--cache-dir")
     key = cache_key(source, tokenizer, fmt, columns, split)
     entry = root / key
     if (entry / META).is_file():

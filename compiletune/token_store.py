@@ -184,7 +184,7 @@ class PackedData:
     def _rows_with_targets(self, rows: int) -> np.ndarray:
         """Stream rows that have at least one target (scanned a block of rows at a time)."""
         L, keep = self.seq_len, []
-        block = max(1, (1 << 24) // L)
+        block = max(1, (1 << 20) // L)
         for r0 in range(0, rows, block):
             r1 = min(rows, r0 + block)
             t = self._targets_of(r0 * L, (r1 - r0) * L).reshape(r1 - r0, L)
@@ -207,9 +207,17 @@ class PackedData:
 
     def _targets_of(self, start: int, count: int) -> np.ndarray:
         """Whether stream tokens [start + 1, start + count] are targets for the token before
-        them (a target of the same document), as a bool array [count]."""
-        _, flags, doc = self._window(start, count + 1)
-        return (flags[1:] > 0) & (doc[1:] == doc[:-1])
+        them (a target of the same document), as a bool array [count]. Memory: the flags of
+        the range, nothing per token beyond them."""
+        s = self.store
+        real = max(0, min(count + 1, s.n_tokens - start))
+        _, flags = s.read(start, real)
+        t = np.zeros(count, dtype=bool)  # the padding (keep_tail) is never a target
+        t[: max(0, real - 1)] = flags[1:real] > 0
+        # a document's first token is never the target of the token before it
+        lo, hi = np.searchsorted(s.starts, [start + 1, start + count + 1])
+        t[s.starts[lo:hi] - start - 1] = False
+        return t
 
     def take(self, idx: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
         """Rows `idx` (kept-row numbers) as a batch: `inputs`, `targets`, `positions` (int64)

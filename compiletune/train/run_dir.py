@@ -25,7 +25,7 @@ from typing import Any
 
 from compiletune import adapter_io
 from compiletune import checkpoint as ckpt
-from compiletune.atomic import recover
+from compiletune.atomic import make_folder, recover
 from compiletune.config import (
     SAVED_CONFIG,
     TrainConfig,
@@ -67,12 +67,7 @@ class OutputLock:
         while not probe.exists() and probe != probe.parent:
             missing.append(probe)
             probe = probe.parent
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(
-                f"--output-dir {out}: cannot create it ({e.strerror}); pass a writable path"
-            ) from e
+        make_folder(out, "--output-dir")
         self.created = missing  # deepest first
         self._take()
         return self
