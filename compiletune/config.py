@@ -190,9 +190,10 @@ class DataConfig:
             from compiletune.sources import parse_columns
 
             parse_columns(self.data_columns)  # a malformed mapping fails before the model loads
-        from compiletune.data import parse_sources
+        if not recipes.is_placeholder(self.source):  # a recipe's <...> is refused by train
+            from compiletune.data import parse_sources
 
-        parse_sources(self.source)  # a malformed mixture too
+            parse_sources(self.source)  # a malformed mixture fails before the model loads
         if self.eval_every < 0:
             raise UserError(
                 f"--eval-every must be 0 (only at the end) or positive, got {self.eval_every}"
