@@ -123,33 +123,19 @@ def load_examples(
 def encode(
     raw: list, tokenizer: PreTrainedTokenizerBase, source: str = "the data"
 ) -> list[Example]:
-    """Tokenise raw examples (text pieces with target flags).
+    """Tokenise raw examples (text pieces with target flags): each example starts with bos (if
+    the tokenizer has one; not a target) and ends with eos (a target, except after a chat whose
+    last message is not the assistant's). The token cache's encoding, as lists."""
+    from compiletune.token_cache import encode_arrays
 
-    Each example starts with bos (if the tokenizer has one; not a target) and ends with eos
-    (a target, except after a chat whose last message is not the assistant's).
-    """
-    texts = [text for example in raw for text, _ in example.pieces]
-    wheres = [example.where or source for example in raw for _ in example.pieces]
-    piece_ids = iter(_tokenize_pieces(texts, tokenizer, wheres))
-    bos = tokenizer.bos_token_id
-    eos = tokenizer.eos_token_id
-    examples = []
     for example in raw:
-        ids: list[int] = []
-        is_target: list[bool] = []
-        for _, target in example.pieces:
-            tokens = next(piece_ids)
-            ids.extend(tokens)
-            is_target.extend([target] * len(tokens))
-        # Chat templates usually emit bos themselves; add it only where missing.
-        if bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-            is_target.insert(0, False)
-        if eos is not None and (not ids or ids[-1] != eos):
-            ids.append(eos)
-            is_target.append(example.eos_is_target)
-        examples.append(Example(ids, is_target))
-    return examples
+        example.where = example.where or source
+    ids, flags, lengths = encode_arrays(raw, tokenizer)
+    bounds = np.cumsum([0, *lengths])
+    return [
+        Example(ids[a:b].tolist(), (flags[a:b] > 0).tolist())
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
 
 
 # ----------------------------------------------------------------------------- held-out split

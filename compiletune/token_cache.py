@@ -145,11 +145,17 @@ def _init_worker(tokenizer: Any) -> None:
 
 
 def _encode_chunk(raw: list, tokenizer: Any = None) -> tuple[bytes, bytes, list[int]]:
-    """Token ids (int32 bytes), target flags (uint8 bytes) and lengths of a chunk's examples:
-    what `data.encode` gives, built with array operations (no Python step per token)."""
+    """A chunk's token ids (int32 bytes), target flags (uint8 bytes) and lengths."""
+    ids, flags, lengths = encode_arrays(raw, tokenizer if tokenizer is not None else _TOKENIZER)
+    return ids.tobytes(), flags.tobytes(), lengths
+
+
+def encode_arrays(raw: list, tok: Any) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Raw examples to token ids (int32), target flags (uint8) and lengths, with array
+    operations (no Python step per token): bos first unless there, eos last unless there (a
+    target unless a chat ends on a non-assistant turn). `data.encode` gives the same as lists."""
     from compiletune.data import _tokenize_pieces
 
-    tok = tokenizer if tokenizer is not None else _TOKENIZER
     texts = [text for example in raw for text, _ in example.pieces]
     wheres = [example.where for example in raw for _ in example.pieces]
     pieces = _tokenize_pieces(texts, tok, wheres)
@@ -159,26 +165,22 @@ def _encode_chunk(raw: list, tokenizer: Any = None) -> tuple[bytes, bytes, list[
     for example in raw:
         n = len(example.pieces)
         parts = pieces[k : k + n]
-        ids = (
-            np.fromiter((t for p in parts for t in p), np.int32)
-            if n > 1
-            else np.asarray(parts[0] if parts else [], dtype=np.int32)
-        )
-        sizes = [len(p) for p in parts]
-        flags = np.repeat(np.array([t for _, t in example.pieces], np.uint8), sizes)
         k += n
-        # as data.encode: bos first unless already there, eos last unless already there
+        ids = np.fromiter((t for p in parts for t in p), np.int64)
+        flags = np.repeat(
+            np.array([t for _, t in example.pieces], np.uint8), [len(p) for p in parts]
+        )
         if bos is not None and (len(ids) == 0 or ids[0] != bos):
             ids, flags = np.concatenate([[bos], ids]), np.concatenate([[0], flags])
         if eos is not None and (len(ids) == 0 or ids[-1] != eos):
             ids = np.concatenate([ids, [eos]])
             flags = np.concatenate([flags, [int(example.eos_is_target)]])
-        ids_out.append(ids.astype(np.int32, copy=False))
-        flags_out.append(flags.astype(np.uint8, copy=False))
+        ids_out.append(ids.astype(np.int32))
+        flags_out.append(flags.astype(np.uint8))
         lengths.append(len(ids))
     if not ids_out:
-        return b"", b"", []
-    return np.concatenate(ids_out).tobytes(), np.concatenate(flags_out).tobytes(), lengths
+        return np.empty(0, np.int32), np.empty(0, np.uint8), []
+    return np.concatenate(ids_out), np.concatenate(flags_out), lengths
 
 
 def _build(
