@@ -137,6 +137,8 @@ def compile_regions(
         name = "block" if with_policy or opts.ac.kind == "none" else "block.no_ac"
         if getattr(block, "kind", "full") != "full":
             name += f".{block.kind}"
+        if model.args.n_experts and not block.moe:  # a dense layer of a MoE model
+            name += ".dense"
         if name not in backends:
             backends[name] = CompiletuneBackend(
                 name,

@@ -40,6 +40,7 @@ __all__ = [
     "get_hash_for_files",
     "load_cpp_kernel",
     "min_cut_partition",
+    "native_grouped_mm",
     "qualified_name",
     "size_hint",
 ]
@@ -245,3 +246,9 @@ def fsdp_allow_integer_params() -> bool:
         return False
     _fsdp_param.nn = _FsdpNN()
     return True
+
+
+# torch._grouped_mm: rows grouped by offsets times a stack of weights, one kernel (bf16 on
+# Hopper+ GPUs); present since torch 2.8. None where this torch lacks it (ops/grouped_mm.py
+# then uses its exact fallback).
+native_grouped_mm: Callable[..., torch.Tensor] | None = getattr(torch, "_grouped_mm", None)

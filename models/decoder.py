@@ -1,5 +1,5 @@
 """One decoder for every supported family (Llama 2/3/3.x, Qwen2.5, Qwen3, Mistral, Gemma 2/3,
-Phi-3/4).
+Phi-3/4, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE feed-forward is moe.py).
 
 The families differ only in data (`ModelArgs`): sizes, GQA ratio, rope base, scaling and
 rotary fraction, q/k/v bias (Qwen2), q/k norms (Qwen3, Gemma 3), Gemma's (1 + w) norms, scaled
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import causal_attention, visible
+from .moe import Experts, MoE
 
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")
 
@@ -106,6 +107,13 @@ class ModelArgs:
     local_rope_theta: float | None = None  # Gemma 3: sliding layers' rope base (no scaling)
     rotary_dim: int | None = None  # partial rotary (Phi-4-mini): leading dims rotated; None: hd
     fused_projections: bool = False  # Phi-3: one qkv and one gate_up projection
+    # Mixture of experts (Mixtral, Qwen3-MoE; see moe.py). n_experts 0: a dense model.
+    n_experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0  # experts per token
+    moe_ffn_dim: int = 0  # each expert's hidden width
+    norm_topk: bool = True  # top-k weights renormalised to sum 1 (Mixtral; Qwen3 norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE mlp_only_layers)
+    router_aux_coef: float = 0.0  # the checkpoint's router_aux_loss_coef (--router-aux-coef)
 
     @property
     def hd(self) -> int:
@@ -121,6 +129,10 @@ class ModelArgs:
     def window(self, index: int) -> int:
         """Sliding window of layer `index` (0: none)."""
         return (self.sliding_window or 0) if self.layer_kind(index) == "sliding" else 0
+
+    def is_moe(self, index: int) -> bool:
+        """Is layer `index` a mixture-of-experts layer?"""
+        return self.n_experts > 0 and index not in self.dense_layers
 
     @property
     def attn_scale(self) -> float:
@@ -419,36 +431,54 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps, plus_one)
         self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.dim, eps, plus_one)
-        self.feed_forward = FeedForward(
-            args.dim, args.ffn_dim, args.activation, args.fused_projections
-        )
+        self.moe = args.is_moe(layer)
+        self.feed_forward: FeedForward | MoE
+        if self.moe:
+            self.feed_forward = MoE(
+                args.dim, args.moe_ffn_dim, args.n_experts, args.top_k, args.norm_topk
+            )
+        else:
+            self.feed_forward = FeedForward(
+                args.dim, args.ffn_dim, args.activation, args.fused_projections
+            )
         if args.sandwich_norms:
             self.post_attention_norm = RMSNorm(args.dim, eps, plus_one)
             self.post_ffn_norm = RMSNorm(args.dim, eps, plus_one)
         else:
             self.post_attention_norm = self.post_ffn_norm = None
 
-    def _residuals(self, x: Tensor, attention: Callable[[Tensor], Tensor]) -> Tensor:
+    def _residuals(
+        self, x: Tensor, attention: Callable[[Tensor], Tensor]
+    ) -> tuple[Tensor, Tensor | None]:
         a = attention(self.attention_norm(x))
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
         h = x + a
-        f = self.feed_forward(self.ffn_norm(h))
+        stats = None
+        if self.moe:
+            f, stats = self.feed_forward(self.ffn_norm(h))
+        else:
+            f = self.feed_forward(self.ffn_norm(h))
         if self.post_ffn_norm is not None:
             f = self.post_ffn_norm(f)
-        return h + f
+        return h + f, stats
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        """x [b, s, d], cos/sin [b, s, rd], doc_ids [b, s] or None -> [b, s, d]."""
-        return self._residuals(x, lambda n: self.attention(n, cos, sin, doc_ids))
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """x [b, s, d], cos/sin [b, s, rd], doc_ids [b, s] or None -> [b, s, d]; a MoE block
+        returns (that, its router statistics [2E + 2]) (see moe.py)."""
+        h, stats = self._residuals(x, lambda n: self.attention(n, cos, sin, doc_ids))
+        return h if stats is None else (h, stats)
 
     def forward_cached(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int
     ) -> Tensor:
         """`forward` for incremental decoding with a KV cache (see `Attention.forward_cached`)."""
-        return self._residuals(
+        h, _ = self._residuals(
             x, lambda n: self.attention.forward_cached(n, cos, sin, cache, layer)
         )
+        return h
 
 
 class KVCache:
@@ -527,9 +557,16 @@ class Transformer(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, Experts):
+                normal_(module.w13)
+                normal_(module.w2)
 
     def hidden_states(
-        self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        router_stats: list[Tensor] | None = None,
     ) -> Tensor:
         """tokens [b, s] (int) -> final-normed hidden states [b, s, d].
 
@@ -537,13 +574,20 @@ class Transformer(nn.Module):
         ... per document) confine attention to each document; pass positions that restart at
         each document with them, and every document is computed exactly as if alone. Every
         block gets the same inputs (h, cos, sin, doc_ids), so one compiled graph serves all.
+        MoE blocks' router statistics are appended to `router_stats` when it is given.
         """
         h = self.embed(tokens)  # [b, s, d]
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # [1, s]
         ropes = self.ropes(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, *ropes[layer.kind], doc_ids)
+            out = layer(h, *ropes[layer.kind], doc_ids)
+            if isinstance(out, tuple):
+                h, stats = out
+                if router_stats is not None:
+                    router_stats.append(stats)
+            else:
+                h = out
         return self.norm(h)
 
     def embed(self, tokens: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ plus the 5.x keys when the original config used them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -71,15 +72,28 @@ _NATIVE_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-_GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
-_BLOCK_NAMES_INV = {  # keyed by "is Gemma"
-    False: {v: k for k, v in _BLOCK_NAMES.items()},
-    True: {v: k for k, v in _GEMMA_BLOCK_NAMES.items()},
+# MoE blocks: the router, and the experts the hub stores one tensor per expert and projection:
+# (module path of the experts, names of gate, up and down); native experts.w13 holds gate and
+# up of every expert, experts.w2 down (models/moe.py).
+_ROUTER_NAMES = {"qwen3_moe": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"}
+_EXPERT_NAMES = {
+    "qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2")),
 }
+_NATIVE_EXPERTS = ("feed_forward.experts.w13", "feed_forward.experts.w2")
+_GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 
 def _block_names(family: str) -> dict[str, str]:
-    return _GEMMA_BLOCK_NAMES if family.startswith("gemma") else _BLOCK_NAMES
+    if family.startswith("gemma"):
+        return _GEMMA_BLOCK_NAMES
+    if family in _ROUTER_NAMES:
+        return {**_BLOCK_NAMES, "feed_forward.router.weight": _ROUTER_NAMES[family]}
+    return _BLOCK_NAMES
+
+
+def _block_names_inv(family: str) -> dict[str, str]:
+    return {v: k for k, v in _block_names(family).items()}
 
 
 def to_hf_name(native: str, family: str = "llama") -> str:
@@ -101,23 +115,57 @@ def to_native_name(hf: str, family: str = "llama") -> str:
     if hf in _GLOBAL_NAMES_INV:
         return _GLOBAL_NAMES_INV[hf]
     m = _HF_BLOCK.fullmatch(hf)
-    inverse = _BLOCK_NAMES_INV[family.startswith("gemma")]
+    inverse = _block_names_inv(family)
     if m and m.group(2) in inverse:
         return f"layers.{m.group(1)}.{inverse[m.group(2)]}"
+    if m and family in _EXPERT_NAMES:
+        prefix, (gate, up, down) = _EXPERT_NAMES[family]
+        e = re.fullmatch(re.escape(prefix) + r"\.\d+\.(\w+)\.weight", m.group(2))
+        if e and e.group(1) in (gate, up, down):
+            return f"layers.{m.group(1)}.{_NATIVE_EXPERTS[e.group(1) == down]}"
     raise UserError(
         f"checkpoint tensor {hf!r} is not part of a supported decoder "
         f"({', '.join(_ARCHITECTURES)}); use a checkpoint of a supported architecture"
     )
 
 
+Index = tuple[int | slice, ...]
+
+
+def hf_pieces(
+    native: str, shape: tuple[int, ...], family: str = "llama"
+) -> list[tuple[str, Index, tuple[int, ...]]]:
+    """The HF tensors a native tensor is stored as: (HF name, index into the native tensor, the
+    piece's shape). One piece, the whole tensor, except for stacked experts, which the hub keeps
+    as one tensor per expert and projection: w13 [E, 2F, d] -> gate and up [F, d] of each expert
+    (rows :F and F:), w2 [E, d, F] -> down [d, F] of each."""
+    native = strip_wrappers(native)
+    m = _NATIVE_BLOCK.fullmatch(native)
+    if not (m and m.group(2) in _NATIVE_EXPERTS and family in _EXPERT_NAMES):
+        return [(to_hf_name(native, family), (), tuple(shape))]
+    prefix, (gate, up, down) = _EXPERT_NAMES[family]
+    base = f"model.layers.{m.group(1)}.{prefix}"
+    n_experts, rows, cols = shape
+    if m.group(2) == _NATIVE_EXPERTS[1]:
+        return [(f"{base}.{e}.{down}.weight", (e,), (rows, cols)) for e in range(n_experts)]
+    half = rows // 2
+    return [
+        (f"{base}.{e}.{name}.weight", (e, part), (half, cols))
+        for e in range(n_experts)
+        for name, part in ((gate, slice(0, half)), (up, slice(half, rows)))
+    ]
+
+
 def state_dict_to_hf(
     sd: dict[str, Tensor], tie_embeddings: bool = False, family: str = "llama"
 ) -> dict[str, Tensor]:
-    """Rename a native state dict to HF names (dropping `output.weight` when tied)."""
+    """Rename a native state dict to HF names (dropping `output.weight` when tied; stacked
+    experts split into the hub's per-expert tensors)."""
     return {
-        to_hf_name(k, family): v
+        hf: v[index]
         for k, v in sd.items()
-        if not (tie_embeddings and to_hf_name(k, family) == "lm_head.weight")
+        for hf, index, _ in hf_pieces(k, tuple(v.shape), family)
+        if not (tie_embeddings and hf == "lm_head.weight")
     }
 
 
@@ -131,12 +179,15 @@ _ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 _FAMILY_ARCH = {family: arch for arch, family in _ARCHITECTURES.items()}
 # Multimodal checkpoints whose text model is one of the above (weights renamed at load).
 _TEXT_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-# Mixture-of-experts architectures: named in the refusal until MoE support lands.
+# Expert-count fields: set in a config of a family without MoE support, they are refused.
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+_MOE_FAMILIES = ("qwen3_moe", "mixtral")
 # What transformers' Gemma 2 and Gemma 3 configs both assume when a key is absent.
 _GEMMA_DEFAULTS: dict[str, Any] = {
     "hidden_size": 2304,
@@ -181,6 +232,27 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0,
         "sliding_window_pattern": 6,
+    },
+    "qwen3_moe": {
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "router_aux_loss_coef": 0.001,
+    },
+    "mixtral": {
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "rope_theta": 1000000.0,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.001,
     },
     "phi3": {
         "vocab_size": 32064,
@@ -288,6 +360,11 @@ _POSITIVE_INTS = (
     "sliding_window",
     "sliding_window_pattern",
     "original_max_position_embeddings",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
 )
 _NUMBERS = (
     "rms_norm_eps",
@@ -297,6 +374,8 @@ _NUMBERS = (
     "attn_logit_softcapping",
     "final_logit_softcapping",
     "rope_local_base_freq",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
 )
 _BOOLS = (
     "tie_word_embeddings",
@@ -304,6 +383,7 @@ _BOOLS = (
     "mlp_bias",
     "use_sliding_window",
     "use_bidirectional_attention",
+    "norm_topk_prob",
 )
 _STRINGS = ("hidden_act", "hidden_activation", "model_type", "torch_dtype", "dtype")
 _ROPE_NUMBERS = (
@@ -578,10 +658,10 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         return value
 
     for key in _MOE_FIELDS:
-        if cfg.get(key):
+        if cfg.get(key) and family not in _MOE_FAMILIES:
             raise UserError(
-                f"config.json sets {key}: {cfg[key]} (mixture of experts), which is not "
-                "supported yet; use a dense checkpoint"
+                f"config.json sets {key}: {cfg[key]} (mixture of experts) for {family}, which "
+                f"has no MoE form; MoE is supported for {', '.join(_MOE_FAMILIES)}"
             )
     dim = get("hidden_size", required=True)
     n_heads = get("num_attention_heads", required=True)
@@ -604,7 +684,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
             f"config.json sets attention_bias: true for {family}, which is not supported; "
             "set it false"
         )
-    if family in ("qwen2", "qwen3") and get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and get("use_sliding_window", False):
         raise UserError(
             "config.json sets use_sliding_window: true, which is not supported; set it false "
             "(Qwen checkpoints ship with it false)"
@@ -636,7 +716,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
                 )
 
     window = cfg.get("sliding_window", defaults.get("sliding_window"))
-    if family in ("llama", "qwen2", "qwen3"):
+    if family in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         window = None  # Qwen's window is off (use_sliding_window false); Llama has none
     layer_types = _layer_types(cfg, family, n_layers) if window else None
     if layer_types is not None and "sliding" not in layer_types:
@@ -651,6 +731,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         value = cfg.get(key, defaults.get(key)) if family == "gemma2" else cfg.get(key)
         return float(value) if value else None
 
+    moe = _moe_args(cfg, family, n_layers, get) if family in _MOE_FAMILIES else {}
     return ModelArgs(
         dim=dim,
         n_layers=n_layers,
@@ -668,7 +749,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         sliding_window=int(window) if window else None,
         layer_types=layer_types,
         family=family,
-        qk_norm=family in ("qwen3", "gemma3_text"),
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"),
         norm_plus_one=gemma,
         embed_scale=gemma,
         activation="silu" if act == "silu" else "gelu_tanh",
@@ -679,6 +760,51 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         local_rope_theta=local_theta,
         rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         fused_projections=family == "phi3",
+        **moe,
+    )
+
+
+def _moe_args(cfg: dict, family: str, n_layers: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """The ModelArgs MoE fields of a Qwen3-MoE or Mixtral config."""
+    if family == "mixtral":
+        if get("router_jitter_noise", 0.0):
+            raise UserError(
+                f"config.json sets router_jitter_noise: {cfg['router_jitter_noise']}, which is "
+                "not supported; set it 0 (Mixtral checkpoints ship with 0)"
+            )
+        n_experts, ffn, norm_topk, dense = (
+            get("num_local_experts"),
+            get("intermediate_size"),
+            True,
+            (),
+        )
+    else:
+        # the hub's configs say num_experts; transformers 5 saves num_local_experts
+        n_experts = cfg.get("num_experts") or get("num_local_experts") or get("num_experts")
+        ffn = get("moe_intermediate_size")
+        norm_topk = bool(get("norm_topk_prob"))
+        step = int(get("decoder_sparse_step") or 1)
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(
+            isinstance(i, int) and 0 <= i < n_layers for i in only
+        ):
+            raise UserError(
+                f"config.json mlp_only_layers must list layer indices in 0..{n_layers - 1}"
+            )
+        dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+    top_k = get("num_experts_per_tok")
+    if not 0 < top_k <= n_experts:
+        raise UserError(
+            f"config.json num_experts_per_tok {top_k} must be between 1 and the expert count "
+            f"{n_experts}"
+        )
+    return dict(
+        n_experts=n_experts,
+        top_k=top_k,
+        moe_ffn_dim=ffn,
+        norm_topk=norm_topk,
+        dense_layers=dense,
+        router_aux_coef=float(get("router_aux_loss_coef")),
     )
 
 
@@ -768,11 +894,36 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
             attn_logit_softcapping=args.attn_softcap,
             final_logit_softcapping=args.final_softcap,
         )
-    if family in ("llama", "qwen3", "gemma2", "gemma3_text"):
+    if family in ("llama", "qwen3", "gemma2", "gemma3_text", "qwen3_moe"):
         cfg.update(attention_bias=False)
     if family == "llama":
         cfg.update(mlp_bias=False)
-    if family in ("qwen2", "qwen3"):
+    if family == "qwen3_moe":
+        cfg.update(
+            num_experts=args.n_experts,
+            num_local_experts=args.n_experts,  # transformers 5's name; both read either
+            num_experts_per_tok=args.top_k,
+            moe_intermediate_size=args.moe_ffn_dim,
+            norm_topk_prob=args.norm_topk,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(args.dense_layers),
+            router_aux_loss_coef=args.router_aux_coef,
+        )
+    if family == "mixtral":
+        if not args.norm_topk or args.dense_layers or args.moe_ffn_dim != args.ffn_dim:
+            raise UserError(
+                "a Mixtral model renormalises its top-k weights, has no dense layers and one "
+                "MLP width; these args have no Mixtral checkpoint"
+            )
+        cfg.update(
+            num_local_experts=args.n_experts,
+            num_experts_per_tok=args.top_k,
+            router_aux_loss_coef=args.router_aux_coef,
+            router_jitter_noise=0.0,
+        )
+    if args.n_experts and family not in _MOE_FAMILIES:
+        raise UserError(f"family {family!r} has no MoE checkpoint; use qwen3_moe or mixtral")
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         cfg["use_sliding_window"] = False
         cfg.setdefault("max_window_layers", args.n_layers)
     if family == "phi3":
@@ -913,7 +1064,11 @@ def from_hf(
     model.to(dtype)
     family = args.family
     # HF name -> shape; a tied model has no lm_head
-    expected = {to_hf_name(n, family): p.shape for n, p in model.named_parameters()}
+    expected = {
+        hf: shape
+        for n, p in model.named_parameters()
+        for hf, _, shape in hf_pieces(n, tuple(p.shape), family)
+    }
     where: dict[str, tuple[Path, str]] = {}  # HF name -> (file, name in that file)
     for file in files:
         with _open_safetensors(file) as f:
@@ -960,39 +1115,73 @@ def from_hf(
             module.to_empty(device=device)
             model.tie_weights()
             for name, param in module.named_parameters(prefix=prefix):
-                file, stored = where[to_hf_name(name, family)]
-                try:
-                    tensor = readers[file].get_tensor(stored)
-                except Exception as e:  # SafetensorError: data cut short or unreadable
-                    raise UserError(
-                        f"{file}: cannot read tensor {stored!r} ({brief(e)}); the file is "
-                        "truncated or corrupt: copy or download it again"
-                    ) from e
-                param.copy_(tensor)
-                # in the load dtype: a value too large for it is as unusable as a NaN
-                if not bool(torch.isfinite(param).all()):
-                    why = "holds NaN or Inf values"
-                    if bool(torch.isfinite(tensor).all()):
-                        why = f"has values beyond the range of {str(dtype).removeprefix('torch.')}"
-                    raise UserError(
-                        f"{file}: tensor {stored!r} {why}; the weights are corrupt or diverged: "
-                        "use a healthy checkpoint"
-                    )
+                for hf, index, _ in hf_pieces(name, tuple(param.shape), family):
+                    file, stored = where[hf]
+                    _read_into(param[index], readers[file], file, stored, dtype)
             if on_block is not None and prefix.startswith("layers."):
                 on_block(module)
     model.hf_config = cfg
     return model
 
 
+def _read_into(target: Tensor, reader: Any, file: Path, stored: str, dtype: torch.dtype) -> None:
+    """Copy tensor `stored` of an open safetensors file into `target`, checking it is finite."""
+    try:
+        tensor = reader.get_tensor(stored)
+    except Exception as e:  # SafetensorError: data cut short or unreadable
+        raise UserError(
+            f"{file}: cannot read tensor {stored!r} ({brief(e)}); the file is "
+            "truncated or corrupt: copy or download it again"
+        ) from e
+    target.copy_(tensor)
+    # in the load dtype: a value too large for it is as unusable as a NaN
+    if not bool(torch.isfinite(target).all()):
+        why = "holds NaN or Inf values"
+        if bool(torch.isfinite(tensor).all()):
+            why = f"has values beyond the range of {str(dtype).removeprefix('torch.')}"
+        raise UserError(
+            f"{file}: tensor {stored!r} {why}; the weights are corrupt or diverged: "
+            "use a healthy checkpoint"
+        )
+
+
+def _gathered(gather: Callable[[Tensor], Tensor], make: Callable[[], Tensor]) -> Tensor:
+    return gather(make())
+
+
+class _Shared:
+    """One fetch shared by the pieces of a tensor: fetched at the first piece's call, released
+    after the last one (an exporter holds one whole stacked tensor at a time)."""
+
+    def __init__(self, fetch: Callable[[], Tensor], uses: int) -> None:
+        self.fetch, self.left = fetch, uses
+        self.whole: Tensor | None = None
+
+    def piece(self, index: Index) -> Tensor:
+        if self.whole is None:
+            self.whole = self.fetch()
+        out = self.whole[index]
+        self.left -= 1
+        if not self.left:
+            self.whole = None
+        return out
+
+
 def _hf_tensors(
-    model: nn.Module, merge: bool
+    model: nn.Module, merge: bool, gather: Callable[[Tensor], Tensor] = lambda t: t
 ) -> list[tuple[str, tuple[int, ...], Callable[[], Tensor]]]:
     """(HF name, shape, make) in model order; a tied head is left out (it is the embedding).
     A LoRA model gives its base weights (dequantized if NF4), with adapters folded in if `merge`."""
     args: ModelArgs = model.args
     out = []
-    for name, shape, make in dense_tensors(model, merge):
-        hf = to_hf_name(name, args.family)
+    for name, shape, dense in dense_tensors(model, merge):
+        make = functools.partial(_gathered, gather, dense)
+        pieces = hf_pieces(name, shape, args.family)
+        if len(pieces) > 1:
+            shared = _Shared(make, len(pieces))
+            out += [(hf, piece, functools.partial(shared.piece, i)) for hf, i, piece in pieces]
+            continue
+        hf = pieces[0][0]
         if args.tie_embeddings and hf == "lm_head.weight":
             continue
         out.append((hf, shape, make))
@@ -1025,10 +1214,7 @@ def save_hf(
 
     if dtype is None:
         dtype = model.tok_embeddings.weight.dtype
-    entries = [
-        (name, shape, lambda make=make: full_tensor(make()))
-        for name, shape, make in _hf_tensors(model, merge_lora)
-    ]
+    entries = _hf_tensors(model, merge_lora, gather=full_tensor)
     cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
     write_hf_folder(
         path,

@@ -134,6 +134,40 @@ def _qwen3(
     )
 
 
+def _qwen3_moe(dim: int, n_layers: int, n_heads: int, ffn_dim: int, moe_ffn_dim: int) -> ModelArgs:
+    return dataclasses.replace(
+        _qwen3(dim, n_layers, n_heads, ffn_dim, tie=False),
+        n_kv_heads=4,
+        family="qwen3_moe",
+        n_experts=128,
+        top_k=8,
+        moe_ffn_dim=moe_ffn_dim,
+        norm_topk=True,
+        router_aux_coef=0.001,
+    )
+
+
+def _mixtral(
+    dim: int, n_layers: int, n_heads: int, ffn_dim: int, vocab_size: int, max_seq_len: int
+) -> ModelArgs:
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        vocab_size=vocab_size,
+        ffn_dim=ffn_dim,
+        norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_seq_len=max_seq_len,
+        family="mixtral",
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=ffn_dim,
+        router_aux_coef=0.02,
+    )
+
+
 def _gemma_common(n_layers: int, kinds: tuple[str, ...]) -> dict:
     return dict(
         n_layers=n_layers,
@@ -307,6 +341,12 @@ PRESETS: dict[str, ModelArgs] = {
     # mistralai/Mistral-7B-v0.1 (4096-token window on every layer), Mistral-Nemo-Base-2407
     "mistral_7b_v0_1": _mistral(32000, 10000.0, 32768, 4096),
     "mistral_nemo_12b": _mistral(131072, 1000000.0, 128000, None, dim=5120, n_layers=40, hd=128),
+    # Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B: 128 experts, 8 per token, every layer MoE
+    "qwen3_30b_a3b": _qwen3_moe(2048, 48, 32, 6144, 768),
+    "qwen3_235b_a22b": _qwen3_moe(4096, 94, 64, 12288, 1536),
+    # mistralai/Mixtral-8x7B-v0.1, Mixtral-8x22B-v0.1: 8 experts, 2 per token
+    "mixtral_8x7b": _mixtral(4096, 32, 32, 14336, 32000, 32768),
+    "mixtral_8x22b": _mixtral(6144, 56, 48, 16384, 32768, 65536),
     # Small Llama-3-shaped models for tests, the embedded default run and benches.
     "debug": _debug(512),
     "debug_128k": _debug(128256),
@@ -333,6 +373,16 @@ PRESETS: dict[str, ModelArgs] = {
     ),
     "debug_phi3": _debug_like(family="phi3", fused_projections=True, rotary_dim=24),
     "debug_window": _debug_like(family="mistral", sliding_window=256),
+    # Qwen3-MoE-shaped: 8 experts, 2 per token, q/k norms; layer 1 dense (mlp_only_layers)
+    "debug_moe": _debug_like(
+        family="qwen3_moe",
+        qk_norm=True,
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=256,
+        dense_layers=(1,),
+        router_aux_coef=0.001,
+    ),
     "llama3_150m": ModelArgs(
         dim=512,
         n_layers=8,
@@ -366,8 +416,10 @@ def num_params(args: ModelArgs) -> int:
         attention += q_out + 2 * kv_out
     if args.qk_norm:
         attention += 2 * hd
-    feed_forward = 3 * d * args.ffn_dim  # fused or not: the same weights
     norms = 4 if args.sandwich_norms else 2
-    block = attention + feed_forward + norms * d
+    dense = 3 * d * args.ffn_dim  # fused or not: the same weights
+    moe = args.n_experts * (d + 3 * d * args.moe_ffn_dim)  # router row + SwiGLU, per expert
+    n_moe = sum(args.is_moe(i) for i in range(args.n_layers))
+    blocks = args.n_layers * (attention + norms * d) + n_moe * moe + (args.n_layers - n_moe) * dense
     embeddings = args.vocab_size * d * (1 if args.tie_embeddings else 2)
-    return embeddings + args.n_layers * block + d  # + final norm
+    return embeddings + blocks + d  # + final norm

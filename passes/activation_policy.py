@@ -31,6 +31,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compiletune.models.attention import attention_op
+from compiletune.ops.grouped_mm import grouped_mm_op
 
 POLICIES = ("full", "selective")
 
@@ -47,6 +48,7 @@ _SAVE_NAMES = (
     "_scaled_dot_product_cudnn_attention.default",
     "_flash_attention_forward.default",
     "_efficient_attention_forward.default",
+    "_grouped_mm.default",  # MoE experts (native)
 )
 
 
@@ -58,7 +60,9 @@ def _resolve(name: str) -> Any:
 SAVE_OPS = frozenset(op for op in map(_resolve, _SAVE_NAMES) if op is not None) | {
     # Document-masked / windowed / soft-capped attention (an opaque custom op: attention FLOPs
     # inside).
-    attention_op._opoverload
+    attention_op._opoverload,
+    # MoE experts' grouped matmul (the exact fallback; a custom op)
+    grouped_mm_op,
 }
 
 

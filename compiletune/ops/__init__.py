@@ -5,5 +5,7 @@ fused_loss.py   compiletune::linear_cross_entropy*: output projection + cross-en
 triton_ce.py    the fused head's row-wise steps as Triton kernels (CUDA)
 host_copy.py    compiletune::offload_to_host / reload_from_host: a saved activation copied
                 to host memory and back (`--offload-activations`)
+grouped_mm.py   compiletune::grouped_mm: rows grouped by expert times each expert's weight
+                (MoE layers); torch._grouped_mm where the GPU has it, else an exact fallback
 cpu_kernels.py  the 8-bit AdamW step as one C++ kernel per CPU parameter (`--optim adamw8bit`)
 """

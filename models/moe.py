@@ -1,0 +1,128 @@
+"""Mixture-of-experts feed-forward (Mixtral, Qwen3-MoE): a router picks `top_k` of `n_experts`
+SwiGLU experts per token, and the chosen experts' outputs are summed with the router's weights.
+
+    logits = x Wr^T                       [t, E]   (t = b * s tokens)
+    probs  = softmax(fp32 logits)         [t, E]
+    w, idx = top_k(probs)                 [t, k]   renormalised to sum 1 when `norm_topk`
+    y_t    = sum_j w_tj * expert_idx_tj(x_t)
+
+Compute is grouped, not looped: the t*k (token, expert) pairs are sorted by expert, the tokens
+gathered into one [t*k, d] matrix in that order, and each projection of every expert runs as
+one grouped matmul over it (`compiletune.ops.grouped_mm`). How many rows each expert gets is
+data (`offs`), never a shape, so a compiled block compiles once whatever the routing.
+
+Expert weights are stacked, in the HF Linear layout per expert ([out, in]):
+    experts.w13  [E, 2F, d]  gate rows then up rows (HF gate_proj / up_proj, Mixtral w1 / w3)
+    experts.w2   [E, d, F]   down (HF down_proj, Mixtral w2)
+`hf.py` maps them to and from the hub's one-tensor-per-expert checkpoints.
+
+Every MoE block also returns its router statistics (`ROUTER_STATS` columns, fp32): tokens
+routed to each expert (no gradient), the router probabilities summed over tokens, the sum of
+squared log-sum-exps of the logits and the token count. `router_losses` turns the statistics of
+all layers into transformers' load-balancing loss and the router z-loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from compiletune.ops.grouped_mm import grouped_mm
+
+
+class Experts(nn.Module):
+    """`n_experts` SwiGLU MLPs as two stacked weights (see the module docstring)."""
+
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.n_experts, self.dim, self.ffn_dim = n_experts, dim, ffn_dim
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+
+    def project(self, name: str, x: Tensor, offs: Tensor) -> Tensor:
+        """Rows of x [n, in] grouped by expert times weight `name` ("w13" | "w2") transposed."""
+        return grouped_mm(x, getattr(self, name).transpose(-2, -1), offs)
+
+    def forward(self, x: Tensor, offs: Tensor) -> Tensor:
+        """x [n, d] grouped by expert (offs [E] int32: cumulative rows) -> [n, d]."""
+        gate, up = self.project("w13", x, offs).chunk(2, dim=-1)
+        return self.project("w2", F.silu(gate) * up, offs)
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, dim={self.dim}, ffn_dim={self.ffn_dim}"
+
+
+# Columns of a block's router statistics, each [E] or [1], concatenated into one fp32 vector.
+ROUTER_STATS = ("tokens", "prob_sum", "z_sum", "n")
+
+
+class MoE(nn.Module):
+    """Router + experts; `forward(x)` -> (y, router statistics)."""
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, norm_topk: bool) -> None:
+        super().__init__()
+        if not 0 < top_k <= n_experts:
+            raise ValueError(f"top_k {top_k} must be in 1..n_experts ({n_experts})")
+        self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = Experts(n_experts, dim, ffn_dim)
+
+    def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """flat [t, d] -> (weights [t, k] in x's dtype, experts [t, k], stats [2E + 2] fp32)."""
+        logits = self.router(flat).float()  # [t, E]
+        probs = torch.softmax(logits, dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        tokens = torch.zeros(self.n_experts, dtype=torch.float32, device=flat.device)
+        tokens = tokens.scatter_add(
+            0, chosen.flatten(), torch.ones_like(chosen.flatten(), dtype=torch.float32)
+        )
+        z_sum = torch.logsumexp(logits, dim=-1).square().sum()
+        n = torch.full((1,), float(flat.shape[0]), device=flat.device)
+        stats = torch.cat([tokens.detach(), probs.sum(dim=0), z_sum[None], n])
+        return weights.to(flat.dtype), chosen, stats
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [b, s, d] -> (y [b, s, d], router stats [2E + 2] fp32)."""
+        b, s, d = x.shape
+        flat = x.reshape(-1, d)
+        weights, chosen, stats = self.route(flat)
+        flat_chosen = chosen.flatten()  # [t*k], pair j is token j // k
+        order = torch.argsort(flat_chosen, stable=True)  # pairs grouped by expert
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
+        counts = counts.scatter_add(0, flat_chosen, torch.ones_like(flat_chosen))
+        offs = counts.cumsum(0).to(torch.int32)
+        token = order // self.top_k
+        out = self.experts(flat[token], offs)  # [t*k, d]
+        out = out * weights.flatten()[order, None]
+        y = torch.zeros_like(flat).index_add(0, token, out)
+        return y.view(b, s, d), stats
+
+
+def split_stats(stats: Tensor, n_experts: int) -> dict[str, Tensor]:
+    """A (sum of) router statistics vector -> its named columns (see `ROUTER_STATS`)."""
+    e = n_experts
+    return {
+        "tokens": stats[:e],
+        "prob_sum": stats[e : 2 * e],
+        "z_sum": stats[2 * e],
+        "n": stats[-1],
+    }
+
+
+def router_losses(stats: list[Tensor], n_experts: int) -> tuple[Tensor, Tensor]:
+    """(load-balancing loss, z-loss) over the router statistics of every MoE layer of one
+    forward.
+
+    Load balancing as transformers computes it over all layers' routing at once (Switch
+    Transformer's loss, summed over the top-k slots): with C[e] the (token, slot) pairs routed
+    to expert e and P[e] its summed probability, over all layers and the n = layers x tokens
+    routings, aux = E * sum_e (C[e] / n) * (P[e] / n); 1.0 when perfectly balanced with k = 1.
+    z-loss (ST-MoE): the mean over routings of logsumexp(logits)^2.
+    """
+    total = split_stats(torch.stack(stats).sum(dim=0), n_experts)
+    n = total["n"]
+    aux = n_experts * (total["tokens"] * total["prob_sum"]).sum() / (n * n)
+    return aux, total["z_sum"] / n
