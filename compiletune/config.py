@@ -241,6 +241,13 @@ class OptimConfig:
         "clip gradients to this global norm (0 = off)",
         shows="1.0; 0 with --optimizer-in-backward",
     )
+    router_aux_coef: float | None = opt(
+        None,
+        "weight of the MoE load-balancing loss (0 = off)",
+        shows="the model's router_aux_loss_coef; 0 for dense models",
+        estimate=False,
+    )
+    router_z_coef: float = opt(0.0, "weight of the MoE router z-loss", estimate=False)
 
     def check(self, cfg: TrainConfig) -> None:
         from compiletune.optim import check_optimizer_flags
@@ -253,6 +260,9 @@ class OptimConfig:
             raise UserError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm is not None and self.max_grad_norm < 0:
             raise UserError(f"--max-grad-norm must be >= 0 (0 disables), got {self.max_grad_norm}")
+        for flag, value in (("aux", self.router_aux_coef), ("z", self.router_z_coef)):
+            if value is not None and value < 0:
+                raise UserError(f"--router-{flag}-coef must be >= 0 (0 = off), got {value}")
         check_optimizer_flags(
             self.optimizer,
             self.optimizer_in_backward,
@@ -647,6 +657,7 @@ class RunFacts:
     rows: int | None = None  # training rows (for --epochs)
     world: int = 1
     bf16_params: bool | None = None  # are the parameters stored in pure bf16?
+    router_aux_coef: float | None = None  # the model's (0.0 for a dense model)
 
 
 def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainConfig:
@@ -727,6 +738,8 @@ def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfi
     if o.lr is None:
         # Adapters start at zero and are few: LoRA wants a ~10x larger lr than full fine-tuning.
         o.lr = (2e-4 if lora.rank else 2e-5) if cfg.model.model_dir else 1e-3
+    if o.router_aux_coef is None and facts.router_aux_coef is not None:
+        o.router_aux_coef = facts.router_aux_coef
     if o.max_grad_norm is None:
         # In-backward never holds all gradients at once, so there is no global norm to clip.
         o.max_grad_norm = 0.0 if o.optimizer_in_backward else 1.0

@@ -418,7 +418,13 @@ def _read_inputs(
     datas, weights, eval_set = build_data(cfg, tokenizer, say)
     packs = any(d.packs_documents() for d in datas)
     rows = sum(d.rows for d in datas)
-    facts = RunFacts(args.vocab_size, packs_documents=packs, rows=rows, world=world)
+    facts = RunFacts(
+        args.vocab_size,
+        packs_documents=packs,
+        rows=rows,
+        world=world,
+        router_aux_coef=args.router_aux_coef,
+    )
     inputs = _Inputs(facts, tokenizer, datas, eval_set, weights=weights)
     if cfg.run.resume:
         inputs.resume_from = ckpt.latest_checkpoint(Path(cfg.run.output_dir))
@@ -484,7 +490,13 @@ def build_run(
         inputs = _read_inputs(cfg, env, args, spec)
     else:
         world = env.world if env is not None else 1
-        inputs = _Inputs(RunFacts(args.vocab_size, packs_documents=False, world=world))
+        facts = RunFacts(
+            args.vocab_size,
+            packs_documents=False,
+            world=world,
+            router_aux_coef=args.router_aux_coef,
+        )
+        inputs = _Inputs(facts)
     inputs.facts.bf16_params = dtype == torch.bfloat16
     comp = cfg.optim.bf16_compensation
     if comp not in (None, "none") and dtype != torch.bfloat16:

@@ -236,6 +236,8 @@ class Trainer:
             "peak_mem_gib": peak_memory_gib(run.device),
             "epoch": run.batches.epoch,
         }
+        if result.router is not None:
+            record.update(result.router.record())
         if nonfinite is not None:
             record["nonfinite"] = nonfinite
             record["applied"] = bool(result.stepped)

@@ -18,6 +18,7 @@ from compiletune.config import TrainConfig
 from compiletune.data import PackedData, count_targets, eval_batches
 from compiletune.loss import IGNORE_INDEX, LossHead
 from compiletune.metrics import perplexity
+from compiletune.models.moe import router_losses
 from compiletune.train.build import Run
 
 Batch = dict[str, Tensor]
@@ -44,6 +45,31 @@ class StepResult:
     n_targets: int  # target tokens of the whole global batch, every micro-batch
     grad_norm: Tensor | None  # before clipping; None with --optimizer-in-backward
     stepped: bool = True  # False: `accept` refused the step, the optimizer did not run
+    router: RouterStep | None = None  # MoE models: this rank's router losses and expert load
+
+
+@dataclass
+class RouterStep:
+    """A MoE step's router numbers on this rank (means over its micro-batches)."""
+
+    aux_loss: Tensor  # fp32 [], the load-balancing loss
+    z_loss: Tensor  # fp32 [], the router z-loss
+    expert_tokens: Tensor  # fp32 [MoE layers, E], (token, slot) pairs routed to each expert
+
+    def record(self) -> dict[str, object]:
+        """The metrics-line fields: losses, and each layer's least and most loaded expert in
+        tokens (`mean`: every expert's share if balanced), and over all layers as a fraction
+        of that share (1.0 balanced; min 0.0: an expert that got nothing)."""
+        tokens = self.expert_tokens
+        mean = float(tokens.sum(dim=1).mean()) / tokens.shape[1]
+        low, high = tokens.min(dim=1).values, tokens.max(dim=1).values
+        return {
+            "router_aux_loss": float(self.aux_loss),
+            "router_z_loss": float(self.z_loss),
+            "expert_load_min": float(low.min()) / mean,
+            "expert_load_max": float(high.max()) / mean,
+            "expert_load": {"mean": mean, "min": low.tolist(), "max": high.tolist()},
+        }
 
 
 # Called between backward and the optimizer step with (loss_sum, grad_norm); False skips the
@@ -66,12 +92,20 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def forward_hidden(model: torch.nn.Module, batch: Batch, doc_mask: bool) -> Tensor:
+def forward_hidden(
+    model: torch.nn.Module,
+    batch: Batch,
+    doc_mask: bool,
+    router_stats: list[Tensor] | None = None,
+) -> Tensor:
     """Hidden states [b, s, d] of a batch; with `doc_mask` every packed example attends only to
-    itself, with its positions restarting at 0 (as if it were alone in the row)."""
+    itself, with its positions restarting at 0 (as if it were alone in the row). MoE layers'
+    router statistics go to `router_stats` when given."""
     if doc_mask:
-        return model.hidden_states(batch["inputs"], batch["positions"], batch["doc_ids"])
-    return model.hidden_states(batch["inputs"])
+        return model.hidden_states(
+            batch["inputs"], batch["positions"], batch["doc_ids"], router_stats=router_stats
+        )
+    return model.hidden_states(batch["inputs"], router_stats=router_stats)
 
 
 def train_step(
@@ -88,17 +122,29 @@ def train_step(
     # The loss is normalised by the target tokens of the whole accumulated batch, so
     # accumulation gives the same gradient as one big batch; FSDP averages gradients over
     # ranks, which the factor `world` undoes.
+    # MoE router losses are means over the tokens of each micro-batch: each adds 1/grad_accum of
+    # its weighted value (FSDP's average over ranks makes it the mean over the global batch).
     n_targets = batch.n_targets
     total = torch.zeros((), device=device, dtype=torch.float32)
+    n_experts = run.model.args.n_experts
+    router: list[tuple[Tensor, Tensor, Tensor]] = []
     for mb in batch.micro:
         run.observe("forward")
         mb = {k: v[rows].to(device, non_blocking=True) for k, v in mb.items()}
-        hidden = forward_hidden(run.model, mb, bool(cfg.data.doc_mask))  # [b, s, d]
+        stats: list[Tensor] | None = [] if n_experts else None
+        hidden = forward_hidden(run.model, mb, bool(cfg.data.doc_mask), stats)  # [b, s, d]
         loss = run.head(hidden, mb["targets"])  # fp32 [], summed over targets
+        objective = loss * (run.world / max(1, n_targets))
+        if stats:
+            aux, z = router_losses(stats, n_experts)
+            weighted = (cfg.optim.router_aux_coef or 0.0) * aux + cfg.optim.router_z_coef * z
+            objective = objective + weighted / len(batch.micro)
+            load = torch.stack([s[:n_experts] for s in stats]).detach()
+            router.append((aux.detach(), z.detach(), load))
         run.observe("backward")
-        (loss * (run.world / max(1, n_targets))).backward()
+        objective.backward()
         total += loss.detach()
-        del hidden, loss
+        del hidden, loss, objective, stats
     run.observe("step")
     max_norm = cfg.optim.max_grad_norm or 0.0
     grad_norm = None
@@ -107,12 +153,16 @@ def train_step(
     elif not cfg.optim.optimizer_in_backward:  # the norm alone: a non-finite one is caught
         grads = [p.grad for p in run.params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+    moe = None
+    if router:
+        aux, z, load = (torch.stack(parts) for parts in zip(*router, strict=True))
+        moe = RouterStep(aux.mean(), z.mean(), load.sum(dim=0))
     if accept is not None and not accept(total, grad_norm):
         run.optimizer.zero_grad()
-        return StepResult(total, n_targets, grad_norm, stepped=False)
+        return StepResult(total, n_targets, grad_norm, stepped=False, router=moe)
     run.optimizer.step()  # a no-op with --optimizer-in-backward: already stepped
     run.optimizer.zero_grad()
-    return StepResult(total, n_targets, grad_norm)
+    return StepResult(total, n_targets, grad_norm, router=moe)
 
 
 def weights_finite(params: list[torch.nn.Parameter]) -> bool:

@@ -278,7 +278,7 @@ def test_gemma3_vision_checkpoint_loads_its_text_model(tmp_path):
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"architectures": ["Qwen3MoeForCausalLM"]}, "architectures"),
+        ({"architectures": ["Qwen2MoeForCausalLM"]}, "architectures"),
         ({"num_experts": 8}, "num_experts"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": 0.7}}, "mscale"),
