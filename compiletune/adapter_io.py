@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,14 @@ from torch import Tensor, nn
 
 from compiletune.errors import UserError
 from compiletune.models.hf import brief, read_json, to_hf_name, to_native_name
-from compiletune.models.lora import FUSED_PARTS, SPEC_TARGETS, TARGETS, LoRASpec, lora_modules
+from compiletune.models.lora import (
+    FUSED_PARTS,
+    SPEC_TARGETS,
+    TARGETS,
+    LoRASpec,
+    lora_experts,
+    lora_modules,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -40,6 +48,39 @@ MERGED_DIR = "merged"  # OUTPUT_DIR/merged: the --merge export
 PEFT_PREFIX = "base_model.model."
 _HF_TO_SHORT = {hf: short for short, (_, hf) in TARGETS.items()}
 _PATH_TO_SHORT = {path: short for short, (path, _) in TARGETS.items()}
+# MoE experts: transformers 5 keeps each MoE layer's experts as 3-D parameters of one module
+# (`model.layers.N.mlp.experts`, Mixtral too), and PEFT adapts them as `target_parameters`.
+# Two adapted parameters of one module nest: the first registered (gate_up_proj) is the inner
+# wrapper, `experts.base_layer.lora_*`; the other, or a lone one, is `experts.lora_*`.
+# Per expert e, lora_A [E * r, in] holds A_e in rows e*r:(e+1)*r and lora_B [out, r * E] holds
+# B_e in columns e, e + E, e + 2E, ... (expert-minor).
+_EXPERT_PARAMS = {"w13": "mlp.experts.gate_up_proj", "w2": "mlp.experts.down_proj"}
+_EXPERT_SHORTS = {"w13": ("gate", "up"), "w2": ("down",)}
+_PEFT_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts(\.base_layer)?")
+
+
+def _expert_keys(module: str, adapted: tuple[str, ...]) -> dict[str, str]:
+    """Stacked weight -> PEFT module path of its adapter, for native experts `module`."""
+    layer = module.split(".")[1]
+    base = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts"
+    if len(adapted) == 1:
+        return {adapted[0]: base}
+    return {"w13": f"{base}.base_layer", "w2": base}
+
+
+def _to_peft(kind: str, tensor: Tensor) -> Tensor:
+    """Native A [E, r, in] -> PEFT's lora_A [E * r, in]; B [E, out, r] -> lora_B [out, r * E]."""
+    if kind == "A":
+        return tensor.flatten(0, 1)
+    return tensor.permute(1, 2, 0).flatten(1, 2)
+
+
+def _from_peft(kind: str, tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """The inverse of `_to_peft` for one of them, into the native `shape`."""
+    e, rows, cols = shape
+    if kind == "A":
+        return tensor.reshape(e, rows, cols)
+    return tensor.reshape(rows, cols, e).permute(2, 0, 1)
 
 
 def peft_module_name(native_module: str) -> str:
@@ -54,16 +95,23 @@ def native_module_name(peft_module: str) -> str:
 
 
 def adapter_config(
-    spec: LoRASpec, base_model: str | None, modules: list[str] | None = None
+    spec: LoRASpec,
+    base_model: str | None,
+    modules: list[str] | None = None,
+    experts: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The adapter_config.json of a run (PEFT's LoraConfig fields; defaults written out).
     `modules`: the native names of the adapted projections; their HF names are the
-    target_modules (a fused model's qkv_proj, not q_proj), else the spec's targets'."""
+    target_modules (a fused model's qkv_proj, not q_proj), else the spec's targets'.
+    `experts`: the adapted stacked expert weights ("w13", "w2"), PEFT's target_parameters."""
     if modules is not None:
         hf_names = {to_hf_name(m + ".weight").removesuffix(".weight") for m in modules}
         target_modules = sorted({n.rsplit(".", 1)[-1] for n in hf_names})
     else:
         target_modules = sorted(TARGETS[t][1] for t in spec.targets)
+    extra = {}
+    if experts:
+        extra["target_parameters"] = sorted(_EXPERT_PARAMS[w] for w in experts)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -83,6 +131,7 @@ def adapter_config(
         "layers_pattern": None,
         "rank_pattern": {},
         "alpha_pattern": {},
+        **extra,
     }
 
 
@@ -93,6 +142,10 @@ def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
         peft = peft_module_name(name)
         out[f"{peft}.lora_A.weight"] = m.lora_a.detach()
         out[f"{peft}.lora_B.weight"] = m.lora_b.detach()
+    for name, m in lora_experts(model):
+        for weight, peft in _expert_keys(name, m.adapted).items():
+            a, b = getattr(m, f"lora_a_{weight}"), getattr(m, f"lora_b_{weight}")
+            out[f"{peft}.lora_A.weight"], out[f"{peft}.lora_B.weight"] = a.detach(), b.detach()
     return out
 
 
@@ -113,15 +166,19 @@ def save_adapter(
     spec: LoRASpec = model.lora_spec
     if base_model is None:
         base_model = getattr(model, "lora_base", None)
+    tensors = {k: full_tensor(v).to("cpu") for k, v in adapter_state_dict(model).items()}
+    # an expert adapter (3-D) in PEFT's 2-D layout
     tensors = {
-        k: full_tensor(v).to("cpu").contiguous() for k, v in adapter_state_dict(model).items()
+        k: (_to_peft(k.removesuffix(".weight")[-1], v) if v.dim() == 3 else v).contiguous()
+        for k, v in tensors.items()
     }
     if not writer:
         return
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = adapter_config(spec, base_model, [name for name, _ in lora_modules(model)])
+    experts = tuple(dict.fromkeys(w for _, m in lora_experts(model) for w in m.adapted))
+    config = adapter_config(spec, base_model, [name for name, _ in lora_modules(model)], experts)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
@@ -178,10 +235,16 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
     with _open(weights) as f:
         names = list(f.keys())
     per_block: dict[str, set[str]] = {}
+    experts = _expert_params(cfg)
     for name in names:
-        module, _ = _split_key(name, weights)
+        module, _, weight = _split_key(name, weights, experts)
         _, block, inside = module.split(".", 2)  # "layers", "3", "attention.wq"
-        per_block.setdefault(block, set()).add(_PATH_TO_SHORT[inside])
+        shorts = _EXPERT_SHORTS[weight] if weight else (_PATH_TO_SHORT[inside],)
+        per_block.setdefault(block, set()).update(shorts)
+    if experts:  # a MoE model's dense layers carry no MLP adapters (models/lora.py)
+        mlp = {s for w in experts for s in _EXPERT_SHORTS[w]}
+        union = set().union(*per_block.values())
+        per_block = {b: v | mlp if union - v <= mlp else v for b, v in per_block.items()}
     kinds = {frozenset(v) for v in per_block.values()}
     if len(kinds) != 1:
         raise UserError(
@@ -210,17 +273,35 @@ def _open(file: Path) -> Any:
         ) from e
 
 
-def _split_key(name: str, file: Path) -> tuple[str, str]:
+def _expert_params(cfg: dict) -> tuple[str, ...]:
+    """The stacked expert weights ("w13", "w2", in that order) an adapter config's
+    target_parameters adapt (PEFT matches them by suffix: "down_proj" is enough)."""
+    listed = cfg.get("target_parameters") or []
+    if not isinstance(listed, list):
+        return ()
+    return tuple(
+        w
+        for w, full in _EXPERT_PARAMS.items()
+        if any(isinstance(t, str) and full.endswith(t) for t in listed)
+    )
+
+
+def _split_key(name: str, file: Path, experts: tuple[str, ...] = ()) -> tuple[str, str, str | None]:
     """`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ->
-    (`layers.0.attention.wq`, `A`)."""
+    (`layers.0.attention.wq`, `A`, None); an expert adapter (`experts`: the config's adapted
+    expert weights) -> (`layers.0.feed_forward.experts`, `A`, "w13" | "w2")."""
     for kind in ("A", "B"):
         suffix = f".lora_{kind}.weight"
         if name.startswith(PEFT_PREFIX) and name.endswith(suffix):
             module = name.removesuffix(suffix)
+            m = _PEFT_EXPERTS.fullmatch(module.removeprefix(PEFT_PREFIX))
+            if m and experts and (not m.group(2) or len(experts) == 2):
+                weight = "w13" if m.group(2) else experts[-1]
+                return f"layers.{m.group(1)}.feed_forward.experts", kind, weight
             hf_short = module.rsplit(".", 1)[-1]
             if hf_short in _HF_TO_SHORT:
                 try:
-                    return native_module_name(module), kind
+                    return native_module_name(module), kind, None
                 except UserError:
                     break
     raise UserError(
@@ -242,18 +323,28 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
             f"{spec.alpha:g} on {','.join(spec.targets)}; pass the adapter's --lora-rank, "
             "--lora-alpha and --lora-targets"
         )
-    modules = dict(lora_modules(model))
+    params: dict[tuple[str, str], Tensor] = {}
+    for module, m in lora_modules(model):
+        params[module, "A"], params[module, "B"] = m.lora_a, m.lora_b
+    for module, m in lora_experts(model):
+        for w in m.adapted:
+            params[f"{module}:{w}", "A"] = getattr(m, f"lora_a_{w}")
+            params[f"{module}:{w}", "B"] = getattr(m, f"lora_b_{w}")
+    experts = _expert_params(read_json(path / ADAPTER_CONFIG, "re-export the adapter"))
     loaded = set()
     weights = path / ADAPTER_WEIGHTS
     with _open(weights) as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            module, kind = _split_key(name, weights)
-            if module not in modules:
+            module, kind, weight = _split_key(name, weights, experts)
+            module = f"{module}:{weight}" if weight else module
+            if (module, kind) not in params:
                 raise UserError(
                     f"{path}: adapter {name!r} has no place in this model (it has "
                     f"{model.args.n_layers} layers); use the adapter's base model"
                 )
-            param = modules[module].lora_a if kind == "A" else modules[module].lora_b
+            param = params[module, kind]
+            # an expert adapter is stored in PEFT's 2-D layout
+            want = _to_peft(kind, param) if weight else param
             dtype = f.get_slice(name).get_dtype()
             if dtype not in ("F64", "F32", "F16", "BF16"):
                 raise UserError(
@@ -272,14 +363,14 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
                     f"{weights}: tensor {name!r} holds NaN or Inf values; use a healthy "
                     "checkpoint (an earlier step_N)"
                 )
-            if tensor.shape != param.shape:
+            if tensor.shape != want.shape:
                 raise UserError(
                     f"{path}: {name} has shape {list(tensor.shape)}, the model expects "
-                    f"{list(param.shape)}; use the adapter's base model"
+                    f"{list(want.shape)}; use the adapter's base model"
                 )
-            param.copy_(tensor)
+            param.copy_(_from_peft(kind, tensor, tuple(param.shape)) if weight else tensor)
             loaded.add((module, kind))
-    missing = [f"{m}.lora_{k}" for m in modules for k in "AB" if (m, k) not in loaded]
+    missing = [f"{m}.lora_{k}" for m, k in params if (m, k) not in loaded]
     if missing:
         raise UserError(f"{path} lacks adapter weights for {missing[0]}; re-export the adapter")
 

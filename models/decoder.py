@@ -432,6 +432,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.dim, eps, plus_one)
         self.moe = args.is_moe(layer)
+        self.in_moe_model = args.n_experts > 0  # a dense layer of a MoE model: LoRA skips its MLP
         self.feed_forward: FeedForward | MoE
         if self.moe:
             self.feed_forward = MoE(

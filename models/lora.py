@@ -25,6 +25,7 @@ form only (plus one layer's converted weight at a time).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ from torch import Tensor, nn
 
 from compiletune.choices import Quantize, choices
 from compiletune.errors import UserError
+from compiletune.ops.grouped_mm import grouped_mm
 
 from .decoder import ModelArgs, RMSNorm, Transformer
+from .moe import Experts
 from .names import strip_wrappers
 from .nf4 import BLOCK, dequantize_nf4, quantize_nf4
 
@@ -117,9 +120,32 @@ class _FrozenMatmul(torch.autograd.Function):
 
 
 def _materialise(stored: Tensor, scales: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The weight in `dtype` from its stored form; NF4 codes of stacked experts [E, out, in/2]
+    are dequantized as the [E * out, in] matrix they were quantized as."""
     if scales is not None:
-        return dequantize_nf4(stored, scales, dtype)
+        flat = dequantize_nf4(stored.flatten(0, -2), scales.flatten(0, -2), dtype)
+        return flat.view(*stored.shape[:-1], -1)
     return stored.to(dtype)
+
+
+class _FrozenGroupedMatmul(torch.autograd.Function):
+    """`_FrozenMatmul` for stacked experts: rows of x [n, in] grouped by expert (offs) times
+    each expert's frozen W [E, out, in] transposed, W rebuilt in x's dtype in forward and again
+    in backward, never saved."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, stored: Tensor, scales: Tensor | None, offs: Tensor) -> Tensor:
+        ctx.quantized = scales is not None
+        ctx.save_for_backward(offs, stored, *([scales] if ctx.quantized else []))
+        return grouped_mm(x, _materialise(stored, scales, x.dtype).transpose(-2, -1), offs)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        offs, stored, *scales = ctx.saved_tensors
+        weight = _materialise(stored, scales[0] if scales else None, grad.dtype)
+        return grouped_mm(grad.contiguous(), weight, offs), None, None, None
 
 
 class FrozenLinear(nn.Module):
@@ -223,6 +249,107 @@ class LoRALinear(FrozenLinear):
         return f"{super().extra_repr()}, rank={self.lora_a.shape[0]}, scale={self.scale:g}"
 
 
+class FrozenExperts(Experts):
+    """Frozen stacked experts (see models/moe.py): w13 [E, 2F, d] and w2 [E, d, F] stored in
+    the base dtype, or as NF4 (`w13_codes` uint8 [E, 2F, d // 2] + `w13_scales` fp32
+    [E, 2F, d // 64], the same for w2); every grouped matmul runs in the input's dtype."""
+
+    def __init__(self, experts: Experts, base_dtype: torch.dtype, quantize: str | None) -> None:
+        nn.Module.__init__(self)
+        self.n_experts, self.dim, self.ffn_dim = experts.n_experts, experts.dim, experts.ffn_dim
+        for name in ("w13", "w2"):
+            w = getattr(experts, name).detach()
+            if quantize == "nf4":
+                codes, scales = quantize_nf4(w.flatten(0, 1))
+                setattr(self, name, None)
+                codes, scales = codes.view(*w.shape[:2], -1), scales.view(*w.shape[:2], -1)
+                setattr(self, f"{name}_codes", nn.Parameter(codes, requires_grad=False))
+                setattr(self, f"{name}_scales", nn.Parameter(scales, requires_grad=False))
+            else:
+                setattr(self, name, nn.Parameter(w.to(base_dtype), requires_grad=False))
+                setattr(self, f"{name}_codes", None)
+                setattr(self, f"{name}_scales", None)
+
+    @property
+    def quantized(self) -> bool:
+        return self.w13_codes is not None
+
+    def _stored(self, name: str) -> tuple[Tensor, Tensor | None]:
+        if self.quantized:
+            return getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")
+        return getattr(self, name), None
+
+    def project(self, name: str, x: Tensor, offs: Tensor) -> Tensor:
+        stored, scales = self._stored(name)
+        if scales is None and stored.dtype == x.dtype:
+            return grouped_mm(x, stored.transpose(-2, -1), offs)
+        return _FrozenGroupedMatmul.apply(x, stored, scales, offs)
+
+    @torch.no_grad()
+    def dense_weight(self, name: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Stacked weight `name` as floats [E, out, in] (gathered whole under FSDP2)."""
+        stored, scales = self._stored(name)
+        return _materialise(_whole(stored), None if scales is None else _whole(scales), dtype)
+
+    def shape(self, name: str) -> tuple[int, int, int]:
+        rows = 2 * self.ffn_dim if name == "w13" else self.dim
+        return (self.n_experts, rows, self.dim if name == "w13" else self.ffn_dim)
+
+    def extra_repr(self) -> str:
+        stored = "nf4" if self.quantized else str(self.w13.dtype).removeprefix("torch.")
+        return f"{super().extra_repr()}, stored={stored}"
+
+
+# LoRA target short names -> the stacked expert weight they adapt (gate and up share w13)
+EXPERT_WEIGHTS = {"gate": "w13", "up": "w13", "down": "w2"}
+
+
+class LoRAExperts(FrozenExperts):
+    """`FrozenExperts` plus one low-rank update per expert on each adapted weight (`adapted`:
+    "w13" and/or "w2"): W_e + scale * B_e A_e, A `lora_a_<w>` [E, r, in], B `lora_b_<w>`
+    [E, out, r], computed as two more grouped matmuls over the same rows (PEFT's LoRA on a
+    3-D expert parameter)."""
+
+    def __init__(
+        self,
+        experts: Experts,
+        spec: LoRASpec,
+        adapted: tuple[str, ...],
+        base_dtype: torch.dtype,
+        quantize: str | None,
+        dtype: torch.dtype,
+        generator: torch.Generator,
+    ) -> None:
+        super().__init__(experts, base_dtype, quantize)
+        self.scale, self.adapted = spec.scale, adapted
+        device = experts.w13.device
+        for name in adapted:
+            e, out, inp = self.shape(name)
+            bound = 1.0 / math.sqrt(inp)  # PEFT's kaiming_uniform(a=sqrt(5)) of lora_A, B = 0
+            a = torch.empty(e, spec.rank, inp).uniform_(-bound, bound, generator=generator)
+            setattr(self, f"lora_a_{name}", nn.Parameter(a.to(device=device, dtype=dtype)))
+            b = torch.zeros(e, out, spec.rank, device=device, dtype=dtype)
+            setattr(self, f"lora_b_{name}", nn.Parameter(b))
+
+    def project(self, name: str, x: Tensor, offs: Tensor) -> Tensor:
+        y = super().project(name, x, offs)
+        if name not in self.adapted:
+            return y
+        a, b = getattr(self, f"lora_a_{name}"), getattr(self, f"lora_b_{name}")
+        hidden = grouped_mm(x, a.transpose(-2, -1), offs)  # [n, r]
+        return y + grouped_mm(hidden, b.transpose(-2, -1), offs) * self.scale
+
+    @torch.no_grad()
+    def merged_weight(self, name: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W + scale * B A per expert [E, out, in], in fp32, returned in `dtype`."""
+        w = self.dense_weight(name, torch.float32)
+        if name in self.adapted:
+            a = _whole(getattr(self, f"lora_a_{name}")).float()
+            b = _whole(getattr(self, f"lora_b_{name}")).float()
+            w = w + self.scale * torch.bmm(b, a)
+        return w.to(dtype)
+
+
 class CastEmbedding(nn.Embedding):
     """An embedding stored in one dtype whose output is in the compute dtype."""
 
@@ -240,6 +367,8 @@ def nf4_unfit(args: ModelArgs) -> str | None:
         "n_heads * head_dim": args.n_heads * args.hd,
         "ffn_dim": args.ffn_dim,
     }
+    if args.n_experts:
+        inputs["moe_ffn_dim"] = args.moe_ffn_dim
     for name, size in inputs.items():
         if size % BLOCK:
             return f"{name} = {size} is not a multiple of the NF4 block of {BLOCK}"
@@ -278,6 +407,11 @@ def block_adapter(
             if linear is None:
                 continue  # the other form (fused or split) of these projections
             adapted = short in spec.targets and short not in FUSED_PARTS
+            if short in EXPERT_WEIGHTS and getattr(block, "in_moe_model", False):
+                # In a MoE model gate/up/down name the experts' weights: transformers 5 + PEFT
+                # map those names to the experts (target_parameters) and cannot adapt the MLP
+                # of a dense layer, so neither do we (its adapter would not load in PEFT).
+                adapted = False
             if short in FUSED_PARTS:
                 targeted = [t in spec.targets for t in FUSED_PARTS[short]]
                 if any(targeted) and not all(targeted):
@@ -295,11 +429,52 @@ def block_adapter(
             else:
                 new = FrozenLinear(linear, base_dtype, quantize)
             setattr(parent, attr, new)  # the old weight goes with the old module
+        moe = getattr(block, "feed_forward", None)
+        if isinstance(getattr(moe, "experts", None), Experts):
+            _adapt_experts(moe, spec, base_dtype, quantize, dtype, generator)
         for module in block.modules():
             if isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.to(dtype)
 
     return adapt
+
+
+def _adapt_experts(
+    moe: nn.Module,
+    spec: LoRASpec,
+    base_dtype: torch.dtype,
+    quantize: str | None,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+) -> None:
+    """A MoE feed-forward's LoRA form: experts frozen (LoRA on the targeted weights), the router
+    frozen in the compute dtype (it is tiny, and routing decisions should not round)."""
+    if isinstance(moe.experts, FrozenExperts):
+        raise ValueError("this block has LoRA already")
+    targeted = [t for t in ("gate", "up") if t in spec.targets]
+    if len(targeted) == 1:
+        raise UserError(
+            "MoE experts keep gate and up in one weight (PEFT's gate_up_proj); --lora-targets "
+            "must name both or neither"
+        )
+    adapted = tuple(dict.fromkeys(EXPERT_WEIGHTS[t] for t in spec.targets if t in EXPERT_WEIGHTS))
+    if adapted and spec.dropout:
+        raise UserError(
+            f"--lora-dropout {spec.dropout}: PEFT's LoRA on expert weights has no dropout; "
+            "pass --lora-dropout 0 or leave gate/up/down out of --lora-targets"
+        )
+    if adapted:
+        moe.experts = LoRAExperts(
+            moe.experts, spec, adapted, base_dtype, quantize, dtype, generator
+        )
+    else:
+        moe.experts = FrozenExperts(moe.experts, base_dtype, quantize)
+    moe.router.weight.data = moe.router.weight.data.to(dtype)
+
+
+def lora_experts(model: nn.Module) -> list[tuple[str, LoRAExperts]]:
+    """(native module name, module) of every adapted experts module, in model order."""
+    return [(strip_wrappers(n), m) for n, m in model.named_modules() if isinstance(m, LoRAExperts)]
 
 
 @torch.no_grad()
@@ -373,6 +548,12 @@ def dense_tensors(
     seen: set[int] = set()
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(module, FrozenExperts):
+            for name in ("w13", "w2"):
+                merged = merge and isinstance(module, LoRAExperts)
+                fn = module.merged_weight if merged else module.dense_weight
+                out.append((prefix + name, module.shape(name), functools.partial(fn, name)))
+            continue
         if isinstance(module, FrozenLinear):
             make = (
                 module.merged_weight

@@ -41,7 +41,8 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
 
     def project(self, name: str, x: Tensor, offs: Tensor) -> Tensor:
-        """Rows of x [n, in] grouped by expert times weight `name` ("w13" | "w2") transposed."""
+        """Rows of x [n, in] grouped by expert times weight `name` ("w13" | "w2") transposed.
+        (LoRA's experts, models/lora.py, override this and keep `forward`.)"""
         return grouped_mm(x, getattr(self, name).transpose(-2, -1), offs)
 
     def forward(self, x: Tensor, offs: Tensor) -> Tensor:

@@ -287,3 +287,80 @@ def test_moe_config_errors_name_the_field():
     cfg.update(architectures=["LlamaForCausalLM"], num_local_experts=4)
     with pytest.raises(UserError, match="num_local_experts"):
         args_from_hf_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "case, targets",
+    [
+        ("qwen3_moe", ("q", "k", "v", "o", "gate", "up", "down")),
+        ("mixtral", ("q", "v", "down")),
+        ("mixtral", ("o", "gate", "up")),
+    ],
+)
+def test_lora_on_experts_loads_in_peft_and_merges(case, targets, tmp_path):
+    from compiletune import adapter_io
+    from compiletune.models.lora import LoRASpec, apply_lora
+
+    peft = pytest.importorskip("peft")
+    hf, folder = checkpoint(tmp_path, case)
+    spec = LoRASpec(rank=3, alpha=6.0, targets=targets)
+    model = apply_lora(from_hf(folder), spec, dtype=torch.float32, seed=3).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    adapter_io.save_adapter(model, tmp_path / "adapter", base_model=str(folder))
+    config = json.loads((tmp_path / "adapter" / adapter_io.ADAPTER_CONFIG).read_text())
+    expert = {"gate": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
+    assert config["target_parameters"] == sorted(v for k, v in expert.items() if k in targets)
+    t = tokens(20)
+    with torch.no_grad():
+        ours = model(t)
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        assert rel(loaded(t).logits, ours) <= 1e-5
+        assert rel(hf(t).logits, ours) > 1e-3  # the adapters do change the model
+        adapter_io.save_merged(model, tmp_path / "merged")
+        merged = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "merged", dtype=torch.float32
+        )
+        assert rel(merged(t).logits, ours) <= 1e-5
+    # the folder reads back as the same spec and the same weights
+    assert adapter_io.read_adapter_spec(tmp_path / "adapter").targets == spec.targets
+    again = apply_lora(from_hf(folder), spec, dtype=torch.float32, seed=9).eval()
+    adapter_io.load_adapter(again, tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(again(t), ours)
+
+
+def test_qlora_experts_are_nf4_and_train(tmp_path):
+    from compiletune.models import build_model, from_name
+    from compiletune.models.lora import FrozenExperts, LoRASpec, apply_lora, dense_tensors
+    from compiletune.models.names import strip_wrappers
+
+    args = from_name("debug_moe")
+    args.n_layers, args.vocab_size = 2, 128
+    model = build_model(args, seed=0)
+    t = tokens(16)
+    with torch.no_grad():
+        dense = model(t)
+    spec = LoRASpec(rank=4, alpha=8.0)
+    apply_lora(model, spec, dtype=torch.float32, quantize="nf4", seed=0)
+    experts = model.layers[0].feed_forward.experts
+    assert isinstance(experts, FrozenExperts) and experts.quantized
+    assert experts.w13_codes.dtype == torch.uint8 and experts.w13 is None
+    # adapters start at zero: the model is the plain one with its weights rounded to NF4
+    plain = build_model(args, seed=1)
+    with torch.no_grad():
+        rounded = {name: make() for name, _, make in dense_tensors(model)}
+        plain.load_state_dict({strip_wrappers(k): v for k, v in rounded.items()})
+        assert rel(model(t), plain(t)) <= 1e-5
+        assert 0.01 < rel(model(t), dense) < 0.5  # NF4 rounding shows, and no more than that
+    head = LossHead(model.output, "plain", None)
+    stats: list[torch.Tensor] = []
+    loss = head(model.hidden_states(t[:, :-1], router_stats=stats), t[:, 1:])
+    (loss + router_losses(stats, args.n_experts)[0]).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_a_w13" in n for n in grads) and all(g is not None for g in grads.values())
+    assert not model.layers[0].feed_forward.router.weight.requires_grad
