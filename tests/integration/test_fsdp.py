@@ -236,6 +236,7 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
     """name -> (flags for the 2-rank run, flags for the single-process reference)."""
     base = {**BASE, "data": corpus}
     from_dir = {k: v for k, v in base.items() if k != "n_layers"} | {"model_dir": tied_dir}
+    moe = {**base, "model": "debug_moe", "router_aux_coef": 0.1}
     return {
         "grad-op": ({**base, "sharding": "grad-op"}, base),
         "none": ({**base, "sharding": "none"}, base),
@@ -263,6 +264,13 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
             {**base, "model": "debug_phi3", "lora_rank": 4},
             {**base, "model": "debug_phi3", "lora_rank": 4},
         ),
+        # MoE (each block one unit, experts included). The router losses are means over each
+        # rank's rows, so the reference takes the same rows as two accumulated micro-batches.
+        "moe-compiled": (
+            {**moe, "compile": True, "compile_backend": "aot_eager", "ac": "selective"},
+            {**moe, "grad_accum": 2},
+        ),
+        "moe-lora": ({**moe, "lora_rank": 4}, {**moe, "lora_rank": 4, "grad_accum": 2}),
     }
 
 
@@ -281,8 +289,8 @@ def _variant_worker(rank: int, port: int, tmp: str, corpus: str, tied_dir: str) 
 @pytest.mark.slow
 def test_fsdp_variants_match_one_process(tmp_path: Path) -> None:
     """Sharding modes, CPU offload, compile + activation policy + fused loss, in-backward,
-    a tied model loaded by rank 0 from --model-dir, bf16 mixed precision and pure bf16, and a
-    held-out evaluation: each 2-rank run
+    a tied model loaded by rank 0 from --model-dir, bf16 mixed precision and pure bf16, a
+    held-out evaluation and MoE models (compiled; LoRA on experts): each 2-rank run
     against a single process with the whole global batch."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
@@ -302,7 +310,8 @@ def test_fsdp_variants_match_one_process(tmp_path: Path) -> None:
         key = json.dumps(ref_flags, sort_keys=True)
         if key not in references:
             out = tmp_path / f"ref-{len(references)}"
-            train(resolve({}, {**ref_flags, "batch_size": 4, "output_dir": str(out)}))
+            rows = 4 // ref_flags.get("grad_accum", 1)  # the global batch: 4 rows a step
+            train(resolve({}, {**ref_flags, "batch_size": rows, "output_dir": str(out)}))
             references[key] = _losses(out)
         want, got = references[key], _losses(tmp_path / name)
         # bf16: within bf16's precision (mixed: against the fp32 run; pure: another reduction order).
