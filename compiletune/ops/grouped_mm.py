@@ -40,9 +40,12 @@ def _groups(offs: Tensor) -> list[tuple[int, int, int]]:
 
 @torch.library.custom_op("compiletune::grouped_mm", mutates_args=())
 def _grouped_mm_fallback(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    out = x.new_zeros(x.shape[0], w.shape[-1])
+    # every row is written by its expert's matmul; only rows past the last group are zeroed
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    end = 0
     for e, start, end in _groups(offs):
         torch.mm(x[start:end], w[e], out=out[start:end])
+    out[end:].zero_()
     return out
 
 
@@ -54,9 +57,13 @@ def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 @torch.library.custom_op("compiletune::grouped_mm_weight_grad", mutates_args=())
 def _weight_grad(x: Tensor, grad: Tensor, offs: Tensor, n_experts: int) -> Tensor:
     """dW [E, k, m] of grouped_mm: x_e^T @ grad_e per expert; zeros for an expert with no rows."""
-    out = x.new_zeros(n_experts, x.shape[1], grad.shape[1])
+    out = x.new_empty(n_experts, x.shape[1], grad.shape[1])
+    filled = set()
     for e, start, end in _groups(offs):
         torch.mm(x[start:end].t(), grad[start:end], out=out[e])
+        filled.add(e)
+    for e in set(range(n_experts)) - filled:
+        out[e].zero_()
     return out
 
 

@@ -1,0 +1,178 @@
+"""One MoE block, forward + backward: compiletune's (compiled) against transformers' own block on
+the same weights, side by side in one run.
+
+    python bench/moe.py                    # CPU: fp32, 8 experts, top-2, d 512, F 1024, 2048 tok
+    python bench/moe.py --tokens 8192      # GPU: bf16 by default
+
+Variants (the same router, expert weights and input; top-k weights renormalised, Qwen3-MoE):
+
+    compiletune           models.moe.MoE compiled by compiletune's backend (inductor): tokens
+                          sorted by expert, one grouped matmul per projection
+                          (torch._grouped_mm on a Hopper GPU in bf16, the exact fallback
+                          otherwise), the counts are data: one graph for every routing
+    compiletune eager     the same module without compile
+    hf eager              transformers' Qwen3MoeSparseMoeBlock, experts_implementation "eager"
+                          (a loop over the experts that received tokens)
+    hf grouped_mm         the same block with experts_implementation "grouped_mm" (transformers'
+                          default when it can dispatch it)
+
+Each step draws a new input, so routings differ from step to step. Time: median of --iters
+steps after --warmup steps; tokens/s = tokens / time. Peak memory: what one step allocates above
+its inputs and weights (GPU: max_memory_allocated; CPU: torch.profiler allocator events).
+Results: bench/results/moe-<device>.json and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_name, result_header, write_result  # noqa: E402
+
+from compiletune.backend import CompiletuneBackend  # noqa: E402
+from compiletune.memory_internals import cpu_allocation_peak  # noqa: E402
+from compiletune.models.moe import MoE  # noqa: E402
+from compiletune.ops.grouped_mm import uses_native  # noqa: E402
+
+
+def hf_block(ours: MoE, dim: int, ffn: int, experts: int, top_k: int, impl: str):
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=dim,
+        moe_intermediate_size=ffn,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+    )
+    cfg._experts_implementation = impl
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(ours.router.weight)
+        block.experts.gate_up_proj.copy_(ours.experts.w13)
+        block.experts.down_proj.copy_(ours.experts.w2)
+    return block
+
+
+def peak_bytes(step, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    return cpu_allocation_peak(step)
+
+
+def measure(name: str, fn, inputs: list[torch.Tensor], warmup: int, device) -> dict[str, Any]:
+    """Median fwd+bwd time over `inputs` (after `warmup` of them) and one step's peak."""
+    params = [p for p in fn.parameters() if p.requires_grad]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out = fn(x)
+        y = out[0] if isinstance(out, tuple) else out
+        grads = torch.autograd.grad(y.square().mean(), [x, *params])
+        return y.detach()
+
+    times = []
+    for i, x in enumerate(inputs):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    tokens = inputs[0].shape[0] * inputs[0].shape[1]
+    return {
+        "variant": name,
+        "ms": round(seconds * 1e3, 2),
+        "tokens_per_s": round(tokens / seconds),
+        "peak_mib": round(peak_bytes(lambda: step(inputs[-1]), device) / 2**20, 1),
+        "output": step(inputs[0]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    ours = MoE(a.dim, a.ffn, a.experts, a.top_k, norm_topk=True)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0.0, 0.02)
+    ours = ours.to(device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(1)
+    inputs = [
+        torch.randn(1, a.tokens, a.dim, device=device, dtype=dtype, generator=g).requires_grad_()
+        for _ in range(a.warmup + a.iters)
+    ]
+    backend = CompiletuneBackend("block", [], mode="inductor")
+    compiled = torch.compile(ours, backend=backend, fullgraph=True, dynamic=False)
+    variants = {
+        "compiletune": compiled,
+        "compiletune eager": ours,
+        "hf eager": hf_block(ours, a.dim, a.ffn, a.experts, a.top_k, "eager").to(device, dtype),
+        "hf grouped_mm": hf_block(ours, a.dim, a.ffn, a.experts, a.top_k, "grouped_mm").to(
+            device, dtype
+        ),
+    }
+    rows = []
+    for name, fn in variants.items():
+        try:
+            rows.append(measure(name, fn, inputs, a.warmup, device))
+        except Exception as e:  # a variant this torch/transformers cannot run: say so
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    reference = next(r["output"] for r in rows if r["variant"] == "hf eager" and "output" in r)
+    for r in rows:
+        out = r.pop("output", None)
+        if out is not None:
+            diff = (out.double() - reference.double()).norm() / reference.double().norm()
+            r["rel_diff_vs_hf_eager"] = float(f"{diff.item():.2e}")
+    base = next(r for r in rows if r["variant"] == "hf eager")
+    print(f"{a.tokens} tokens, d {a.dim}, F {a.ffn}, {a.experts} experts, top-{a.top_k}, {dtype}")
+    print("| variant | ms (fwd+bwd) | tokens/s | vs hf eager | peak MiB | vs hf eager |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | {r['error']} | | | | |")
+            continue
+        speed = r["tokens_per_s"] / base["tokens_per_s"]
+        mem = r["peak_mib"] / base["peak_mib"]
+        print(
+            f"| {r['variant']} | {r['ms']} | {r['tokens_per_s']} | {speed:.2f}x | "
+            f"{r['peak_mib']} | {mem:.2f}x |"
+        )
+    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"moe-{device_name()}.json"
+    shape = {k: getattr(a, k) for k in ("tokens", "dim", "ffn", "experts", "top_k")}
+    result = {**result_header(), "dtype": str(dtype), "shape": shape, "rows": rows}
+    result["compiles"] = backend.compiles
+    result["native_grouped_mm"] = uses_native(inputs[0][0], ours.experts.w13.transpose(-2, -1))
+    write_result(out, result)
+
+
+if __name__ == "__main__":
+    main()
