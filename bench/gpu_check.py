@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py --part 1          # correctness: the CUDA tests (pytest -m cuda)
     python bench/gpu_check.py --part 2          # speed: attention, loss head (and its profile),
+                                                #   one MoE block (bf16: torch._grouped_mm),
                                                 #   the technique ladder on a 1B model
     python bench/gpu_check.py --steps env speed-1b   # named steps only (speed-1b: 1B eager vs
                                                 #   compiled, the ladder's first two rows)
@@ -149,6 +150,17 @@ STEPS: list[Step] = [
         180,
         40,
         result="loss-cuda-{dev}.json",
+    ),
+    Step(
+        2,
+        "moe",
+        [PY, "bench/moe.py", "--tokens", "8192", "--iters", "10"]
+        + ["--out", "{results}/moe-cuda-{dev}.json"],
+        [PY, "bench/moe.py", "--tokens", "64", "--dim", "32", "--ffn", "64", "--iters", "1"]
+        + ["--warmup", "1", "--out", "{results}/moe-cuda-{dev}.json"],
+        180,
+        40,
+        result="moe-cuda-{dev}.json",
     ),
     Step(
         2,

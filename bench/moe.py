@@ -17,7 +17,8 @@ Variants (the same router, expert weights and input; top-k weights renormalised,
                           default when it can dispatch it)
 
 Each step draws a new input, so routings differ from step to step. Time: median of --iters
-steps after --warmup steps; tokens/s = tokens / time. Peak memory: what one step allocates above
+steps after --warmup steps, the variants taking turns on each input (a slow spell of a shared
+machine hits them all alike); tokens/s = tokens / time. Peak memory: what one step allocates above
 its inputs and weights (GPU: max_memory_allocated; CPU: torch.profiler allocator events).
 Results: bench/results/moe-<device>.json and a markdown table on stdout.
 """
@@ -73,35 +74,63 @@ def peak_bytes(step, device: torch.device) -> int:
     return cpu_allocation_peak(step)
 
 
-def measure(name: str, fn, inputs: list[torch.Tensor], warmup: int, device) -> dict[str, Any]:
-    """Median fwd+bwd time over `inputs` (after `warmup` of them) and one step's peak."""
+def stepper(fn):
+    """One fwd+bwd of `fn` on x (gradients of the input and every trainable weight)."""
     params = [p for p in fn.parameters() if p.requires_grad]
 
     def step(x: torch.Tensor) -> torch.Tensor:
         out = fn(x)
         y = out[0] if isinstance(out, tuple) else out
-        grads = torch.autograd.grad(y.square().mean(), [x, *params])
+        torch.autograd.grad(y.square().mean(), [x, *params])
         return y.detach()
 
-    times = []
+    return step
+
+
+def measure(
+    variants: dict[str, Any], inputs: list[torch.Tensor], warmup: int, device
+) -> list[dict[str, Any]]:
+    """Median fwd+bwd time of each variant over `inputs` (after `warmup` of them), the variants
+    taking turns input by input so that a slow spell of the machine hits them all alike; and
+    each one's peak memory for one step."""
+    steps = {name: stepper(fn) for name, fn in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    failed: dict[str, str] = {}
     for i, x in enumerate(inputs):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    seconds = statistics.median(times)
+        for name, step in steps.items():
+            if name in failed:
+                continue
+            try:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(x)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as e:  # a variant this torch/transformers cannot run: say so
+                failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                continue
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
     tokens = inputs[0].shape[0] * inputs[0].shape[1]
-    return {
-        "variant": name,
-        "ms": round(seconds * 1e3, 2),
-        "tokens_per_s": round(tokens / seconds),
-        "peak_mib": round(peak_bytes(lambda: step(inputs[-1]), device) / 2**20, 1),
-        "output": step(inputs[0]),
-    }
+    rows = []
+    for name, step in steps.items():
+        if name in failed:
+            rows.append({"variant": name, "error": failed[name]})
+            continue
+        seconds = statistics.median(times[name])
+        rows.append(
+            {
+                "variant": name,
+                "ms": round(seconds * 1e3, 2),
+                "tokens_per_s": round(tokens / seconds),
+                "peak_mib": round(
+                    peak_bytes(lambda step=step: step(inputs[-1]), device) / 2**20, 1
+                ),
+                "output": step(inputs[0]),
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -140,12 +169,7 @@ def main() -> None:
             device, dtype
         ),
     }
-    rows = []
-    for name, fn in variants.items():
-        try:
-            rows.append(measure(name, fn, inputs, a.warmup, device))
-        except Exception as e:  # a variant this torch/transformers cannot run: say so
-            rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    rows = measure(variants, inputs, a.warmup, device)
     reference = next(r["output"] for r in rows if r["variant"] == "hf eager" and "output" in r)
     for r in rows:
         out = r.pop("output", None)
