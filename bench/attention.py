@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, result_header, write_result  # noqa: E402
+from common import device_name, peak_bytes, result_header, write_result  # noqa: E402
 
 from compiletune.models.attention import causal_attention  # noqa: E402
 
@@ -68,19 +68,6 @@ VARIANTS = {
     "docs flex": _attn("flex", docs_too=True),
     "dense": lambda q, k, v, s: dense(q, k, v, 0.125, 50.0),
 }
-
-
-def peak_bytes(step, device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    from compiletune.memory_internals import cpu_allocation_peak
-
-    return cpu_allocation_peak(step)
 
 
 def measure(

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +225,18 @@ def mfu(tokens_per_s: float, flops_per_token: float) -> float | None:
 def bench_out(bench: str, out: str | None) -> Path:
     """Where a bench writes: --out if given, else bench/results/<bench>-<device>.json."""
     return Path(out) if out else Path(__file__).parent / "results" / f"{bench}-{device_name()}.json"
+
+
+def peak_bytes(step: Callable[[], Any], device: torch.device) -> int:
+    """What one call of `step` allocates above what is live before it (GPU:
+    max_memory_allocated; CPU: torch.profiler allocator events)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from compiletune.memory_internals import cpu_allocation_peak
+
+    return cpu_allocation_peak(step)

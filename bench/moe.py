@@ -35,10 +35,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, result_header, write_result  # noqa: E402
+from common import device_name, peak_bytes, result_header, write_result  # noqa: E402
 
 from compiletune.backend import CompiletuneBackend  # noqa: E402
-from compiletune.memory_internals import cpu_allocation_peak  # noqa: E402
 from compiletune.models.moe import MoE  # noqa: E402
 from compiletune.ops.grouped_mm import uses_native  # noqa: E402
 
@@ -61,17 +60,6 @@ def hf_block(ours: MoE, dim: int, ffn: int, experts: int, top_k: int, impl: str)
         block.experts.gate_up_proj.copy_(ours.experts.w13)
         block.experts.down_proj.copy_(ours.experts.w2)
     return block
-
-
-def peak_bytes(step, device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    return cpu_allocation_peak(step)
 
 
 def stepper(fn):
