@@ -364,3 +364,20 @@ def test_qlora_experts_are_nf4_and_train(tmp_path):
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert any("lora_a_w13" in n for n in grads) and all(g is not None for g in grads.values())
     assert not model.layers[0].feed_forward.router.weight.requires_grad
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_greedy_generate_equals_transformers(case, tmp_path):
+    from compiletune.generate import generate_ids
+
+    hf, folder = checkpoint(tmp_path, case)
+    prompt = tokens(6, seed=5)[0].tolist()
+    want = hf.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=20,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    assert list(generate_ids(from_hf(folder).eval(), prompt, 20)) == want
