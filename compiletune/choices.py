@@ -18,6 +18,8 @@ OptimizerKind = Literal["adamw", "adamw8bit"]
 Bf16Compensation = Literal["none", "kahan", "stochastic"]
 Sharding = Literal["full", "grad-op", "hybrid", "none"]
 Quantize = Literal["nf4"]
+Objective = Literal["sft", "dpo", "ipo", "simpo", "kd"]
+KdLoss = Literal["forward_kl", "jsd"]
 DataFormat = Literal["auto", "text", "prompt-completion", "messages", "sharegpt", "alpaca"]
 
 

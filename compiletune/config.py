@@ -34,7 +34,9 @@ from compiletune.choices import (
     CompileBackend,
     DataFormat,
     Dtype,
+    KdLoss,
     Loss,
+    Objective,
     OptimizerKind,
     Quantize,
     Schedule,
@@ -526,6 +528,56 @@ class RunConfig:
             )
 
 
+@dataclass
+class ObjectiveConfig:
+    """What the run optimises: next-token cross-entropy, a preference objective on pairs, or
+    distillation from a teacher (docs/objectives.md)."""
+
+    TITLE = "objective"
+    objective: Objective = opt(
+        "sft",
+        "sft: next-token loss; dpo/ipo/simpo: preference pairs; kd: distil --teacher-dir",
+        estimate=False,
+        on_resume="fixed",
+    )
+    beta: float = opt(0.1, "dpo/ipo/simpo: the preference strength beta", estimate=False)
+    label_smoothing: float = opt(0.0, "dpo: conservative DPO's label smoothing eps", estimate=False)
+    simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma", estimate=False)
+    teacher_dir: str | None = opt(
+        None,
+        "kd: the teacher's HF folder (same vocabulary)",
+        estimate=False,
+        metavar="DIR",
+        on_resume="fixed",
+    )
+    kd_ratio: float = opt(0.5, "kd: weight of the divergence (the rest: CE)", estimate=False)
+    kd_temperature: float = opt(1.0, "kd: softmax temperature of both models", estimate=False)
+    kd_loss: KdLoss = opt("forward_kl", "kd: forward KL or Jensen-Shannon", estimate=False)
+
+    def check(self, cfg: TrainConfig) -> None:
+        kd = self.objective == "kd"
+        if kd != (self.teacher_dir is not None):
+            raise UserError(
+                "--objective kd needs --teacher-dir DIR"
+                if kd
+                else "--teacher-dir applies to --objective kd; add it or drop --teacher-dir"
+            )
+        if not self.beta > 0:
+            raise UserError(f"--beta must be positive, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise UserError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if not 0.0 <= self.kd_ratio <= 1.0:
+            raise UserError(f"--kd-ratio must be in [0, 1], got {self.kd_ratio}")
+        if not self.kd_temperature > 0:
+            raise UserError(f"--kd-temperature must be positive, got {self.kd_temperature}")
+        if self.objective != "sft" and cfg.parallel.fsdp:
+            raise UserError(
+                f"--objective {self.objective} runs in one process for now; drop --fsdp"
+            )
+        if self.objective in ("dpo", "ipo", "simpo") and "," in (cfg.data.source or ""):
+            raise UserError(f"--objective {self.objective} reads one --data source of pairs")
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -534,6 +586,7 @@ _SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "lora": LoRAConfig,
     "run": RunConfig,
+    "objective": ObjectiveConfig,
 }
 
 
@@ -548,6 +601,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> TrainConfig:

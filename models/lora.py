@@ -25,9 +25,10 @@ form only (plus one layer's converted weight at a time).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -530,6 +531,22 @@ def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     compile/checkpoint wrapper parts removed."""
 
     return [(strip_wrappers(n), m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model inside the block: every adapter's scale is 0 (the LoRA reference of
+    DPO/IPO: the same weights, no second copy). Compiled blocks guard on the scale, so run
+    them eagerly inside (`torch.compiler.set_stance("force_eager")`)."""
+    modules = [m for m in model.modules() if isinstance(m, LoRALinear | LoRAExperts)]
+    scales = [m.scale for m in modules]
+    for m in modules:
+        m.scale = 0.0
+    try:
+        yield
+    finally:
+        for m, scale in zip(modules, scales, strict=True):
+            m.scale = scale
 
 
 def is_lora(model: nn.Module) -> bool:

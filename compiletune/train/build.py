@@ -97,6 +97,8 @@ class Run:
     base_dtype: torch.dtype | None = None
     offload_activations: bool = False
     notes: list[str] = field(default_factory=list)
+    reference: Transformer | None = None  # DPO/IPO without LoRA: the frozen starting weights
+    teacher: Transformer | None = None  # --objective kd
 
     @property
     def world(self) -> int:
@@ -260,6 +262,24 @@ def build_data(
     return datas, [w for _, w in sources], eval_set
 
 
+def build_pairs(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[list, list, Any]:
+    """The rows of preference pairs (pairs.py) for training and, with --val-split or
+    --eval-data, for evaluation."""
+    from compiletune.pairs import PairRows, read_pairs
+
+    d = cfg.data
+    pairs = read_pairs(d.source, tokenizer, d.data_columns, d.data_split)
+    held = None
+    if d.val_split > 0:
+        train, out = split_indices(len(pairs), d.val_split, cfg.run.seed)
+        pairs, held = [pairs[i] for i in train], [pairs[i] for i in out]
+    elif d.eval_data is not None:
+        held = read_pairs(d.eval_data, tokenizer, d.data_columns, d.data_split)
+    rows = PairRows(pairs, d.seq_len)
+    say(f"preference pairs: {rows.n_pairs} in {rows.rows} rows of {d.seq_len} tokens")
+    return [rows], [1.0], None if held is None else PairRows(held, d.seq_len)
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -415,7 +435,10 @@ def _read_inputs(
     tokenizer = resolve_tokenizer(cfg)
     _check_shapes(cfg, args, tokenizer)
     say = print if env is None or env.is_main else (lambda line: None)
-    datas, weights, eval_set = build_data(cfg, tokenizer, say)
+    if cfg.objective.objective in ("dpo", "ipo", "simpo"):
+        datas, weights, eval_set = build_pairs(cfg, tokenizer, say)
+    else:
+        datas, weights, eval_set = build_data(cfg, tokenizer, say)
     packs = any(d.packs_documents() for d in datas)
     rows = sum(d.rows for d in datas)
     facts = RunFacts(
@@ -512,6 +535,15 @@ def build_run(
     model, full_sd = _build_model(
         cfg, env, args, spec, lora_kw, device, resume_from, probe is not None
     )
+    reference = teacher = None
+    if probe is None and cfg.objective.objective in ("dpo", "ipo") and spec is None:
+        # the starting weights, also when resuming (the checkpoint is the policy, not them)
+        reference = build_model_weights(cfg, args, None, lora_kw, device, None).eval()
+        reference.requires_grad_(False)
+    if probe is None and cfg.objective.objective == "kd":
+        from compiletune.train.objective import load_teacher
+
+        teacher = load_teacher(cfg, args, dtype, device)
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None
     head = LossHead(
@@ -553,6 +585,8 @@ def build_run(
         probe=probe,
         base_dtype=base_dtype,
         offload_activations=offloads_activations(cfg, device),
+        reference=reference,
+        teacher=teacher,
     )
     if inputs.data is not None:
         # Every rank draws the same global batch of world x --batch-size rows, trains its slice.

@@ -238,6 +238,7 @@ class Trainer:
         }
         if result.router is not None:
             record.update(result.router.record())
+        record.update(result.extras)
         if nonfinite is not None:
             record["nonfinite"] = nonfinite
             record["applied"] = bool(result.stepped)
@@ -277,15 +278,20 @@ class Trainer:
             return
         t0 = time.perf_counter()
         cfg, run = self.cfg, self.run
-        self.last_eval = evaluate(
-            run.model,
-            run.eval_set,
-            cfg.techniques.loss,
-            cfg.data.batch_size,
-            run.device,
-            bool(cfg.data.doc_mask),
-            self.env,
-        )
+        if cfg.objective.objective in ("dpo", "ipo", "simpo"):
+            from compiletune.train.objective import evaluate_pairs
+
+            self.last_eval = evaluate_pairs(run, cfg.data.batch_size)
+        else:
+            self.last_eval = evaluate(
+                run.model,
+                run.eval_set,
+                cfg.techniques.loss,
+                cfg.data.batch_size,
+                run.device,
+                bool(cfg.data.doc_mask),
+                self.env,
+            )
         self.eval_seconds += time.perf_counter() - t0
         record.update(self.last_eval)  # eval_loss, eval_ppl, eval_targets
 
@@ -309,7 +315,12 @@ class Trainer:
             f"step {self.step}/{max_steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
             f"{record['tokens_per_s']:.0f} tok/s mem {record['peak_mem_gib']:.2f} GiB"
             + (
-                f" eval_loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}"
+                f" eval_loss {record['eval_loss']:.4f} "
+                + (
+                    f"ppl {record['eval_ppl']:.2f}"
+                    if "eval_ppl" in record
+                    else f"reward accuracy {record['eval_reward_accuracy']:.3f}"
+                )
                 if evaluated
                 else ""
             )
@@ -456,7 +467,7 @@ class Trainer:
             "loss_kind": cfg.techniques.loss,
             "doc_mask": cfg.data.doc_mask,
             "eval_loss": last_eval["eval_loss"] if last_eval else None,
-            "eval_ppl": last_eval["eval_ppl"] if last_eval else None,
+            "eval_ppl": last_eval.get("eval_ppl") if last_eval else None,
             "eval_seconds": self.eval_seconds,
             "compile": compile_stats,
             "helper_graphs": helper_graphs,

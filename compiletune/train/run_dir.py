@@ -319,7 +319,8 @@ def closing_line(s: dict[str, Any]) -> str:
         f"{s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}",
     ]
     if s["eval_loss"] is not None:
-        parts.append(f"eval loss {s['eval_loss']:.4f} (ppl {s['eval_ppl']:.2f})")
+        ppl = f" (ppl {s['eval_ppl']:.2f})" if s.get("eval_ppl") is not None else ""
+        parts.append(f"eval loss {s['eval_loss']:.4f}{ppl}")
     parts.append(f"{s['tokens']} tokens in {s['seconds']:.1f}s ({s['tokens_per_s']:.0f} tok/s)")
     parts.append(f"peak mem {s['peak_mem_gib']:.2f} GiB")
     if c:

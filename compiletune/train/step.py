@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -34,9 +34,13 @@ class StepBatch:
 
 def next_batch(run: Run) -> StepBatch:
     """The next step's micro-batches from the run's data. Every rank draws the same global
-    batches, so the target count needs no communication."""
+    batches, so the target count needs no communication. For preference pairs the "targets"
+    the loss averages over are the pairs."""
+    from compiletune.train.objective import count_pairs
+
     micro = [run.batches.next() for _ in range(run.cfg.data.grad_accum)]
-    return StepBatch(micro, sum(count_targets(mb) for mb in micro))
+    count = count_pairs if "pairs" in micro[0] else count_targets
+    return StepBatch(micro, sum(count(mb) for mb in micro))
 
 
 @dataclass
@@ -46,6 +50,7 @@ class StepResult:
     grad_norm: Tensor | None  # before clipping; None with --optimizer-in-backward
     stepped: bool = True  # False: `accept` refused the step, the optimizer did not run
     router: RouterStep | None = None  # MoE models: this rank's router losses and expert load
+    extras: dict[str, float] = field(default_factory=dict)  # the objective's own means
 
 
 @dataclass
@@ -128,12 +133,13 @@ def train_step(
     total = torch.zeros((), device=device, dtype=torch.float32)
     n_experts = run.model.args.n_experts
     router: list[tuple[Tensor, Tensor, Tensor]] = []
+    sums: dict[str, Tensor] = {}  # the objective's per-pair or per-token values, summed
     for mb in batch.micro:
         run.observe("forward")
         mb = {k: v[rows].to(device, non_blocking=True) for k, v in mb.items()}
         stats: list[Tensor] | None = [] if n_experts else None
         hidden = forward_hidden(run.model, mb, bool(cfg.data.doc_mask), stats)  # [b, s, d]
-        loss = run.head(hidden, mb["targets"])  # fp32 [], summed over targets
+        loss = _micro_loss(run, mb, hidden, sums)  # fp32 [], summed over targets (or pairs)
         objective = loss * (run.world / max(1, n_targets))
         if stats:
             aux, z = router_losses(stats, n_experts)
@@ -153,16 +159,36 @@ def train_step(
     elif not cfg.optim.optimizer_in_backward:  # the norm alone: a non-finite one is caught
         grads = [p.grad for p in run.params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+    extras = {k: float(v) / max(1, n_targets) for k, v in sums.items()}
     moe = None
     if router:
         aux, z, load = (torch.stack(parts) for parts in zip(*router, strict=True))
         moe = RouterStep(aux.mean(), z.mean(), load.sum(dim=0))
     if accept is not None and not accept(total, grad_norm):
         run.optimizer.zero_grad()
-        return StepResult(total, n_targets, grad_norm, stepped=False, router=moe)
+        return StepResult(total, n_targets, grad_norm, stepped=False, router=moe, extras=extras)
     run.optimizer.step()  # a no-op with --optimizer-in-backward: already stepped
     run.optimizer.zero_grad()
-    return StepResult(total, n_targets, grad_norm, router=moe)
+    return StepResult(total, n_targets, grad_norm, router=moe, extras=extras)
+
+
+def _micro_loss(run: Run, mb: Batch, hidden: Tensor, sums: dict[str, Tensor]) -> Tensor:
+    """The micro-batch's loss, summed (over its target tokens, or its pairs): the loss head's
+    cross-entropy, or the --objective's (train/objective.py), whose other values are added
+    into `sums`."""
+    kind = run.cfg.objective.objective
+    if kind == "sft":
+        return run.head(hidden, mb["targets"])
+    from compiletune.train import objective
+
+    if kind == "kd":
+        loss, values = objective.distillation_micro(run, mb, hidden, bool(run.cfg.data.doc_mask))
+    else:
+        per_pair, values = objective.preference_micro(run, mb, hidden)
+        loss, values = per_pair.sum(), {k: v.sum() for k, v in values.items()}
+    for k, v in values.items():
+        sums[k] = sums.get(k, 0.0) + v
+    return loss
 
 
 def weights_finite(params: list[torch.nn.Parameter]) -> bool:

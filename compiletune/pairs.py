@@ -1,0 +1,212 @@
+"""Preference pairs (`--objective dpo|ipo|simpo`): read, tokenise, truncate, pack.
+
+A pair is a prompt and two responses to it, chosen and rejected. Rows of any source the data
+issue reads (`sources.iter_records`: jsonl, json, parquet, arrow, csv, save_to_disk folders, hub
+cache), with the fields `prompt`, `chosen`, `rejected` (`--data-columns` renames them):
+
+    text      "prompt": "...", "chosen": "...", "rejected": "..."
+    messages  "chosen" / "rejected": chat message lists ending with the assistant's answer, and
+              "prompt" either a message list or absent (then the messages chosen and rejected
+              share before their last one are the prompt); rendered with the tokenizer's chat
+              template, the response being what the template adds after the prompt's
+              generation prompt
+
+Each side is encoded as SFT examples are (`data.encode`: bos, prompt, response, eos), the
+prompt's tokens are never targets. Truncation keeps a pair within one row: the prompt is kept
+(its last `seq_len // 4` tokens at least, more when the responses leave room), then both
+responses are cut to share what is left. A row packs whole pairs, chosen then rejected, each
+sequence its own document (positions restart, attention stays inside it), so pairs never see
+each other. Per token, `seq_ids` names the sequence its target belongs to within the row:
+2k for pair k's chosen response, 2k + 1 for its rejected one, -1 for prompt and padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from compiletune.data import encode
+from compiletune.errors import UserError
+from compiletune.loss import IGNORE_INDEX
+from compiletune.sources import RawExample, iter_records, parse_columns
+
+
+@dataclass
+class Pair:
+    prompt: list[int]  # bos + prompt tokens
+    chosen: list[int]  # response tokens (+ eos)
+    rejected: list[int]
+
+
+def _field(row: dict, name: str, col: dict[str, str], where: str, optional: bool = False) -> Any:
+    key = col.get(name, name)
+    value = row.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and all(isinstance(m, dict) for m in value)
+    ):
+        return value
+    got = "missing" if key not in row else f"a {type(value).__name__}"
+    raise UserError(
+        f'{where}: "{key}" must be text or a list of chat messages, got {got}; preference data '
+        'needs "prompt", "chosen" and "rejected" (rename columns with --data-columns)'
+    )
+
+
+def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, where: str) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(
+            f"{where}: chat messages need a tokenizer with a chat template; pass --tokenizer "
+            "with one, or give the pairs as text"
+        )
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except Exception as e:  # jinja errors and the templates' own raise_exception()
+        raise UserError(f"{where}: the chat template failed on this pair ({e}); fix it") from e
+
+
+def _texts(row: dict, col: dict[str, str], tokenizer: Any, where: str) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) as text."""
+    prompt = _field(row, "prompt", col, where, optional=True)
+    chosen, rejected = (_field(row, k, col, where) for k in ("chosen", "rejected"))
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if not isinstance(prompt, str):
+            raise UserError(f'{where}: text responses need a text "prompt"; fix the row')
+        return prompt, chosen, rejected
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        raise UserError(f'{where}: "chosen" and "rejected" must both be text or both messages')
+    if prompt is None:  # the shared turns before the last are the prompt
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not prompt:
+        raise UserError(f"{where}: the pair has no prompt (no shared turns); add a prompt")
+    head = _render(tokenizer, prompt, True, where)
+    sides = []
+    for side in (chosen, rejected):
+        full = _render(tokenizer, [*prompt, *side], False, where)
+        if not full.startswith(head):
+            raise UserError(
+                f"{where}: the chat template renders the prompt differently inside the "
+                "conversation, so the response cannot be cut from it; give the pairs as text"
+            )
+        sides.append(full[len(head) :])
+    return head, sides[0], sides[1]
+
+
+def read_pairs(
+    source: str, tokenizer: Any, columns: str | None = None, split: str | None = None
+) -> list[Pair]:
+    """Every pair of `source`, tokenised (see the module docstring)."""
+    col = parse_columns(columns)
+    raw: list[RawExample] = []
+    for row, where in iter_records(source, split):
+        prompt, chosen, rejected = _texts(row, col, tokenizer, where)
+        for response in (chosen, rejected):
+            raw.append(RawExample([(prompt, False), (response, True)], True, where))
+    if not raw:
+        raise UserError(f"{source} has no preference pairs; add rows to it or pick another --data")
+    examples = encode(raw, tokenizer, source)
+    pairs = []
+    for c, r in zip(examples[0::2], examples[1::2], strict=True):
+        n_prompt = c.is_target.index(True) if True in c.is_target else len(c.ids)
+        pairs.append(Pair(c.ids[:n_prompt], c.ids[n_prompt:], r.ids[n_prompt:]))
+    return pairs
+
+
+def truncate(pair: Pair, seq_len: int) -> Pair:
+    """The pair cut to fit one row of `seq_len` inputs (both sequences, each one token shorter
+    than its tokens): the prompt keeps its end, the responses their starts."""
+    room = seq_len + 2  # two sequences of len - 1 inputs each
+    p, c, r = pair.prompt, pair.chosen, pair.rejected
+    if 2 * len(p) + len(c) + len(r) <= room:
+        return pair
+    keep = max(room // 4 // 2, min(len(p), (room - len(c) - len(r)) // 2))
+    keep = max(1, min(len(p), keep))
+    left = room - 2 * keep
+    c_len = min(len(c), max(left // 2, left - len(r)))
+    r_len = min(len(r), left - c_len)
+    if c_len < 1 or r_len < 1:
+        raise UserError(
+            f"--seq-len {seq_len} leaves no room for both responses of a pair; raise --seq-len"
+        )
+    return Pair(p[len(p) - keep :], c[:c_len], r[:r_len])
+
+
+class PairRows:
+    """Pairs packed into rows of `seq_len` (see the module docstring); serves batches like
+    `PackedData` does (`rows`, `take`), with `seq_ids` [b, s] and `pairs` [b] added."""
+
+    def __init__(self, pairs: list[Pair], seq_len: int) -> None:
+        self.seq_len = seq_len
+        # each row: (tokens, sequence id, prompt length) per sequence
+        rows: list[list[tuple[list[int], int, int]]] = [[]]
+        used = 0
+        for pair in (truncate(p, seq_len) for p in pairs):
+            need = len(pair.prompt) * 2 + len(pair.chosen) + len(pair.rejected) - 2
+            if used + need > seq_len:
+                rows.append([])
+                used = 0
+            k, n_prompt = len(rows[-1]) // 2, len(pair.prompt)
+            rows[-1].append((pair.prompt + pair.chosen, 2 * k, n_prompt))
+            rows[-1].append((pair.prompt + pair.rejected, 2 * k + 1, n_prompt))
+            used += need
+        n = len(rows)
+        shape = (n, seq_len)
+        self.inputs = np.zeros(shape, np.int64)
+        self.targets = np.full(shape, IGNORE_INDEX, np.int64)
+        self.positions = np.zeros(shape, np.int64)
+        self.doc_ids = np.zeros(shape, np.int32)
+        self.seq_ids = np.full(shape, -1, np.int64)
+        self.pairs = np.zeros(n, np.int64)
+        for i, row in enumerate(rows):
+            at = 0
+            for doc, (tokens, seq, n_prompt) in enumerate(row):
+                m = len(tokens) - 1
+                span = slice(at, at + m)
+                self.inputs[i, span] = tokens[:-1]
+                targets = np.array(tokens[1:], np.int64)
+                response = np.arange(1, m + 1) >= n_prompt  # targets past the prompt
+                self.targets[i, span] = np.where(response, targets, IGNORE_INDEX)
+                self.seq_ids[i, span] = np.where(response, seq, -1)
+                self.positions[i, span] = np.arange(m)
+                self.doc_ids[i, span] = doc
+                at += m
+            self.doc_ids[i, at:] = len(row)  # padding: a document of its own
+            self.positions[i, at:] = np.arange(seq_len - at)
+            self.pairs[i] = len(row) // 2
+        self.n_pairs = int(self.pairs.sum())
+
+    @property
+    def rows(self) -> int:
+        return self.inputs.shape[0]
+
+    def packs_documents(self) -> bool:
+        return True
+
+    def take(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        idx = np.asarray(idx)
+        return {
+            "inputs": torch.from_numpy(self.inputs[idx]),
+            "targets": torch.from_numpy(self.targets[idx]),
+            "positions": torch.from_numpy(self.positions[idx]),
+            "doc_ids": torch.from_numpy(self.doc_ids[idx]),
+            "seq_ids": torch.from_numpy(self.seq_ids[idx]),
+            "pairs": torch.from_numpy(self.pairs[idx]),
+        }
+
+
+def batch_sequence_ids(seq_ids: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """Row-local sequence ids [b, s] -> ids across the batch (row r's pair k is pair
+    sum(pairs[:r]) + k; chosen even, rejected odd), -1 kept."""
+    offset = (torch.cumsum(pairs, 0) - pairs) * 2  # [b]
+    return torch.where(seq_ids >= 0, seq_ids + offset[:, None], -1)

@@ -1,0 +1,164 @@
+"""The loss of one micro-batch for `--objective dpo|ipo|simpo|kd` (sft is the loss head's), and
+the held-out evaluation of preference pairs.
+
+Both run the model's blocks as usual (compiled under --compile) and the head through the
+chunked ops of ops/fused_logprobs.py, called directly: no `[tokens, vocab]` logits for the
+policy, the reference or the teacher. The reference (DPO, IPO) and the teacher run without
+gradients and eagerly: a LoRA run's reference is its own model with the adapters switched off,
+a full fine-tune's a frozen copy of the starting weights (`Run.reference`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from compiletune.loss import IGNORE_INDEX
+from compiletune.models.lora import adapters_disabled
+from compiletune.objectives import (
+    PreferenceOptions,
+    distillation_loss,
+    preference_loss,
+    sequence_sums,
+)
+from compiletune.ops.fused_logprobs import token_divergence, token_logprobs
+from compiletune.pairs import batch_sequence_ids
+
+PREFERENCE = ("dpo", "ipo", "simpo")
+# per-pair values summed in a step, reported as means over its pairs
+REWARDS = ("chosen_reward", "rejected_reward", "reward_accuracy", "reward_margin")
+
+
+def count_pairs(batch: dict[str, Tensor]) -> int:
+    return int(batch["pairs"].sum())
+
+
+def _options(cfg: Any) -> PreferenceOptions:
+    o = cfg.objective
+    return PreferenceOptions(o.objective, o.beta, o.label_smoothing, o.simpo_gamma)
+
+
+def _logprobs(model: torch.nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
+    """Per-token log-probabilities [b * s] of the targets under the model's head."""
+    return token_logprobs(
+        hidden.flatten(0, 1),
+        model.output.weight,
+        targets.flatten(),
+        softcap=model.args.final_softcap or 0.0,
+    )
+
+
+@contextlib.contextmanager
+def _frozen_eager() -> Iterator[None]:
+    """No autograd, and compiled blocks run eagerly (a reference or teacher pass must not
+    compile the policy's blocks a second time)."""
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        yield
+
+
+def reference_sums(run: Any, mb: dict[str, Tensor], ids: Tensor, n_seq: int) -> Tensor:
+    """The reference model's summed response log-probabilities [n_seq]."""
+    from compiletune.train.step import forward_hidden
+
+    with _frozen_eager():
+        if run.reference is not None:
+            model, off = run.reference, contextlib.nullcontext()
+        else:
+            model, off = run.model, adapters_disabled(run.model)
+        with off:
+            hidden = forward_hidden(model, mb, True)
+            return sequence_sums(_logprobs(model, hidden, mb["targets"]), ids, n_seq)
+
+
+def preference_micro(
+    run: Any, mb: dict[str, Tensor], hidden: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(per-pair losses [P], per-pair rewards) of a micro-batch of pair rows."""
+    opts = _options(run.cfg)
+    ids = batch_sequence_ids(mb["seq_ids"], mb["pairs"]).flatten()
+    n_seq = 2 * count_pairs(mb)
+    policy = sequence_sums(_logprobs(run.model, hidden, mb["targets"]), ids, n_seq)
+    ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+    lengths = sequence_sums(ones, ids, n_seq)
+    ref = None if opts.kind == "simpo" else reference_sums(run, mb, ids, n_seq)
+    return preference_loss(
+        policy[0::2],
+        policy[1::2],
+        None if ref is None else ref[0::2],
+        None if ref is None else ref[1::2],
+        opts,
+        lengths[0::2],
+        lengths[1::2],
+    )
+
+
+def distillation_micro(
+    run: Any, mb: dict[str, Tensor], hidden: Tensor, doc_mask: bool
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(summed per-token KD loss [], summed divergence and CE) of a micro-batch."""
+    from compiletune.train.step import forward_hidden
+
+    o = run.cfg.objective
+    with _frozen_eager():
+        teacher_hidden = forward_hidden(run.teacher, mb, doc_mask)
+    targets = mb["targets"].flatten()
+    mask = targets != IGNORE_INDEX
+    flat = hidden.flatten(0, 1)
+    softcap = run.model.args.final_softcap or 0.0
+    div = token_divergence(
+        flat,
+        run.model.output.weight,
+        teacher_hidden.flatten(0, 1),
+        run.teacher.output.weight,
+        mask,
+        temperature=o.kd_temperature,
+        kind=o.kd_loss,
+        softcap=softcap,
+    )
+    ce = -token_logprobs(flat, run.model.output.weight, targets, softcap=softcap)
+    per_token = distillation_loss(ce, div, o.kd_ratio, o.kd_temperature)
+    return per_token.sum(), {"kd_divergence": div.sum().detach(), "kd_ce": ce.sum().detach()}
+
+
+def evaluate_pairs(run: Any, batch_size: int) -> dict[str, float]:
+    """Mean loss and rewards over every held-out pair (the policy in eval mode, eagerly)."""
+    from compiletune.data import eval_batches
+    from compiletune.train.step import forward_hidden
+
+    sums = dict.fromkeys(("eval_loss", *(f"eval_{k}" for k in REWARDS)), 0.0)
+    n = 0
+    run.model.eval()
+    try:
+        with _frozen_eager():
+            for batch in eval_batches(run.eval_set, batch_size):
+                mb = {k: v.to(run.device) for k, v in batch.items()}
+                loss, rewards = preference_micro(run, mb, forward_hidden(run.model, mb, True))
+                sums["eval_loss"] += float(loss.sum())
+                for k in REWARDS:
+                    sums[f"eval_{k}"] += float(rewards[k].sum())
+                n += count_pairs(mb)
+    finally:
+        run.model.train()
+    return {**{k: v / n for k, v in sums.items()}, "eval_pairs": n}
+
+
+def load_teacher(cfg: Any, args: Any, dtype: torch.dtype, device: torch.device) -> Any:
+    """The frozen teacher of `--objective kd` (any depth and width; the student's vocabulary)."""
+    from compiletune.errors import UserError
+    from compiletune.models import from_hf
+
+    teacher = from_hf(cfg.objective.teacher_dir, dtype=dtype, device=device)
+    if teacher.args.vocab_size != args.vocab_size:
+        raise UserError(
+            f"--teacher-dir {cfg.objective.teacher_dir} has a vocabulary of "
+            f"{teacher.args.vocab_size} tokens and the student {args.vocab_size}; distillation "
+            "compares their distributions token by token: use a teacher with the student's "
+            "tokenizer"
+        )
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher.eval()

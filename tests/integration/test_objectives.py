@@ -1,0 +1,240 @@
+"""--objective dpo|ipo|simpo|kd through the trainer: pairs data, learning, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_run import tiny_run
+
+from compiletune.cli import main
+from compiletune.metrics import read_metrics
+from compiletune.models import build_model, from_hf, from_name, save_hf
+from compiletune.objectives import sequence_sums
+from compiletune.ops.fused_logprobs import token_divergence, token_logprobs
+from compiletune.pairs import PairRows, batch_sequence_ids, read_pairs, truncate
+from compiletune.tokenizer import byte_tokenizer
+
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "music",
+    "light",
+    "paper",
+    "garden",
+    "window",
+    "silver",
+]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DEBUG = {"model": "debug", "n_layers": 2, "seq_len": 128, "batch_size": 4, "lr": 1e-3}
+
+
+@pytest.fixture()
+def pairs_file(tmp_path: Path) -> str:
+    """Synthetic pairs: the chosen answer repeats the prompt's words, the rejected one not."""
+    r = random.Random(0)
+    path = tmp_path / "pairs.jsonl"
+    with path.open("w") as f:
+        for _ in range(300):
+            w = r.sample(WORDS, 3)
+            row = {
+                "prompt": f"List: {' '.join(w)}. Repeat:",
+                "chosen": " " + " ".join(w) + ".",
+                "rejected": " " + " ".join(r.sample(WORDS, 3)) + "!",
+            }
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def test_messages_pairs_render_the_prompt_once_and_responses_apart(tmp_path):
+    tok = byte_tokenizer()
+    tok.chat_template = CHATML
+    rows = [
+        {  # explicit prompt as text
+            "prompt": "hi",
+            "chosen": [{"role": "assistant", "content": "hello"}],
+            "rejected": [{"role": "assistant", "content": "go away"}],
+        },
+        {  # TRL's implicit prompt: the shared turns
+            "chosen": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+            ],
+            "rejected": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "go away"},
+            ],
+        },
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    a, b = read_pairs(str(path), tok)
+    assert a == b  # both spellings give the same pair
+    assert tok.decode(a.prompt).endswith("<|im_start|>assistant\n")
+    assert tok.decode(a.chosen).startswith("hello<|im_end|>")
+    assert tok.decode(a.rejected).startswith("go away<|im_end|>")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "chosen": "y"}))
+    with pytest.raises(Exception, match='"rejected"'):
+        read_pairs(str(bad), tok)
+
+
+def test_packed_pairs_score_as_if_alone(pairs_file):
+    """Pairs packed in one row get the same response log-probabilities as each alone."""
+    tok = byte_tokenizer()
+    pairs = read_pairs(pairs_file, tok)[:5]
+    model = build_model(from_name("debug"), seed=0).eval()
+
+    def scores(rows: PairRows) -> torch.Tensor:
+        batch = rows.take(list(range(rows.rows)))
+        with torch.no_grad():
+            h = model.hidden_states(batch["inputs"], batch["positions"], batch["doc_ids"])
+            lp = token_logprobs(h.flatten(0, 1), model.output.weight, batch["targets"].flatten())
+        ids = batch_sequence_ids(batch["seq_ids"], batch["pairs"]).flatten()
+        return sequence_sums(lp, ids, 2 * int(batch["pairs"].sum()))
+
+    packed = PairRows(pairs, 256)
+    assert packed.rows < len(pairs)  # several pairs share a row
+    alone = torch.cat([scores(PairRows([p], 256)) for p in pairs])
+    assert torch.allclose(scores(packed), alone, rtol=1e-5, atol=1e-5)
+
+
+def test_truncation_keeps_the_prompt_end_and_fits_a_row():
+    from compiletune.pairs import Pair
+
+    pair = Pair(list(range(100)), list(range(200, 260)), list(range(300, 340)))
+    cut = truncate(pair, 64)
+    assert 2 * len(cut.prompt) + len(cut.chosen) + len(cut.rejected) - 2 <= 64
+    assert cut.prompt == pair.prompt[-len(cut.prompt) :] and len(cut.prompt) >= 8
+    assert cut.chosen == pair.chosen[: len(cut.chosen)] and cut.rejected
+
+
+@pytest.mark.slow
+def test_dpo_raises_held_out_reward_accuracy_well_above_chance(tmp_path, pairs_file):
+    tiny_run(
+        tmp_path,
+        pairs_file,
+        **DEBUG,
+        objective="dpo",
+        max_steps=200,
+        val_split=0.1,
+        eval_every=50,
+    )
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval_loss" in r]
+    first, last = records[0], records[-1]
+    assert last["eval_pairs"] == 30
+    assert last["eval_reward_accuracy"] >= 0.9, records
+    assert last["eval_loss"] < first["eval_loss"] < 0.6932  # below -log sigmoid(0)
+    assert last["eval_reward_margin"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"objective": "ipo"},
+        {"objective": "simpo", "simpo_gamma": 0.2},
+        {"objective": "dpo", "label_smoothing": 0.1},
+        {"objective": "dpo", "lora_rank": 8, "lr": 3e-3},
+        {
+            "objective": "dpo",
+            "lora_rank": 4,
+            "compile": True,
+            "compile_backend": "aot_eager",
+            "ac": "selective",
+        },
+    ],
+    ids=["ipo", "simpo", "cdpo", "dpo-lora", "dpo-lora-compiled"],
+)
+def test_preference_objectives_train(tmp_path, pairs_file, flags):
+    summary = tiny_run(tmp_path, pairs_file, **{**DEBUG, "max_steps": 12, **flags})
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert records[-1]["reward_margin"] > records[0]["reward_margin"]
+    assert {"chosen_reward", "rejected_reward", "reward_accuracy"} <= set(records[-1])
+    if flags.get("compile"):
+        assert summary["compile"]["recompiles"] == 0  # the reference pass runs eagerly
+
+
+def test_dpo_resume_is_exact(tmp_path, pairs_file):
+    # a constant lr: the first leg's schedule (3 steps) equals the whole run's
+    run = {**DEBUG, "objective": "dpo", "max_steps": 6, "schedule": "constant"}
+    tiny_run(tmp_path, pairs_file, "whole", **run)
+    tiny_run(tmp_path, pairs_file, "split", **{**run, "max_steps": 3})
+    tiny_run(tmp_path, pairs_file, "split", **run, resume=True)
+    losses = [
+        [r["loss"] for r in read_metrics(tmp_path / n / "metrics.jsonl")]
+        for n in ("whole", "split")
+    ]
+    assert losses[0] == losses[1]
+
+
+def _held_out_kl(student_dir: Path, teacher, rows) -> float:
+    student = from_hf(student_dir).eval()
+    with torch.no_grad():
+        hs = student.hidden_states(rows["inputs"], rows["positions"], rows["doc_ids"])
+        ht = teacher.hidden_states(rows["inputs"], rows["positions"], rows["doc_ids"])
+        mask = rows["targets"].flatten() != -100
+        div = token_divergence(
+            hs.flatten(0, 1), student.output.weight, ht.flatten(0, 1), teacher.output.weight, mask
+        )
+    return float(div.sum() / mask.sum())
+
+
+@pytest.mark.slow
+def test_kd_lowers_the_students_kl_to_the_teacher_on_held_out_text(tmp_path):
+    from compiletune.data import encode, pack
+    from compiletune.sources import RawExample
+
+    teacher_args = from_name("debug")
+    teacher_args.n_layers = 3
+    teacher = build_model(teacher_args, seed=7).eval()
+    save_hf(teacher, tmp_path / "teacher", tokenizer=byte_tokenizer())
+    r = random.Random(1)
+    text = [" ".join(r.choice(WORDS) for _ in range(40)) for _ in range(200)]
+    (tmp_path / "train.txt").write_text("\n\n\n".join(text[:180]))
+    held = pack(encode([RawExample([(t, True)], True) for t in text[180:]], byte_tokenizer()), 64)
+    rows = held.take(list(range(held.rows)))
+    kd = {**DEBUG, "seq_len": 64, "objective": "kd", "teacher_dir": str(tmp_path / "teacher")}
+    kd |= {"kd_ratio": 1.0, "kd_temperature": 2.0, "lr": 3e-3, "doc_mask": True}
+    tiny_run(tmp_path, str(tmp_path / "train.txt"), "start", **kd, max_steps=1)
+    tiny_run(tmp_path, str(tmp_path / "train.txt"), "end", **kd, max_steps=60)
+    before = _held_out_kl(tmp_path / "start" / "step_1", teacher, rows)
+    after = _held_out_kl(tmp_path / "end" / "step_60", teacher, rows)
+    assert after < 0.5 * before, (before, after)
+    records = read_metrics(tmp_path / "end" / "metrics.jsonl")
+    assert records[-1]["kd_divergence"] < records[0]["kd_divergence"]
+
+
+def test_kd_teacher_vocabulary_must_match(tmp_path, capsys):
+    teacher_args = from_name("debug_128k")
+    teacher_args.n_layers = 1
+    save_hf(build_model(teacher_args, seed=0), tmp_path / "teacher")
+    (tmp_path / "t.txt").write_text("some text " * 200)
+    argv = ["train", "--model", "debug", "--n-layers", "1", "--data", str(tmp_path / "t.txt")]
+    argv += ["--objective", "kd", "--teacher-dir", str(tmp_path / "teacher"), "--max-steps", "1"]
+    argv += ["--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "128256" in err[0] and "512" in err[0], err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--objective", "kd"], "--teacher-dir"),
+        (["--teacher-dir", "x"], "--objective kd"),
+        (["--objective", "dpo", "--beta", "0"], "--beta"),
+        (["--objective", "dpo", "--fsdp"], "--fsdp"),
+    ],
+)
+def test_objective_flag_errors(tmp_path, capsys, flags, message):
+    assert main(["train", "--output-dir", str(tmp_path / "o"), *flags]) == 2
+    assert message in capsys.readouterr().err
