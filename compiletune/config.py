@@ -543,6 +543,11 @@ class ObjectiveConfig:
     beta: float = opt(0.1, "dpo/ipo/simpo: the preference strength beta", estimate=False)
     label_smoothing: float = opt(0.0, "dpo: conservative DPO's label smoothing eps", estimate=False)
     simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma", estimate=False)
+    precompute_ref: bool = opt(
+        False,
+        "dpo/ipo: score every pair under the reference once, before training (then freed)",
+        estimate=False,
+    )
     teacher_dir: str | None = opt(
         None,
         "kd: the teacher's HF folder (same vocabulary)",
@@ -570,6 +575,8 @@ class ObjectiveConfig:
             raise UserError(f"--kd-ratio must be in [0, 1], got {self.kd_ratio}")
         if not self.kd_temperature > 0:
             raise UserError(f"--kd-temperature must be positive, got {self.kd_temperature}")
+        if self.precompute_ref and self.objective not in ("dpo", "ipo"):
+            raise UserError("--precompute-ref applies to --objective dpo or ipo (a reference)")
         if self.objective != "sft" and cfg.parallel.fsdp:
             raise UserError(
                 f"--objective {self.objective} runs in one process for now; drop --fsdp"

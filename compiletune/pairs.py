@@ -168,6 +168,7 @@ class PairRows:
         self.doc_ids = np.zeros(shape, np.int32)
         self.seq_ids = np.full(shape, -1, np.int64)
         self.pairs = np.zeros(n, np.int64)
+        self.ref: np.ndarray | None = None  # [rows, 2 * most pairs in a row]: --precompute-ref
         for i, row in enumerate(rows):
             at = 0
             for doc, (tokens, seq, n_prompt) in enumerate(row):
@@ -193,9 +194,19 @@ class PairRows:
     def packs_documents(self) -> bool:
         return True
 
+    def set_reference(self, sums: list[torch.Tensor]) -> None:
+        """Store the reference's summed response log-probabilities, one [2 * pairs] tensor per
+        row in order; `take` then serves them as `ref` [b, 2 * most pairs in a row]."""
+        width = 2 * int(self.pairs.max()) if self.rows else 0
+        self.ref = np.zeros((self.rows, width), np.float32)
+        for i, row in enumerate(sums):
+            self.ref[i, : row.numel()] = row.float().cpu().numpy()
+
     def take(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
         idx = np.asarray(idx)
+        extra = {} if self.ref is None else {"ref": torch.from_numpy(self.ref[idx])}
         return {
+            **extra,
             "inputs": torch.from_numpy(self.inputs[idx]),
             "targets": torch.from_numpy(self.targets[idx]),
             "positions": torch.from_numpy(self.positions[idx]),
@@ -203,6 +214,12 @@ class PairRows:
             "seq_ids": torch.from_numpy(self.seq_ids[idx]),
             "pairs": torch.from_numpy(self.pairs[idx]),
         }
+
+
+def row_values(per_row: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """[b, W] values by row-local sequence id -> [2 * pairs.sum()] in batch sequence order."""
+    width = torch.arange(per_row.shape[1], device=per_row.device)
+    return per_row[width[None] < 2 * pairs[:, None]]
 
 
 def batch_sequence_ids(seq_ids: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

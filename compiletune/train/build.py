@@ -597,6 +597,10 @@ def build_run(
             run.batches = Mixture(inputs.data, inputs.weights, global_batch, cfg.run.seed)
     if inputs.state is not None:
         _load_train_state(run, inputs.state)
+    if cfg.objective.precompute_ref and probe is None:
+        from compiletune.train.objective import precompute_reference
+
+        precompute_reference(run, print if run.is_main else (lambda line: None))
     return run
 
 

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,7 +27,7 @@ from compiletune.objectives import (
     sequence_sums,
 )
 from compiletune.ops.fused_logprobs import token_divergence, token_logprobs
-from compiletune.pairs import batch_sequence_ids
+from compiletune.pairs import PairRows, batch_sequence_ids, row_values
 
 PREFERENCE = ("dpo", "ipo", "simpo")
 # per-pair values summed in a step, reported as means over its pairs
@@ -84,7 +85,12 @@ def preference_micro(
     policy = sequence_sums(_logprobs(run.model, hidden, mb["targets"]), ids, n_seq)
     ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
     lengths = sequence_sums(ones, ids, n_seq)
-    ref = None if opts.kind == "simpo" else reference_sums(run, mb, ids, n_seq)
+    if opts.kind == "simpo":
+        ref = None
+    elif "ref" in mb:  # --precompute-ref
+        ref = row_values(mb["ref"], mb["pairs"])
+    else:
+        ref = reference_sums(run, mb, ids, n_seq)
     return preference_loss(
         policy[0::2],
         policy[1::2],
@@ -144,6 +150,29 @@ def evaluate_pairs(run: Any, batch_size: int) -> dict[str, float]:
     finally:
         run.model.train()
     return {**{k: v / n for k, v in sums.items()}, "eval_pairs": n}
+
+
+def precompute_reference(run: Any, say: Any = print) -> None:
+    """--precompute-ref: every training (and held-out) pair scored once under the reference,
+    stored with the rows; the reference copy is then dropped, so steps run the policy only."""
+    import time
+
+    t0 = time.perf_counter()
+    b = run.cfg.data.batch_size
+    sets = [d for d in (*run.data, run.eval_set) if isinstance(d, PairRows)]
+    for rows in sets:
+        per_row = []
+        for start in range(0, rows.rows, b):
+            batch = rows.take(np.arange(start, min(rows.rows, start + b)))
+            mb = {k: v.to(run.device) for k, v in batch.items()}
+            ids = batch_sequence_ids(mb["seq_ids"], mb["pairs"]).flatten()
+            sums = reference_sums(run, mb, ids, 2 * count_pairs(mb))
+            counts = (2 * mb["pairs"]).tolist()
+            per_row += list(torch.split(sums, counts))
+        rows.set_reference(per_row)
+    run.reference = None
+    n = sum(r.n_pairs for r in sets)
+    say(f"reference scores of {n} pairs precomputed in {time.perf_counter() - t0:.1f}s")
 
 
 def load_teacher(cfg: Any, args: Any, dtype: torch.dtype, device: torch.device) -> Any:

@@ -238,3 +238,13 @@ def test_kd_teacher_vocabulary_must_match(tmp_path, capsys):
 def test_objective_flag_errors(tmp_path, capsys, flags, message):
     assert main(["train", "--output-dir", str(tmp_path / "o"), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_precomputed_reference_gives_the_same_run(tmp_path, pairs_file, lora):
+    run = {**DEBUG, "objective": "dpo", "max_steps": 5, "lora_rank": lora, "val_split": 0.1}
+    tiny_run(tmp_path, pairs_file, "live", **run)
+    tiny_run(tmp_path, pairs_file, "pre", **run, precompute_ref=True)
+    live, pre = (read_metrics(tmp_path / n / "metrics.jsonl") for n in ("live", "pre"))
+    assert [r["loss"] for r in pre] == pytest.approx([r["loss"] for r in live], rel=1e-6)
+    assert pre[-1]["eval_loss"] == pytest.approx(live[-1]["eval_loss"], rel=1e-6)
