@@ -28,6 +28,8 @@ from torch import Tensor
 from compiletune.ops.fused_loss import chunk_tokens
 
 KINDS = ("forward_kl", "jsd")
+# [c, V] fp32 tensors a divergence chunk holds at once (both log-softmaxes, probabilities, ...)
+_DIV_TEMPORARIES = 8
 
 
 def _logits(h: Tensor, weight: Tensor, softcap: float) -> Tensor:
@@ -41,8 +43,10 @@ def _capped_grad(grad: Tensor, logits: Tensor, softcap: float) -> Tensor:
     return grad * (1 - (logits / softcap).square()) if softcap > 0 else grad
 
 
-def _chunks(n: int, vocab: int, chunk_size: int) -> list[slice]:
-    step = chunk_tokens(vocab, chunk_size)
+def _chunks(n: int, vocab: int, chunk_size: int, temporaries: int = 2) -> list[slice]:
+    """Row ranges of the chunks: `temporaries` [c, V] fp32 tensors of one chunk together stay
+    within the fused head's chunk budget."""
+    step = chunk_tokens(vocab * temporaries, chunk_size)
     return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
 
@@ -99,10 +103,13 @@ def _token_logprobs_backward(
     safe = torch.where(live, targets, 0)
     for rows in _chunks(h.shape[0], weight.shape[0], chunk_size):
         logits = _logits(h[rows], weight, softcap)
-        # d logp / d logits = onehot(target) - softmax
-        dlogits = -torch.exp(logits - lse[rows, None]) * g[rows, None]
+        # d logp / d logits = onehot(target) - softmax, in place on the chunk's logits
+        if softcap > 0:
+            cap = 1 - (logits / softcap).square()
+        dlogits = logits.sub_(lse[rows, None]).exp_().mul_(-g[rows, None])
         dlogits.scatter_add_(1, safe[rows, None], g[rows, None])
-        dlogits = _capped_grad(dlogits, logits, softcap)
+        if softcap > 0:
+            dlogits.mul_(cap)
         _accumulate(dlogits, h, weight, rows, dh, dw)
     return dh, dw.to(weight.dtype)
 
@@ -174,7 +181,7 @@ def _token_divergence(
     softcap: float,
 ) -> Tensor:
     out = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-    for rows in _chunks(h.shape[0], weight.shape[0], chunk_size):
+    for rows in _chunks(h.shape[0], weight.shape[0], chunk_size, _DIV_TEMPORARIES):
         student = _logits(h[rows], weight, softcap) / temperature
         teacher = _logits(teacher_h[rows], teacher_weight, softcap) / temperature
         div, _, _ = _divergence(student, teacher, kind)
@@ -203,7 +210,7 @@ def _token_divergence_backward(
     dh = torch.empty_like(h)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     g = torch.where(mask, grad.float(), 0.0)
-    for rows in _chunks(h.shape[0], weight.shape[0], chunk_size):
+    for rows in _chunks(h.shape[0], weight.shape[0], chunk_size, _DIV_TEMPORARIES):
         logits = _logits(h[rows], weight, softcap)
         teacher = _logits(teacher_h[rows], teacher_weight, softcap) / temperature
         _, dstudent, _ = _divergence(logits / temperature, teacher, kind)
