@@ -21,16 +21,20 @@ Results: bench/results/attention-<device>.json and a markdown table on stdout.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, peak_bytes, result_header, write_result  # noqa: E402
+from common import (  # noqa: E402
+    device_name,
+    median_ms,
+    peak_bytes,
+    result_header,
+    write_result,
+)
 
 from compiletune.models.attention import causal_attention  # noqa: E402
 
@@ -84,20 +88,10 @@ def measure(
         out = VARIANTS[name](q, k, v, s)
         torch.autograd.grad(out, (q, k, v), grad)
 
-    step()  # warm-up
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
     return {
         "variant": name,
         "seq": s,
-        "ms": round(statistics.median(times) * 1e3, 2),
+        "ms": median_ms(step, device, iters),
         "peak_mib": round(peak_bytes(step, device) / 2**20, 1),
     }
 

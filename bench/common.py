@@ -240,3 +240,19 @@ def peak_bytes(step: Callable[[], Any], device: torch.device) -> int:
     from compiletune.memory_internals import cpu_allocation_peak
 
     return cpu_allocation_peak(step)
+
+
+def median_ms(step: Callable[[], Any], device: torch.device, iters: int) -> float:
+    """Median wall time of `iters` calls of `step` after one warm-up call, in ms (synchronised
+    on a GPU)."""
+    step()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e3, 2)

@@ -3,6 +3,7 @@
     python bench/gpu_check.py --part 1          # correctness: the CUDA tests (pytest -m cuda)
     python bench/gpu_check.py --part 2          # speed: attention, loss head (and its profile),
                                                 #   one MoE block (bf16: torch._grouped_mm),
+                                                #   a DPO and a KD step (chunked heads),
                                                 #   the technique ladder on a 1B model
     python bench/gpu_check.py --steps env speed-1b   # named steps only (speed-1b: 1B eager vs
                                                 #   compiled, the ladder's first two rows)
@@ -161,6 +162,17 @@ STEPS: list[Step] = [
         180,
         40,
         result="moe-cuda-{dev}.json",
+    ),
+    Step(
+        2,
+        "objectives",
+        [PY, "bench/objectives.py", "--iters", "3"]
+        + ["--out", "{results}/objectives-cuda-{dev}.json"],
+        [PY, "bench/objectives.py", "--model", "debug", "--layers", "1", "--tokens", "256"]
+        + ["--seq", "128", "--iters", "1", "--out", "{results}/objectives-cuda-{dev}.json"],
+        180,
+        40,
+        result="objectives-cuda-{dev}.json",
     ),
     Step(
         2,

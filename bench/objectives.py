@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_name, peak_bytes, result_header, write_result  # noqa: E402
+from common import (  # noqa: E402
+    device_name,
+    median_ms,
+    peak_bytes,
+    result_header,
+    write_result,
+)
 
 from compiletune.models import build_model, from_name  # noqa: E402
 from compiletune.objectives import (  # noqa: E402
@@ -109,19 +113,9 @@ def kd_step(student, teacher, b, fused: bool) -> None:
 
 
 def measure(name: str, step, device, iters: int) -> dict[str, Any]:
-    step()  # warm-up
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
     return {
         "variant": name,
-        "ms": round(statistics.median(times) * 1e3, 2),
+        "ms": median_ms(step, device, iters),
         "peak_mib": round(peak_bytes(step, device) / 2**20, 1),
     }
 
