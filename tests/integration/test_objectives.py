@@ -124,9 +124,9 @@ def test_dpo_raises_held_out_reward_accuracy_well_above_chance(tmp_path, pairs_f
         pairs_file,
         **DEBUG,
         objective="dpo",
-        max_steps=200,
+        max_steps=100,
         val_split=0.1,
-        eval_every=50,
+        eval_every=25,
     )
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval_loss" in r]
     first, last = records[0], records[-1]
