@@ -15,9 +15,9 @@ from pathlib import Path
 from compiletune import __version__
 from compiletune.config import TrainConfig, add_flags
 from compiletune.errors import UserError
+from compiletune.interrupt import EXIT_INTERRUPTED
 
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 class _Parser(argparse.ArgumentParser):
@@ -255,6 +255,10 @@ def huge_page_tensors() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the program itself (not a caller in Python): Ctrl-C ends start-up at once
+        from compiletune.interrupt import exit_on_interrupt
+
+        exit_on_interrupt()
     huge_page_tensors()
     try:
         ns = build_parser().parse_args(argv)
