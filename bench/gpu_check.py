@@ -155,7 +155,9 @@ STEPS: list[Step] = [
     Step(
         2,
         "moe",
-        [PY, "bench/moe.py", "--tokens", "8192", "--iters", "10"]
+        # one Qwen3-30B-A3B block: d 2048, F 768, 128 experts, top-8
+        [PY, "bench/moe.py", "--tokens", "8192", "--dim", "2048", "--ffn", "768"]
+        + ["--experts", "128", "--top-k", "8", "--iters", "10"]
         + ["--out", "{results}/moe-cuda-{dev}.json"],
         [PY, "bench/moe.py", "--tokens", "64", "--dim", "32", "--ffn", "64", "--iters", "1"]
         + ["--warmup", "1", "--out", "{results}/moe-cuda-{dev}.json"],
