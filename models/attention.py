@@ -33,6 +33,7 @@ Shapes: b = batch, h = heads, s = sequence, hd = head dim.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -344,10 +345,18 @@ def flex_causal_attention(
     def cap(score, _bi, _hi, _qi, _kj):
         return softcap * torch.tanh(score / softcap)
 
-    block_mask = create_block_mask(
-        mask_mod, b if doc_ids is not None else None, None, s, s, device=q.device
-    )
-    return run(q, k, v, score_mod=cap if softcap > 0 else None, block_mask=block_mask, scale=scale)
+    # Outside a region, the compiled wrappers run even under set_stance("force_eager") (the
+    # stance of a DPO reference or KD teacher pass): eager FlexAttention materialises the
+    # whole [b, h, s, s] score matrix.
+    compiling = torch.compiler.is_compiling()
+    stance = contextlib.nullcontext() if compiling else torch.compiler.set_stance("default")
+    with stance:
+        block_mask = create_block_mask(
+            mask_mod, b if doc_ids is not None else None, None, s, s, device=q.device
+        )
+        return run(
+            q, k, v, score_mod=cap if softcap > 0 else None, block_mask=block_mask, scale=scale
+        )
 
 
 def causal_attention(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -118,3 +120,17 @@ def test_flex_forward_matches_brute_force(monkeypatch, window, softcap, docs):
     got = causal_attention(q, k, v, 0.3, doc_ids, window, softcap)
     want = reference(q, k, v, 0.3, doc_ids, window, softcap)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not attn._HAS_FLEX, reason="this torch has no FlexAttention")
+def test_flex_stays_compiled_under_a_force_eager_stance(monkeypatch):
+    """A reference or teacher pass runs under set_stance("force_eager"): FlexAttention must
+    still run compiled there (eagerly it builds the whole [b, h, s, s] score matrix)."""
+    monkeypatch.setenv(attn.BACKEND_ENV, "flex")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=g) for _ in range(3))
+    doc_ids = doc_ids_for([[100, 156]])
+    with warnings.catch_warnings(), torch.compiler.set_stance("force_eager"):
+        warnings.filterwarnings("error", message=".*without torch.compile.*")
+        got = causal_attention(q, k, v, 0.25, doc_ids, 0, 0.0)
+    torch.testing.assert_close(got, reference(q, k, v, 0.25, doc_ids, 0, 0.0), rtol=1e-4, atol=1e-5)
