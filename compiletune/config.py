@@ -577,10 +577,6 @@ class ObjectiveConfig:
             raise UserError(f"--kd-temperature must be positive, got {self.kd_temperature}")
         if self.precompute_ref and self.objective not in ("dpo", "ipo"):
             raise UserError("--precompute-ref applies to --objective dpo or ipo (a reference)")
-        if self.objective != "sft" and cfg.parallel.fsdp:
-            raise UserError(
-                f"--objective {self.objective} runs in one process for now; drop --fsdp"
-            )
         if self.objective in ("dpo", "ipo", "simpo") and "," in (cfg.data.source or ""):
             raise UserError(f"--objective {self.objective} reads one --data source of pairs")
 

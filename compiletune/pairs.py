@@ -216,10 +216,13 @@ class PairRows:
         }
 
 
-def row_values(per_row: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """[b, W] values by row-local sequence id -> [2 * pairs.sum()] in batch sequence order."""
-    width = torch.arange(per_row.shape[1], device=per_row.device)
-    return per_row[width[None] < 2 * pairs[:, None]]
+def row_values(per_row: torch.Tensor, pairs: list[int]) -> torch.Tensor:
+    """[b, W] values by row-local sequence id -> [2 * sum(pairs)] in batch sequence order.
+    `pairs`: each row's pair count, known on the host (no device sync, and no data-dependent
+    shape for the fake tensors the memory estimate runs the step on)."""
+    width = per_row.shape[1]
+    keep = [r * width + j for r, n in enumerate(pairs) for j in range(2 * n)]
+    return per_row.flatten()[torch.tensor(keep, dtype=torch.long, device=per_row.device)]
 
 
 def batch_sequence_ids(seq_ids: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

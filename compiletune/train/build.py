@@ -368,16 +368,23 @@ def apply_techniques(
     elif policy.kind != "none":
         apply_eager_checkpointing(model, policy)
     if env is not None:
-        p = cfg.parallel
-        dist_.apply_fsdp(
-            model,
-            dist_.build_mesh(env, p.sharding, p.shard_size),
-            sharding=p.sharding,
-            param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16-mixed" else None,
-            cpu_offload=p.cpu_offload,
-            grad_hooks=cfg.optim.optimizer_in_backward,
-        )
+        shard_model(model, cfg, env)
     return regions
+
+
+def shard_model(model: Transformer, cfg: TrainConfig, env: dist_.DistEnv) -> None:
+    """FSDP2 over the run's mesh, with its sharding, mixed precision and offload (the policy,
+    and the objective's frozen reference or teacher)."""
+    p = cfg.parallel
+    dist_.apply_fsdp(
+        model,
+        dist_.build_mesh(env, p.sharding, p.shard_size),
+        sharding=p.sharding,
+        param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16-mixed" else None,
+        cpu_offload=p.cpu_offload,
+        grad_hooks=cfg.optim.optimizer_in_backward
+        and any(x.requires_grad for x in model.parameters()),
+    )
 
 
 def model_device(env: dist_.DistEnv | None) -> torch.device:
@@ -535,15 +542,11 @@ def build_run(
     model, full_sd = _build_model(
         cfg, env, args, spec, lora_kw, device, resume_from, probe is not None
     )
-    reference = teacher = None
-    if probe is None and cfg.objective.objective in ("dpo", "ipo") and spec is None:
-        # the starting weights, also when resuming (the checkpoint is the policy, not them)
-        reference = build_model_weights(cfg, args, None, lora_kw, device, None).eval()
-        reference.requires_grad_(False)
-    if probe is None and cfg.objective.objective == "kd":
-        from compiletune.train.objective import load_teacher
+    frozen: tuple[Any, Any] = (None, None)  # the objective's reference and teacher
+    if cfg.objective.objective != "sft":
+        from compiletune.train.objective import build_frozen
 
-        teacher = load_teacher(cfg, args, dtype, device)
+        frozen = build_frozen(cfg, env, args, spec, lora_kw, device, probe is not None)
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None
     head = LossHead(
@@ -560,6 +563,11 @@ def build_run(
             sharded_resume = resume_from is not None and spec is None
             materialise(model, cfg, device, "none" if sharded_resume else "rank0", full_sd)
         del full_sd
+        for f in frozen:
+            if f is not None and f.pending:
+                fill = ("none" if fake else "seed") if probe is not None else "rank0"
+                materialise(f.model, cfg, device, fill, f.full_sd)
+                f.full_sd, f.pending = None, False
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params.extend(p for _, p in named)
         if probe is not None:
@@ -585,8 +593,8 @@ def build_run(
         probe=probe,
         base_dtype=base_dtype,
         offload_activations=offloads_activations(cfg, device),
-        reference=reference,
-        teacher=teacher,
+        reference=frozen[0].model if frozen[0] is not None else None,
+        teacher=frozen[1].model if frozen[1] is not None else None,
     )
     if inputs.data is not None:
         # Every rank draws the same global batch of world x --batch-size rows, trains its slice.

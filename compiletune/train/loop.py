@@ -238,7 +238,11 @@ class Trainer:
         }
         if result.router is not None:
             record.update(result.router.record())
-        record.update(result.extras)
+        extras = result.extras
+        if self.env is not None and extras:  # each rank summed its own rows' pairs or tokens
+            summed = dist_.all_reduce_sum(list(extras.values()), run.device)
+            extras = dict(zip(extras, summed, strict=True))
+        record.update(extras)
         if nonfinite is not None:
             record["nonfinite"] = nonfinite
             record["applied"] = bool(result.stepped)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -72,23 +73,27 @@ def reference_sums(run: Any, mb: dict[str, Tensor], ids: Tensor, n_seq: int) -> 
             model, off = run.model, adapters_disabled(run.model)
         with off:
             hidden = forward_hidden(model, mb, True)
-            return sequence_sums(_logprobs(model, hidden, mb["targets"]), ids, n_seq)
+            sums = sequence_sums(_logprobs(model, hidden, mb["targets"]), ids, n_seq)
+        if run.reference is not None and run.env is not None:
+            reshard_frozen(run.reference)
+        return sums
 
 
 def preference_micro(
-    run: Any, mb: dict[str, Tensor], hidden: Tensor
+    run: Any, mb: dict[str, Tensor], hidden: Tensor, pairs: list[int]
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """(per-pair losses [P], per-pair rewards) of a micro-batch of pair rows."""
+    """(per-pair losses [P], per-pair rewards) of a micro-batch of pair rows; `pairs`: its
+    rows' pair counts, known on the host (sizes without a device sync)."""
     opts = _options(run.cfg)
     ids = batch_sequence_ids(mb["seq_ids"], mb["pairs"]).flatten()
-    n_seq = 2 * count_pairs(mb)
+    n_seq = 2 * sum(pairs)
     policy = sequence_sums(_logprobs(run.model, hidden, mb["targets"]), ids, n_seq)
     ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
     lengths = sequence_sums(ones, ids, n_seq)
     if opts.kind == "simpo":
         ref = None
     elif "ref" in mb:  # --precompute-ref
-        ref = row_values(mb["ref"], mb["pairs"])
+        ref = row_values(mb["ref"], pairs)
     else:
         ref = reference_sums(run, mb, ids, n_seq)
     return preference_loss(
@@ -142,11 +147,12 @@ def evaluate_pairs(run: Any, batch_size: int) -> dict[str, float]:
         with _frozen_eager():
             for batch in eval_batches(run.eval_set, batch_size):
                 mb = {k: v.to(run.device) for k, v in batch.items()}
-                loss, rewards = preference_micro(run, mb, forward_hidden(run.model, mb, True))
+                hidden = forward_hidden(run.model, mb, True)
+                loss, rewards = preference_micro(run, mb, hidden, batch["pairs"].tolist())
                 sums["eval_loss"] += float(loss.sum())
                 for k in REWARDS:
                     sums[f"eval_{k}"] += float(rewards[k].sum())
-                n += count_pairs(mb)
+                n += count_pairs(batch)
     finally:
         run.model.train()
     return {**{k: v / n for k, v in sums.items()}, "eval_pairs": n}
@@ -166,8 +172,8 @@ def precompute_reference(run: Any, say: Any = print) -> None:
             batch = rows.take(np.arange(start, min(rows.rows, start + b)))
             mb = {k: v.to(run.device) for k, v in batch.items()}
             ids = batch_sequence_ids(mb["seq_ids"], mb["pairs"]).flatten()
-            sums = reference_sums(run, mb, ids, 2 * count_pairs(mb))
-            counts = (2 * mb["pairs"]).tolist()
+            sums = reference_sums(run, mb, ids, 2 * count_pairs(batch))
+            counts = (2 * batch["pairs"]).tolist()
             per_row += list(torch.split(sums, counts))
         rows.set_reference(per_row)
     run.reference = None
@@ -175,19 +181,92 @@ def precompute_reference(run: Any, say: Any = print) -> None:
     say(f"reference scores of {n} pairs precomputed in {time.perf_counter() - t0:.1f}s")
 
 
-def load_teacher(cfg: Any, args: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    """The frozen teacher of `--objective kd` (any depth and width; the student's vocabulary)."""
+def teacher_args(cfg: Any, student: Any) -> Any:
+    """The teacher's ModelArgs, from --teacher-dir's config.json (any depth and width; the
+    student's vocabulary, else exit 2 naming both sizes)."""
     from compiletune.errors import UserError
-    from compiletune.models import from_hf
+    from compiletune.models import args_from_hf_config, load_hf_config
 
-    teacher = from_hf(cfg.objective.teacher_dir, dtype=dtype, device=device)
-    if teacher.args.vocab_size != args.vocab_size:
+    args = args_from_hf_config(load_hf_config(cfg.objective.teacher_dir))
+    if args.vocab_size != student.vocab_size:
         raise UserError(
             f"--teacher-dir {cfg.objective.teacher_dir} has a vocabulary of "
-            f"{teacher.args.vocab_size} tokens and the student {args.vocab_size}; distillation "
+            f"{args.vocab_size} tokens and the student {student.vocab_size}; distillation "
             "compares their distributions token by token: use a teacher with the student's "
             "tokenizer"
         )
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return teacher.eval()
+    return args
+
+
+@dataclass
+class Frozen:
+    """A model that runs without gradients beside the policy: the DPO/IPO reference or the KD
+    teacher. One process: loaded with its weights. FSDP, or the memory estimate: on the meta
+    device (sharded like the policy under FSDP) until `materialise` gives it storage, with rank
+    0 holding `full_sd` to fill the shards from."""
+
+    model: Any
+    full_sd: dict[str, Tensor] | None = None
+    pending: bool = False  # still on the meta device
+
+
+def build_frozen(
+    cfg: Any,
+    env: Any,
+    args: Any,
+    spec: Any,
+    lora_kw: dict[str, Any],
+    device: torch.device,
+    probe: bool,
+) -> tuple[Frozen | None, Frozen | None]:
+    """(reference, teacher) of the run, each None where the objective has none: the reference
+    is a frozen copy of the starting weights for DPO/IPO without LoRA (with LoRA the policy
+    with its adapters off serves; the estimate counts none with --precompute-ref, which drops
+    it before the first step), the teacher is --teacher-dir's model."""
+    from compiletune.models import from_hf
+    from compiletune.train.build import build_model_weights
+
+    o = cfg.objective
+    dtype = lora_kw["dtype"]
+    reference = teacher = None
+    if o.objective in ("dpo", "ipo") and spec is None and not (probe and o.precompute_ref):
+        # the starting weights, also when resuming (the checkpoint is the policy, not them)
+        def load_reference(where: Any) -> Any:
+            return build_model_weights(cfg, args, None, lora_kw, where, None)
+
+        reference = _frozen(load_reference, args, dtype, cfg, env, device, probe)
+    if o.objective == "kd":
+
+        def load_teacher(where: Any) -> Any:
+            return from_hf(o.teacher_dir, dtype=dtype, device=where)
+
+        teacher = _frozen(load_teacher, teacher_args(cfg, args), dtype, cfg, env, device, probe)
+    return reference, teacher
+
+
+def _frozen(
+    load: Any, args: Any, dtype: torch.dtype, cfg: Any, env: Any, device: torch.device, probe: bool
+) -> Frozen:
+    from compiletune.models import Transformer
+    from compiletune.train.build import shard_model
+
+    if not probe and env is None:
+        return Frozen(load(device).requires_grad_(False).eval())
+    full_sd = load("cpu").state_dict() if not probe and env.is_main else None
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to(dtype).requires_grad_(False).eval()
+    if env is not None:
+        shard_model(model, cfg, env)
+    return Frozen(model, full_sd, pending=True)
+
+
+def reshard_frozen(model: Any) -> None:
+    """Free a sharded frozen model's gathered parameters after its pass (FSDP reshards the
+    blocks after their forward; the final norm and head stay gathered for a backward that a
+    frozen model never runs)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -30,6 +30,7 @@ class StepBatch:
 
     micro: list[Batch]  # --grad-accum global batches of world x --batch-size rows, on the host
     n_targets: int  # target tokens in all of them: what the loss is normalised by
+    pairs: list[list[int]] | None = None  # preference pairs: each micro-batch's per-row counts
 
 
 def next_batch(run: Run) -> StepBatch:
@@ -39,8 +40,10 @@ def next_batch(run: Run) -> StepBatch:
     from compiletune.train.objective import count_pairs
 
     micro = [run.batches.next() for _ in range(run.cfg.data.grad_accum)]
-    count = count_pairs if "pairs" in micro[0] else count_targets
-    return StepBatch(micro, sum(count(mb) for mb in micro))
+    if "pairs" in micro[0]:
+        pairs = [mb["pairs"].tolist() for mb in micro]
+        return StepBatch(micro, sum(count_pairs(mb) for mb in micro), pairs)
+    return StepBatch(micro, sum(count_targets(mb) for mb in micro))
 
 
 @dataclass
@@ -134,12 +137,13 @@ def train_step(
     n_experts = run.model.args.n_experts
     router: list[tuple[Tensor, Tensor, Tensor]] = []
     sums: dict[str, Tensor] = {}  # the objective's per-pair or per-token values, summed
-    for mb in batch.micro:
+    for i, mb in enumerate(batch.micro):
         run.observe("forward")
+        pairs = batch.pairs[i][rows] if batch.pairs is not None else None
         mb = {k: v[rows].to(device, non_blocking=True) for k, v in mb.items()}
         stats: list[Tensor] | None = [] if n_experts else None
         hidden = forward_hidden(run.model, mb, bool(cfg.data.doc_mask), stats)  # [b, s, d]
-        loss = _micro_loss(run, mb, hidden, sums)  # fp32 [], summed over targets (or pairs)
+        loss = _micro_loss(run, mb, pairs, hidden, sums)  # fp32 [], summed over targets/pairs
         objective = loss * (run.world / max(1, n_targets))
         if stats:
             aux, z = router_losses(stats, n_experts)
@@ -172,10 +176,12 @@ def train_step(
     return StepResult(total, n_targets, grad_norm, router=moe, extras=extras)
 
 
-def _micro_loss(run: Run, mb: Batch, hidden: Tensor, sums: dict[str, Tensor]) -> Tensor:
+def _micro_loss(
+    run: Run, mb: Batch, pairs: list[int] | None, hidden: Tensor, sums: dict[str, Tensor]
+) -> Tensor:
     """The micro-batch's loss, summed (over its target tokens, or its pairs): the loss head's
     cross-entropy, or the --objective's (train/objective.py), whose other values are added
-    into `sums`."""
+    into `sums`. `pairs`: the rows' pair counts of a preference batch (host ints)."""
     kind = run.cfg.objective.objective
     if kind == "sft":
         return run.head(hidden, mb["targets"])
@@ -184,7 +190,7 @@ def _micro_loss(run: Run, mb: Batch, hidden: Tensor, sums: dict[str, Tensor]) ->
     if kind == "kd":
         loss, values = objective.distillation_micro(run, mb, hidden, bool(run.cfg.data.doc_mask))
     else:
-        per_pair, values = objective.preference_micro(run, mb, hidden)
+        per_pair, values = objective.preference_micro(run, mb, hidden, pairs or [])
         loss, values = per_pair.sum(), {k: v.sum() for k, v in values.items()}
     for k, v in values.items():
         sums[k] = sums.get(k, 0.0) + v

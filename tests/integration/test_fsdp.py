@@ -44,7 +44,8 @@ BASE = {"seq_len": 32, "batch_size": 2, "max_steps": 3, "n_layers": 2, "lr": 3e-
 def _losses(run_dir: Path) -> list[float]:
     """Training losses of each step, then the held-out loss where the run evaluated."""
     rows = read_metrics(run_dir / "metrics.jsonl")
-    return [r["loss"] for r in rows] + [r["eval_loss"] for r in rows if "eval_loss" in r]
+    extras = [r[k] for r in rows for k in ("reward_margin", "kd_divergence") if k in r]
+    return [r["loss"] for r in rows] + extras + [r["eval_loss"] for r in rows if "eval_loss" in r]
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -237,6 +238,10 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
     base = {**BASE, "data": corpus}
     from_dir = {k: v for k, v in base.items() if k != "n_layers"} | {"model_dir": tied_dir}
     moe = {**base, "model": "debug_moe", "router_aux_coef": 0.1}
+    dpo = {**base, "data": str(tmp / "pairs.jsonl"), "objective": "dpo", "seq_len": 128}
+    dpo |= {"val_split": 0.1, "eval_every": 3}
+    dpo_lc = {**dpo, "lora_rank": 4, "compile": True, "compile_backend": "aot_eager"}
+    kd = {**base, "objective": "kd", "teacher_dir": tied_dir, "kd_ratio": 0.5}
     return {
         "grad-op": ({**base, "sharding": "grad-op"}, base),
         "none": ({**base, "sharding": "none"}, base),
@@ -271,6 +276,13 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
             {**moe, "grad_accum": 2},
         ),
         "moe-lora": ({**moe, "lora_rank": 4}, {**moe, "lora_rank": 4, "grad_accum": 2}),
+        # --objective: the DPO reference (a sharded frozen copy, or the LoRA policy with its
+        # adapters off) and the KD teacher (sharded; another model of the same vocabulary)
+        "dpo": (dpo, dpo),
+        "dpo-lora-compiled": (dpo_lc, {**dpo, "lora_rank": 4}),
+        "dpo-precompute": ({**dpo, "precompute_ref": True}, {**dpo, "precompute_ref": True}),
+        "kd": (kd, kd),
+        "kd-lora": ({**kd, "lora_rank": 4}, {**kd, "lora_rank": 4}),
     }
 
 
@@ -298,6 +310,10 @@ def test_fsdp_variants_match_one_process(tmp_path: Path) -> None:
     tied.n_layers, tied.tie_embeddings, tied.qkv_bias, tied.family = 2, True, True, "qwen2"
     tied_dir = tmp_path / "tied-qwen"
     save_hf(build_model(tied, seed=5), tied_dir, tokenizer=byte_tokenizer())
+    with (tmp_path / "pairs.jsonl").open("w") as f:
+        for i in range(60):
+            row = {"prompt": f"Q{i}: say {i % 7}.", "chosen": f" {i % 7}.", "rejected": " no!"}
+            f.write(json.dumps(row) + "\n")
 
     mp.spawn(
         _variant_worker,

@@ -232,7 +232,7 @@ def test_kd_teacher_vocabulary_must_match(tmp_path, capsys):
         (["--objective", "kd"], "--teacher-dir"),
         (["--teacher-dir", "x"], "--objective kd"),
         (["--objective", "dpo", "--beta", "0"], "--beta"),
-        (["--objective", "dpo", "--fsdp"], "--fsdp"),
+        (["--objective", "simpo", "--precompute-ref"], "--precompute-ref"),
     ],
 )
 def test_objective_flag_errors(tmp_path, capsys, flags, message):
