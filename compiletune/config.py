@@ -537,7 +537,7 @@ class ObjectiveConfig:
     objective: Objective = opt(
         "sft",
         "sft: next-token loss; dpo/ipo/simpo: preference pairs; kd: distil --teacher-dir",
-        estimate=False,
+        estimate=True,
         on_resume="fixed",
     )
     beta: float = opt(0.1, "dpo/ipo/simpo: the preference strength beta", estimate=False)
@@ -546,12 +546,12 @@ class ObjectiveConfig:
     precompute_ref: bool = opt(
         False,
         "dpo/ipo: score every pair under the reference once, before training (then freed)",
-        estimate=False,
+        estimate=True,
     )
     teacher_dir: str | None = opt(
         None,
         "kd: the teacher's HF folder (same vocabulary)",
-        estimate=False,
+        estimate=True,
         metavar="DIR",
         on_resume="fixed",
     )

@@ -253,6 +253,8 @@ class _Tracker(mi.TorchDispatchMode):
         if name.startswith("compiletune.linear_cross_entropy"):
             # The op's outputs exist (it allocates them first) while its chunks come and go.
             self.transient(self.fused_loss_extra.bytes(name, args))
+        elif name.startswith(("compiletune.token_logprobs", "compiletune.token_divergence")):
+            self.transient(_logprob_op_bytes(name, args))
         return out
 
     def set_phase(self, phase: str, category: str) -> None:
@@ -299,6 +301,32 @@ class _FusedLossTemps:
             cols = min(vocab, vocab_chunk_cols(chunk_tokens(vocab, chunk_size), vocab, n))
             return n * cols * elt + n * d * 4 + n * d * elt
         return logits + (vocab * d * (4 + elt) if need_dw else 0)
+
+
+def _logprob_op_bytes(name: str, args: tuple) -> int:
+    """Bytes the --objective heads (ops/fused_logprobs.py) hold inside themselves beyond their
+    outputs, as measured on their CPU implementations: a chunk's [c, V] fp32 temporaries (the
+    chunks are sized by 2 of them for log-probabilities, 8 for a divergence) and, in a narrow
+    dtype, the logits before their fp32 copy; in backward each chunk's weight-gradient product
+    and, in a narrow dtype, its fp32 copy and the fp32 accumulator (in fp32 the output itself)."""
+    from compiletune.ops.fused_logprobs import _DIV_TEMPORARIES
+    from compiletune.ops.fused_loss import chunk_tokens
+
+    backward = "backward" in name
+    divergence = "divergence" in name
+    h, weight = (args[1], args[2]) if backward else (args[0], args[1])
+    chunk_size = args[(8 if backward else 7) if divergence else (6 if backward else 4)]
+    (n, d), vocab, elt = h.shape, weight.shape[0], h.element_size()
+    c = min(n, chunk_tokens(vocab * (_DIV_TEMPORARIES if divergence else 2), chunk_size))
+    chunk, grad = c * vocab, vocab * d
+    narrow = weight.dtype != torch.float32
+    fp32 = {(False, False): 2, (False, True): 1, (True, False): 9, (True, True): 10}
+    held = fp32[divergence, backward] * chunk * 4
+    if narrow:
+        held += (2 if divergence else 1) * chunk * elt
+    if backward:
+        held += grad * elt + (grad * (4 if divergence else 8) if narrow else 0)
+    return held
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,6 +424,17 @@ def estimate_memory(
                 else ""
             )
         )
+    o = cfg.objective
+    if o.objective in ("dpo", "ipo") and cfg.lora.rank and not o.precompute_ref:
+        notes.append("reference: the policy with its adapters off (no second copy)")
+    elif o.objective in ("dpo", "ipo"):
+        notes.append(
+            "reference: freed after --precompute-ref scored every pair (not in the step)"
+            if o.precompute_ref
+            else "reference: a frozen copy of the starting weights, counted as parameters"
+        )
+    elif o.objective == "kd":
+        notes.append(f"teacher {o.teacher_dir}: counted as parameters")
     est.notes = notes + est.notes
     est.seconds = time.perf_counter() - t0
     return est
@@ -446,6 +485,7 @@ def _estimate(cfg: TrainConfig, gpus: int, round_bytes: int) -> MemoryEstimate:
             "fsdp": fsdp,
             "sharding": cfg.parallel.sharding if fsdp else None,
             "cpu_offload": cfg.parallel.cpu_offload,
+            "objective": cfg.objective.objective,
         },
     )
 
@@ -502,14 +542,16 @@ def run_step(
                 )
 
     run = build_run(cfg, env, fake=fake, probe=Probe(scope, observe, device))
-    rows, seq = cfg.data.batch_size, cfg.data.seq_len
-    micro = []  # global batches, as the trainer draws them; each rank trains its slice
-    for _ in range(min(cfg.data.grad_accum, 2)):
-        tokens = torch.randint(0, run.args.vocab_size, (rows * run.world, seq))
-        targets = torch.randint(0, run.args.vocab_size, (rows * run.world, seq))
-        targets[:, :1] = IGNORE_INDEX
-        micro.append({"inputs": tokens, "targets": targets})
-    batch = StepBatch(micro, len(micro) * rows * run.world * (seq - 1))
+    rows = cfg.data.batch_size * run.world
+    # global batches, as the trainer draws them; each rank trains its slice
+    micro = [
+        _random_batch(cfg, rows, run.args.vocab_size) for _ in range(min(cfg.data.grad_accum, 2))
+    ]
+    if "pairs" in micro[0]:
+        pairs = [mb["pairs"].tolist() for mb in micro]
+        batch = StepBatch(micro, sum(sum(p) for p in pairs), pairs)
+    else:
+        batch = StepBatch(micro, len(micro) * rows * (cfg.data.seq_len - 1))
     offload = None
     if cfg.techniques.offload_activations and tracker is not None:
         offload = _host_activation_hooks(tracker, run.model)
@@ -517,6 +559,36 @@ def run_step(
         train_step(run, batch, lr=1e-4)
         run.optimizer.remove_hooks()
     return run
+
+
+def _random_batch(cfg: TrainConfig, rows: int, vocab: int) -> dict[str, Tensor]:
+    """A global batch of random tokens. Preference objectives get rows as pairs pack them: one
+    pair per row, prompt + chosen then prompt + rejected, each half a row, the first quarter of
+    each a prompt without targets (a shorter pair leaves more room; the step's memory follows
+    the row, not the split)."""
+    seq = cfg.data.seq_len
+    tokens = torch.randint(0, vocab, (rows, seq))
+    targets = torch.randint(0, vocab, (rows, seq))
+    targets[:, :1] = IGNORE_INDEX
+    if cfg.objective.objective not in ("dpo", "ipo", "simpo"):
+        return {"inputs": tokens, "targets": targets}
+    half = seq // 2
+    pos = torch.arange(seq)
+    doc = (pos >= half).long()
+    positions = pos - doc * half
+    response = positions >= half // 4
+    seq_ids = torch.where(response, doc, -1).expand(rows, seq).clone()
+    batch = {
+        "inputs": tokens,
+        "targets": torch.where(seq_ids >= 0, targets, IGNORE_INDEX),
+        "positions": positions.expand(rows, seq).clone(),
+        "doc_ids": doc.int().expand(rows, seq).clone(),
+        "seq_ids": seq_ids,
+        "pairs": torch.ones(rows, dtype=torch.long),
+    }
+    if cfg.objective.precompute_ref:
+        batch["ref"] = torch.randn(rows, 2)
+    return batch
 
 
 def _host_activation_hooks(tracker: _Tracker, model: Any) -> Any:
@@ -810,7 +882,8 @@ def format_estimate(
         + (" + CPU offload" if s["cpu_offload"] else "")
         + f"; {s['dtype']}, seq {s['seq_len']} x batch {s['batch_size']} per GPU, loss "
         f"{s['loss']}, ac {s['ac']}, {s['optimizer']}"
-        + (" in backward" if s["optimizer_in_backward"] else ""),
+        + (" in backward" if s["optimizer_in_backward"] else "")
+        + (f"; objective {s['objective']}" if s.get("objective", "sft") != "sft" else ""),
         f"peak per GPU: {est.peak_bytes / gib:.2f} GiB (in {est.peak_phase})",
     ]
     for k in CATEGORIES:

@@ -522,7 +522,8 @@ def build_run(
         world = env.world if env is not None else 1
         facts = RunFacts(
             args.vocab_size,
-            packs_documents=False,
+            # pair rows hold two sequences each (estimate.py's random pairs): masked as in a run
+            packs_documents=cfg.objective.objective in ("dpo", "ipo", "simpo"),
             world=world,
             router_aux_coef=args.router_aux_coef,
         )

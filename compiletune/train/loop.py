@@ -238,11 +238,12 @@ class Trainer:
         }
         if result.router is not None:
             record.update(result.router.record())
-        extras = result.extras
-        if self.env is not None and extras:  # each rank summed its own rows' pairs or tokens
-            summed = dist_.all_reduce_sum(list(extras.values()), run.device)
-            extras = dict(zip(extras, summed, strict=True))
-        record.update(extras)
+        if result.extras:  # the objective's sums over this rank's pairs or tokens: means
+            summed = torch.stack(list(result.extras.values())).tolist()  # one host sync
+            if self.env is not None:
+                summed = dist_.all_reduce_sum(summed, run.device)
+            n = max(1, result.n_targets)
+            record.update({k: v / n for k, v in zip(result.extras, summed, strict=True)})
         if nonfinite is not None:
             record["nonfinite"] = nonfinite
             record["applied"] = bool(result.stepped)

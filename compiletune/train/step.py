@@ -53,7 +53,8 @@ class StepResult:
     grad_norm: Tensor | None  # before clipping; None with --optimizer-in-backward
     stepped: bool = True  # False: `accept` refused the step, the optimizer did not run
     router: RouterStep | None = None  # MoE models: this rank's router losses and expert load
-    extras: dict[str, float] = field(default_factory=dict)  # the objective's own means
+    # the objective's own values, summed on this rank (not synced): fp32 [] each
+    extras: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -163,7 +164,7 @@ def train_step(
     elif not cfg.optim.optimizer_in_backward:  # the norm alone: a non-finite one is caught
         grads = [p.grad for p in run.params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
-    extras = {k: float(v) / max(1, n_targets) for k, v in sums.items()}
+    extras = {k: torch.as_tensor(v).detach() for k, v in sums.items()}
     moe = None
     if router:
         aux, z, load = (torch.stack(parts) for parts in zip(*router, strict=True))

@@ -237,3 +237,59 @@ def test_fused_head_never_costs_more_than_plain_or_chunked(gpus: int, seq_len: i
         mib = {k: round(v.peak_bytes / 2**20, 1) for k, v in peak.items()}
         assert peak["fused"].peak_bytes <= peak["plain"].peak_bytes, (name, mib)
         assert peak["fused"].peak_bytes <= peak["chunked"].peak_bytes, (name, mib)
+
+
+@pytest.fixture(scope="module")
+def teacher_128k(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from compiletune.models import build_model, from_name, save_hf
+
+    args = from_name("debug_128k")
+    args.n_layers = 2
+    path = tmp_path_factory.mktemp("teacher")
+    save_hf(build_model(args, seed=1), path)
+    return str(path)
+
+
+OBJECTIVE = {**SMALL, "model": "debug_128k", "n_layers": 1, "seq_len": 256, "batch_size": 2}
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kd"])
+def test_objective_estimate_matches_the_real_cpu_step(objective: str, teacher_128k: str) -> None:
+    """A 128k vocabulary: the chunked heads' [chunk, vocab] temporaries are most of what the
+    step adds to SFT, and the reference or teacher is a second model."""
+    extra = {"teacher_dir": teacher_128k} if objective == "kd" else {}
+    cfg = resolve({}, {**OBJECTIVE, "objective": objective, **extra})
+    est = estimate.estimate_memory(cfg, 1, round_bytes=1)
+    real = estimate.measure_cpu_step(cfg)
+    assert abs(est.peak_bytes - real) <= 0.03 * real, (est.peak_bytes, real)
+
+
+def test_objective_estimates_count_the_reference_and_the_teacher(teacher_128k: str) -> None:
+    from compiletune.models import from_name, num_params
+
+    def params(gpus: int = 1, **flags) -> int:
+        cfg = resolve({}, {**OBJECTIVE, "dtype": "fp32", **flags})
+        return estimate.estimate_memory(cfg, gpus).parts["parameters"]
+
+    sft = params()
+    assert params(objective="dpo") == pytest.approx(2 * sft, rel=1e-3)  # a frozen copy
+    assert params(objective="dpo", precompute_ref=True) == sft  # freed before the first step
+    assert params(objective="simpo") == sft  # no reference
+    # LoRA: the reference is the policy with adapters off: no second copy
+    assert params(objective="dpo", lora_rank=8) < 1.1 * sft
+    teacher = from_name("debug_128k")
+    teacher.n_layers = 2
+    kd = params(objective="kd", teacher_dir=teacher_128k)
+    assert kd == pytest.approx(sft + 4 * num_params(teacher), rel=0.02)
+    # sharded like the policy over two GPUs: the teacher's blocks halve (its final norm and head
+    # stay gathered through the step, here most of its parameters)
+    gathered = 4 * (teacher.vocab_size * teacher.dim + teacher.dim)
+    two = params(2, objective="kd", teacher_dir=teacher_128k, fsdp=True)
+    two_sft = params(2, fsdp=True)
+    assert two - two_sft == pytest.approx((kd - sft) / 2 + gathered, rel=0.02)
+    out = main(["estimate-memory", *_flags(OBJECTIVE), "--objective", "dpo"])
+    assert out == 0
+
+
+def _flags(values: dict) -> list[str]:
+    return [x for k, v in values.items() for x in (f"--{k.replace('_', '-')}", str(v))]
