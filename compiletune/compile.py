@@ -32,7 +32,7 @@ BACKENDS = choices(CompileBackend)
 @dataclass
 class CompileOptions:
     backend: str = "inductor"  # inductor | aot_eager (same passes, no code generation)
-    loss: str = "fused"  # fused -> the head gets the fuse_linear_cross_entropy pass
+    loss: str = "fused"  # fused -> the head gets the fuse_linear_{cross_entropy,logprobs} passes
     dump: bool = False
     loss_chunk_size: int = 0  # tokens per chunk of the fused loss; 0 = from a memory budget
     ac: ActivationPolicy = field(default_factory=ActivationPolicy)
@@ -59,9 +59,12 @@ def head_passes(opts: CompileOptions) -> list[Pass]:
     passes = []
     if opts.loss == "fused":
         from compiletune.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
+        from compiletune.passes.fuse_linear_logprobs import fuse_linear_logprobs
 
         fuse = functools.partial(fuse_linear_cross_entropy, chunk_size=opts.loss_chunk_size)
         passes.append(Pass("fuse_linear_cross_entropy", "pre_grad", fuse))
+        logprobs = functools.partial(fuse_linear_logprobs, chunk_size=opts.loss_chunk_size)
+        passes.append(Pass("fuse_linear_logprobs", "pre_grad", logprobs))
     return passes
 
 

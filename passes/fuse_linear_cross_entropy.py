@@ -97,7 +97,7 @@ def _softcap_input(node: torch.fx.Node) -> tuple[torch.fx.Node, float] | None:
     return div.args[0], float(c)
 
 
-def _walk_back_to_linear(
+def walk_back_to_linear(
     x: torch.fx.Node, vocab: int
 ) -> tuple[torch.fx.Node | None, list[torch.fx.Node], float]:
     """From cross_entropy's input back to the linear that made the logits, through dtype or
@@ -158,7 +158,7 @@ def fuse_linear_cross_entropy(
             continue
         vocab = ce_in.shape[-1]
 
-        linear, slices, capped = _walk_back_to_linear(x, vocab)
+        linear, slices, capped = walk_back_to_linear(x, vocab)
         if linear is None:
             skipped["logits reach cross_entropy through other ops or have other users"] += 1
             continue
