@@ -42,8 +42,14 @@ class LossHead(nn.Module):
         self.kind = kind
         self.softcap = float(softcap or 0.0)
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, targets: torch.Tensor, logprobs: bool = False
+    ) -> torch.Tensor:
+        """The summed cross-entropy []; with `logprobs`, the targets' log-probabilities
+        [b * s] fp32 instead (0 where ignored), for --objective."""
         w, b = self.output.weight, self.output.bias
+        if logprobs:
+            return self._logprobs(h, w, b, targets)
         if self.kind != "plain":
             from compiletune.ops.fused_loss import chunked_cross_entropy, linear_cross_entropy
         if self.kind == "fused":
@@ -77,3 +83,28 @@ class LossHead(nn.Module):
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
+
+    def _logprobs(
+        self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor
+    ) -> torch.Tensor:
+        if b is not None:
+            raise ValueError("--objective heads take an output projection without a bias")
+        if not torch.compiler.is_compiling():  # eager: the chunked op itself
+            from compiletune.ops.fused_logprobs import token_logprobs
+
+            return token_logprobs(
+                h.flatten(0, 1),
+                w,
+                targets.flatten(),
+                ignore_index=IGNORE_INDEX,
+                softcap=self.softcap,
+            )
+        # Compiled: plain code, which the fuse_linear_logprobs pass turns into the same op
+        # under --loss fused (with --loss plain the logits exist, as asked).
+        logits = F.linear(h, w)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        live = targets != IGNORE_INDEX
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        picked = logp.gather(-1, torch.where(live, targets, 0).unsqueeze(-1)).squeeze(-1)
+        return torch.where(live, picked, 0.0).flatten()

@@ -1,11 +1,14 @@
 """The loss of one micro-batch for `--objective dpo|ipo|simpo|kd` (sft is the loss head's), and
 the held-out evaluation of preference pairs.
 
-Both run the model's blocks as usual (compiled under --compile) and the head through the
-chunked ops of ops/fused_logprobs.py, called directly: no `[tokens, vocab]` logits for the
-policy, the reference or the teacher. The reference (DPO, IPO) and the teacher run without
-gradients and eagerly: a LoRA run's reference is its own model with the adapters switched off,
-a full fine-tune's a frozen copy of the starting weights (`Run.reference`).
+Both run the model's blocks as usual (compiled under --compile) and the heads through the
+chunked ops of ops/fused_logprobs.py: no `[tokens, vocab]` logits for the policy, the reference
+or the teacher. The policy's log-probabilities come from the loss head (`LossHead(...,
+logprobs=True)`): eagerly the op itself, compiled plain code that the fuse_linear_logprobs pass
+turns into the op. The reference (DPO, IPO) and the teacher run without gradients and eagerly,
+calling the ops: a LoRA run's reference is its own model with the adapters switched off, a full
+fine-tune's a frozen copy of the starting weights (`Run.reference`), sharded like the policy
+under FSDP.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def preference_micro(
     opts = _options(run.cfg)
     ids = batch_sequence_ids(mb["seq_ids"], mb["pairs"]).flatten()
     n_seq = 2 * sum(pairs)
-    policy = sequence_sums(_logprobs(run.model, hidden, mb["targets"]), ids, n_seq)
+    policy = sequence_sums(run.head(hidden, mb["targets"], logprobs=True), ids, n_seq)
     ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
     lengths = sequence_sums(ones, ids, n_seq)
     if opts.kind == "simpo":
@@ -130,7 +133,7 @@ def distillation_micro(
         kind=o.kd_loss,
         softcap=softcap,
     )
-    ce = -token_logprobs(flat, run.model.output.weight, targets, softcap=softcap)
+    ce = -run.head(hidden, mb["targets"], logprobs=True)
     per_token = distillation_loss(ce, div, o.kd_ratio, o.kd_temperature)
     return per_token.sum(), {"kd_divergence": div.sum().detach(), "kd_ce": ce.sum().detach()}
 
