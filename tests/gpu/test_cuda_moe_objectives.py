@@ -6,8 +6,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -149,8 +152,15 @@ def _pairs(tmp_path: Path) -> str:
     ids=["dpo-compiled", "dpo-lora-compiled", "simpo-bf16"],
 )
 def test_preference_objectives_on_cuda(tmp_path, flags):
+    """Compiled runs go through the fuse_linear_logprobs pass; the reference pass keeps
+    FlexAttention compiled; the memory pre-flight check runs (each warned before)."""
     run = {"model": "debug", "n_layers": 2, "seq_len": 128, "batch_size": 4, "lr": 1e-3}
-    summary = tiny_run(tmp_path, _pairs(tmp_path), **{**run, "max_steps": 12, **flags})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        summary = tiny_run(tmp_path, _pairs(tmp_path), **{**run, "max_steps": 12, **flags})
+    bad = [str(w.message) for w in seen if "pre-flight" in str(w.message)]
+    bad += [str(w.message) for w in seen if "without torch.compile" in str(w.message)]
+    assert not bad, bad
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert records[-1]["loss"] < records[0]["loss"]
     assert records[-1]["reward_margin"] > records[0]["reward_margin"]
@@ -183,3 +193,30 @@ def test_kd_on_cuda(tmp_path):
     )
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert records[-1]["kd_divergence"] < records[0]["kd_divergence"]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kd"])
+def test_objective_under_one_gpu_nccl_fsdp(tmp_path, objective):
+    """`torchrun --nproc-per-node 1 ... --fsdp --objective`: the reference or teacher sharded
+    over NCCL, compiled (inductor), end to end."""
+    if objective == "kd":
+        args = from_name("debug")
+        args.n_layers = 3
+        save_hf(build_model(args, seed=7), tmp_path / "teacher", tokenizer=byte_tokenizer())
+        data = tmp_path / "t.txt"
+        data.write_text("\n\n\n".join(f"line {i}: " + " ".join(WORDS) for i in range(200)))
+        extra = ["--teacher-dir", str(tmp_path / "teacher"), "--data", str(data)]
+    else:
+        extra = ["--data", _pairs(tmp_path), "--val-split", "0.1", "--eval-every", "6"]
+    out = tmp_path / "fsdp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    cmd += ["-m", "compiletune", "train", "--fsdp", "--objective", objective, *extra]
+    cmd += ["--model", "debug", "--n-layers", "2", "--seq-len", "128", "--batch-size", "4"]
+    cmd += ["--max-steps", "6", "--compile", "--output-dir", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pre-flight" not in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 1 and summary["compile"]["recompiles"] == 0
+    assert summary["final_loss"] < summary["first_loss"]
