@@ -341,9 +341,15 @@ def build_meta_model(
 
 
 def apply_techniques(
-    model: Transformer, head: LossHead, cfg: TrainConfig, env: dist_.DistEnv | None, compile: bool
+    model: Transformer,
+    head: LossHead,
+    cfg: TrainConfig,
+    env: dist_.DistEnv | None,
+    compile: bool,
+    device: torch.device | None = None,
 ) -> CompiledRegions | None:
-    """Every technique that wraps the model, in one place and in this order:
+    """Every technique that wraps the model, in one place and in this order (`device`: where
+    the model runs; the memory estimate's is the CPU of its fake tensors, also for a GPU run):
 
     1. activation policy  (eager: torch.utils.checkpoint per block; compiled: a graph pass)
     2. compile            (each block and the head through compiletune's backend)
@@ -351,7 +357,7 @@ def apply_techniques(
     """
     t = cfg.techniques
     policy = parse_ac(t.ac, t.ac_every)
-    device = model_device(env)
+    device = device or model_device(env)
     for i, block in enumerate(model.layers):
         kept = policy.applies_to(i) or offloads_activations(cfg, device)
         block.attention.backend = attention_backend(device, checkpointed=kept)
@@ -362,7 +368,7 @@ def apply_techniques(
             loss=t.loss,
             dump=t.dump_graphs is not None,
             ac=policy,
-            offload=offloads_activations(cfg, model_device(env)),
+            offload=offloads_activations(cfg, device),
         )
         regions = compile_regions(model, head, opts)
     elif policy.kind != "none":
@@ -553,7 +559,7 @@ def build_run(
     head = LossHead(
         model.output, head_kind(cfg.techniques.loss, compiled), model.args.final_softcap
     )
-    regions = apply_techniques(model, head, cfg, env, compiled)
+    regions = apply_techniques(model, head, cfg, env, compiled, device)
 
     params: list[nn.Parameter] = []
     with probe.scope() if probe is not None else contextlib.nullcontext():

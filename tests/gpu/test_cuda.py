@@ -21,6 +21,7 @@ from compiletune.ops.host_copy import offload_to_host, reload_from_host
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
+from gloo import free_port  # noqa: E402
 from test_attention import doc_ids_for, reference  # noqa: E402
 from tiny_run import tiny_run  # noqa: E402
 
@@ -155,6 +156,7 @@ def test_one_gpu_nccl_fsdp(tmp_path):
     """`torchrun --nproc-per-node 1 ... --fsdp`: FSDP2 over NCCL on one GPU, end to end."""
     out = tmp_path / "fsdp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    cmd += ["--master-port", str(free_port())]  # tests run side by side (xdist)
     cmd += ["-m", "compiletune", "train", "--fsdp", "--data", corpus(tmp_path)]
     cmd += ["--seq-len", "128", "--batch-size", "4", "--max-steps", "6"]
     cmd += ["--output-dir", str(out)]

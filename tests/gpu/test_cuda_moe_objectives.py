@@ -23,6 +23,7 @@ from compiletune.ops.grouped_mm import grouped_mm, uses_native
 from compiletune.tokenizer import byte_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo import free_port  # noqa: E402
 from tiny_run import tiny_run  # noqa: E402
 
 pytestmark = [
@@ -210,6 +211,7 @@ def test_objective_under_one_gpu_nccl_fsdp(tmp_path, objective):
         extra = ["--data", _pairs(tmp_path), "--val-split", "0.1", "--eval-every", "6"]
     out = tmp_path / "fsdp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    cmd += ["--master-port", str(free_port())]  # tests run side by side (xdist)
     cmd += ["-m", "compiletune", "train", "--fsdp", "--objective", objective, *extra]
     cmd += ["--model", "debug", "--n-layers", "2", "--seq-len", "128", "--batch-size", "4"]
     cmd += ["--max-steps", "6", "--compile", "--output-dir", str(out)]

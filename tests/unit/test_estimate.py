@@ -293,3 +293,16 @@ def test_objective_estimates_count_the_reference_and_the_teacher(teacher_128k: s
 
 def _flags(values: dict) -> list[str]:
     return [x for k, v in values.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def test_a_gpu_runs_estimate_of_document_masked_rows_runs_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU machine the pre-flight estimate of a run whose rows are document-masked (pairs)
+    still runs its fake step on the CPU: the attention kernel is chosen for the CPU
+    (FlexAttention, the CUDA choice, has no CPU backward)."""
+    from compiletune.train import build
+
+    monkeypatch.setattr(build, "pick_device", lambda: torch.device("cuda"))
+    est = estimate.estimate_memory(_cfg(objective="simpo", lora_rank=4))
+    assert est.peak_bytes > 0
