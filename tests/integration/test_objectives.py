@@ -143,6 +143,7 @@ def test_dpo_raises_held_out_reward_accuracy_well_above_chance(tmp_path, pairs_f
         {"objective": "simpo", "simpo_gamma": 0.2},
         {"objective": "dpo", "label_smoothing": 0.1},
         {"objective": "dpo", "lora_rank": 8, "lr": 3e-3},
+        {"objective": "dpo", "lora_rank": 8, "quantize_base": "nf4", "lr": 3e-3},
         {
             "objective": "dpo",
             "lora_rank": 4,
@@ -151,7 +152,7 @@ def test_dpo_raises_held_out_reward_accuracy_well_above_chance(tmp_path, pairs_f
             "ac": "selective",
         },
     ],
-    ids=["ipo", "simpo", "cdpo", "dpo-lora", "dpo-lora-compiled"],
+    ids=["ipo", "simpo", "cdpo", "dpo-lora", "dpo-qlora", "dpo-lora-compiled"],
 )
 def test_preference_objectives_train(tmp_path, pairs_file, flags):
     summary = tiny_run(tmp_path, pairs_file, **{**DEBUG, "max_steps": 12, **flags})
@@ -174,6 +175,31 @@ def test_dpo_resume_is_exact(tmp_path, pairs_file):
         for n in ("whole", "split")
     ]
     assert losses[0] == losses[1]
+
+
+def test_kd_lora_student_resumes_exactly_and_generates(tmp_path, capsys):
+    """A LoRA student of a full-weight teacher: --resume equals the uninterrupted run, and
+    `compiletune generate` runs on the checkpoint it leaves."""
+    teacher_args = from_name("debug")
+    teacher_args.n_layers = 3
+    save_hf(build_model(teacher_args, seed=7), tmp_path / "teacher", tokenizer=byte_tokenizer())
+    (tmp_path / "t.txt").write_text(
+        "\n\n\n".join(f"line {i}: " + " ".join(WORDS) for i in range(99))
+    )
+    run = {**DEBUG, "seq_len": 64, "objective": "kd", "teacher_dir": str(tmp_path / "teacher")}
+    run |= {"lora_rank": 4, "lr": 3e-3, "max_steps": 4, "schedule": "constant"}
+    data = str(tmp_path / "t.txt")
+    tiny_run(tmp_path, data, "whole", **run)
+    tiny_run(tmp_path, data, "split", **{**run, "max_steps": 2})
+    tiny_run(tmp_path, data, "split", **run, resume=True)
+    records = [read_metrics(tmp_path / n / "metrics.jsonl") for n in ("whole", "split")]
+    for key in ("loss", "kd_divergence"):
+        assert [r[key] for r in records[0]] == [r[key] for r in records[1]], key
+    capsys.readouterr()
+    argv = ["generate", "--model-dir", str(tmp_path / "split" / "step_4"), "--prompt", "line"]
+    assert main([*argv, "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    assert out.out and "8 tokens" in out.err
 
 
 def _held_out_kl(student_dir: Path, teacher, rows) -> float:
