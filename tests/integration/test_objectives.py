@@ -142,6 +142,7 @@ def test_dpo_raises_held_out_reward_accuracy_well_above_chance(tmp_path, pairs_f
         {"objective": "ipo"},
         {"objective": "simpo", "simpo_gamma": 0.2},
         {"objective": "dpo", "label_smoothing": 0.1},
+        {"objective": "dpo", "ac": "full"},
         {"objective": "dpo", "lora_rank": 8, "lr": 3e-3},
         {"objective": "dpo", "lora_rank": 8, "quantize_base": "nf4", "lr": 3e-3},
         {
@@ -152,7 +153,7 @@ def test_dpo_raises_held_out_reward_accuracy_well_above_chance(tmp_path, pairs_f
             "ac": "selective",
         },
     ],
-    ids=["ipo", "simpo", "cdpo", "dpo-lora", "dpo-qlora", "dpo-lora-compiled"],
+    ids=["ipo", "simpo", "cdpo", "dpo-ac-full", "dpo-lora", "dpo-qlora", "dpo-lora-compiled"],
 )
 def test_preference_objectives_train(tmp_path, pairs_file, flags):
     summary = tiny_run(tmp_path, pairs_file, **{**DEBUG, "max_steps": 12, **flags})
