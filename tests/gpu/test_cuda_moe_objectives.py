@@ -24,6 +24,7 @@ from compiletune.tokenizer import byte_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gloo import free_port  # noqa: E402
+from pair_data import WORDS, write_pairs  # noqa: E402
 from tiny_run import tiny_run  # noqa: E402
 
 pytestmark = [
@@ -36,18 +37,6 @@ TEXT = "\n".join(
     for i in range(400)
 )
 MOE = {"model": "debug_moe", "n_layers": 3, "lr": 3e-3, "seq_len": 128, "batch_size": 4}
-WORDS = [
-    "apple",
-    "river",
-    "stone",
-    "cloud",
-    "music",
-    "light",
-    "paper",
-    "garden",
-    "window",
-    "silver",
-]
 
 
 def _loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -129,18 +118,7 @@ def test_token_logprobs_and_divergence_on_cuda():
 
 
 def _pairs(tmp_path: Path) -> str:
-    r = random.Random(0)
-    path = tmp_path / "pairs.jsonl"
-    with path.open("w") as f:
-        for _ in range(200):
-            w = r.sample(WORDS, 3)
-            row = {
-                "prompt": f"List: {' '.join(w)}. Repeat:",
-                "chosen": " " + " ".join(w) + ".",
-                "rejected": " " + " ".join(r.sample(WORDS, 3)) + "!",
-            }
-            f.write(json.dumps(row) + "\n")
-    return str(path)
+    return write_pairs(tmp_path / "pairs.jsonl", 200)
 
 
 @pytest.mark.parametrize(

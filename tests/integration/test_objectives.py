@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pair_data import WORDS, write_pairs
 from tiny_run import tiny_run
 
 from compiletune.cli import main
@@ -18,18 +19,6 @@ from compiletune.ops.fused_logprobs import token_divergence, token_logprobs
 from compiletune.pairs import PairRows, batch_sequence_ids, read_pairs, truncate
 from compiletune.tokenizer import byte_tokenizer
 
-WORDS = [
-    "apple",
-    "river",
-    "stone",
-    "cloud",
-    "music",
-    "light",
-    "paper",
-    "garden",
-    "window",
-    "silver",
-]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -39,19 +28,7 @@ DEBUG = {"model": "debug", "n_layers": 2, "seq_len": 128, "batch_size": 4, "lr":
 
 @pytest.fixture()
 def pairs_file(tmp_path: Path) -> str:
-    """Synthetic pairs: the chosen answer repeats the prompt's words, the rejected one not."""
-    r = random.Random(0)
-    path = tmp_path / "pairs.jsonl"
-    with path.open("w") as f:
-        for _ in range(300):
-            w = r.sample(WORDS, 3)
-            row = {
-                "prompt": f"List: {' '.join(w)}. Repeat:",
-                "chosen": " " + " ".join(w) + ".",
-                "rejected": " " + " ".join(r.sample(WORDS, 3)) + "!",
-            }
-            f.write(json.dumps(row) + "\n")
-    return str(path)
+    return write_pairs(tmp_path / "pairs.jsonl")
 
 
 def test_messages_pairs_render_the_prompt_once_and_responses_apart(tmp_path):

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_capture import capture
 
 from compiletune.compile import CompileOptions, compile_regions
 from compiletune.config import resolve
@@ -17,19 +18,6 @@ from compiletune.passes.fuse_linear_cross_entropy import fuse_linear_cross_entro
 from compiletune.train.loop import train
 
 V, D = 97, 24  # a vocab that is no multiple of anything
-
-
-def capture(fn, *inputs):
-    """The dynamo graph of `fn` on `inputs` (what the backend's pre-grad passes see)."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    (gm,) = graphs
-    return gm
 
 
 def inputs(bias: bool = False, seed: int = 0):

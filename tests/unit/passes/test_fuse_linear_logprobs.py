@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_capture import capture
 from torch import nn
 
 from compiletune.backend import CompiletuneBackend
@@ -18,19 +19,6 @@ from compiletune.passes.fuse_linear_logprobs import fuse_linear_logprobs
 V, D, B, S = 97, 24, 2, 11  # a vocab that is no multiple of anything; 22 tokens
 IGNORE = -100
 TOKEN_LOGPROBS = "compiletune.token_logprobs.default"
-
-
-def capture(fn, *inputs):
-    """The dynamo graph of `fn` on `inputs` (what the backend's pre-grad passes see)."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    (gm,) = graphs
-    return gm
 
 
 def inputs(seed: int = 0, dtype: torch.dtype = torch.float32):
