@@ -101,7 +101,7 @@ def test_dpo_raises_held_out_reward_accuracy_well_above_chance(tmp_path, pairs_f
         pairs_file,
         **DEBUG,
         objective="dpo",
-        max_steps=100,
+        max_steps=50,
         val_split=0.1,
         eval_every=25,
     )
@@ -209,9 +209,9 @@ def test_kd_lowers_the_students_kl_to_the_teacher_on_held_out_text(tmp_path):
     kd = {**DEBUG, "seq_len": 64, "objective": "kd", "teacher_dir": str(tmp_path / "teacher")}
     kd |= {"kd_ratio": 1.0, "kd_temperature": 2.0, "lr": 3e-3, "doc_mask": True}
     tiny_run(tmp_path, str(tmp_path / "train.txt"), "start", **kd, max_steps=1)
-    tiny_run(tmp_path, str(tmp_path / "train.txt"), "end", **kd, max_steps=60)
+    tiny_run(tmp_path, str(tmp_path / "train.txt"), "end", **kd, max_steps=30)
     before = _held_out_kl(tmp_path / "start" / "step_1", teacher, rows)
-    after = _held_out_kl(tmp_path / "end" / "step_60", teacher, rows)
+    after = _held_out_kl(tmp_path / "end" / "step_30", teacher, rows)
     assert after < 0.5 * before, (before, after)
     records = read_metrics(tmp_path / "end" / "metrics.jsonl")
     assert records[-1]["kd_divergence"] < records[0]["kd_divergence"]
