@@ -89,7 +89,7 @@ class LossHead(nn.Module):
     ) -> torch.Tensor:
         if b is not None:
             raise ValueError("--objective heads take an output projection without a bias")
-        if not torch.compiler.is_compiling():  # eager: the chunked op itself
+        if self.kind != "plain" or not torch.compiler.is_compiling():  # the chunked op
             from compiletune.ops.fused_logprobs import token_logprobs
 
             return token_logprobs(

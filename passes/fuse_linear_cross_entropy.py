@@ -101,8 +101,8 @@ def walk_back_to_linear(
     x: torch.fx.Node, vocab: int
 ) -> tuple[torch.fx.Node | None, list[torch.fx.Node], float]:
     """From cross_entropy's input back to the linear that made the logits, through dtype or
-    layout changes, regroupings that keep the vocabulary dimension, token slices (returned, to
-    re-apply to h) and at most one soft-cap (its constant returned, 0.0 without). None when the
+    layout changes, regroupings that keep the vocabulary dimension, token slices taken before
+    any regrouping (returned, to re-apply to h) and at most one soft-cap (its constant returned, 0.0 without). None when the
     logits reach it any other way or have another user: then they must exist, and the pair is
     left alone."""
     slices: list[torch.fx.Node] = []
@@ -118,7 +118,9 @@ def walk_back_to_linear(
         if node.op == "call_method" and node.target in _DTYPE_OR_LAYOUT:
             pass
         elif node.op == "call_method" and node.target in _REGROUP:
-            if not _keeps_last_dim(node, vocab):
+            # a token slice taken after a regroup indexes the regrouped tokens: it cannot be
+            # re-applied to h as it is
+            if slices or not _keeps_last_dim(node, vocab):
                 return None, slices, softcap
         elif _token_slice(node):
             slices.append(node)

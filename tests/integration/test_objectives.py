@@ -254,18 +254,19 @@ def test_precomputed_reference_gives_the_same_run(tmp_path, pairs_file, lora):
     assert pre[-1]["eval_loss"] == pytest.approx(live[-1]["eval_loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("softcap", [0.0, 5.0])
-def test_compiled_head_logprobs_are_fused_and_equal_the_op(softcap):
+@pytest.mark.parametrize("loss, softcap", [("fused", 0.0), ("fused", 5.0), ("chunked", 0.0)])
+def test_compiled_head_logprobs_are_fused_and_equal_the_op(tmp_path, loss, softcap):
     """--compile: the policy's log-probabilities are plain code in the loss head, which the
-    fuse_linear_logprobs pass turns into the chunked op (no [tokens, vocab] tensor); values and
-    gradients equal the eager op's."""
+    fuse_linear_logprobs pass turns into the chunked op (--loss chunked: the op itself); no
+    [tokens, vocab] tensor either way; values and gradients equal the eager op's."""
     from compiletune.compile import CompileOptions, compile_regions
+    from compiletune.graph_dump import write_dump
     from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
 
     args = from_name("debug")
     args.n_layers = 1
     model = build_model(args, seed=0)
-    head = LossHead(model.output, head_kind("fused", True), softcap)
+    head = LossHead(model.output, head_kind(loss, True), softcap)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 33, args.dim, generator=g, requires_grad=True)
     targets = torch.randint(0, args.vocab_size, (2, 33), generator=g)
@@ -276,11 +277,13 @@ def test_compiled_head_logprobs_are_fused_and_equal_the_op(softcap):
         return [out.detach(), *torch.autograd.grad(out.sum(), (h, model.output.weight))]
 
     eager = run()
-    regions = compile_regions(model, head, CompileOptions(backend="aot_eager", loss="fused"))
+    opts = CompileOptions(backend="aot_eager", loss=loss, dump=True)
+    regions = compile_regions(model, head, opts)
     got = run()
     for a, b in zip(got, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert (eager[0][targets.flatten() == IGNORE_INDEX] == 0).all()
-    (record,) = regions.backends["head"].records
-    (fuse,) = [p for p in record.passes if p["pass"] == "fuse_linear_logprobs"]
-    assert fuse["matched"] == 1, fuse
+    records = regions.backends["head"].records
+    assert write_dump(records, tmp_path)["head"]["full_logits_exist"] is False
+    fuse = [p for p in records[0].passes if p["pass"] == "fuse_linear_logprobs"]
+    assert [p["matched"] for p in fuse] == ([1] if loss == "fused" else [])

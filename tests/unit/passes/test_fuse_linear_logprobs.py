@@ -149,9 +149,15 @@ def in_float64(h, w, y):
     return logp.gather(-1, y.clamp(min=0).unsqueeze(-1))
 
 
+def slice_after_regroup(h, w, y):  # every other token of the flattened batch
+    logp = F.log_softmax(F.linear(h, w).flatten(0, 1)[::2], -1)
+    return logp.gather(-1, y.clamp(min=0).flatten()[::2, None])
+
+
 @pytest.mark.parametrize(
     "fn, reason",
     [
+        (slice_after_regroup, "through other ops"),
         (entropy_too, "log_softmax output has other users"),
         (logits_too, "other users"),
         (with_bias, "bias"),
