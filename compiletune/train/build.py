@@ -13,6 +13,7 @@ fake-tensor scope (`fake=True`), or on real tensors to check the estimate (`fake
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,7 @@ class Probe:
     scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     observe: Callable[[str, list[nn.Parameter]], None] = lambda phase, params: None
     device: str = "cpu"
+    n_layers: int | None = None  # build this many of the model's (identical) blocks instead
 
 
 @dataclass
@@ -378,14 +380,18 @@ def apply_techniques(
     return regions
 
 
-def shard_model(model: Transformer, cfg: TrainConfig, env: dist_.DistEnv) -> None:
+def shard_model(
+    model: Transformer, cfg: TrainConfig, env: dist_.DistEnv, frozen: bool = False
+) -> None:
     """FSDP2 over the run's mesh, with its sharding, mixed precision and offload (the policy,
-    and the objective's frozen reference or teacher)."""
+    and the objective's `frozen` reference or teacher: no backward ever frees what grad-op
+    keeps gathered after forward, so a frozen model reshards after each block as full does)."""
     p = cfg.parallel
+    sharding = "full" if frozen and p.sharding == "grad-op" else p.sharding
     dist_.apply_fsdp(
         model,
         dist_.build_mesh(env, p.sharding, p.shard_size),
-        sharding=p.sharding,
+        sharding=sharding,
         param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16-mixed" else None,
         cpu_offload=p.cpu_offload,
         grad_hooks=cfg.optim.optimizer_in_backward
@@ -519,6 +525,8 @@ def build_run(
     if dtype == torch.bfloat16 and device.type == "cpu" and probe is None:
         hardware.warn_slow_bf16()
     args = resolve_model_args(cfg)
+    if probe is not None and probe.n_layers is not None:
+        args = dataclasses.replace(args, n_layers=probe.n_layers)
     spec = lora_spec(cfg)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")

@@ -260,7 +260,7 @@ def _frozen(
         model = Transformer(args)
     model.to(dtype).requires_grad_(False).eval()
     if env is not None:
-        shard_model(model, cfg, env)
+        shard_model(model, cfg, env, frozen=True)
     return Frozen(model, full_sd, pending=True)
 
 

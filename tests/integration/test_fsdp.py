@@ -283,6 +283,7 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
         "dpo-precompute": ({**dpo, "precompute_ref": True}, {**dpo, "precompute_ref": True}),
         "kd": (kd, kd),
         "kd-lora": ({**kd, "lora_rank": 4}, {**kd, "lora_rank": 4}),
+        "kd-grad-op": ({**kd, "sharding": "grad-op"}, kd),
     }
 
 
