@@ -441,8 +441,6 @@ def estimate_memory(
 
 
 def _interpolate(lo: MemoryEstimate, hi: MemoryEstimate, f: float) -> MemoryEstimate:
-    """lo + f (hi - lo), field by field (f > 1 extrapolates)."""
-
     def mix(a: int, b: int) -> int:
         return round(a + f * (b - a))
 
@@ -451,60 +449,17 @@ def _interpolate(lo: MemoryEstimate, hi: MemoryEstimate, f: float) -> MemoryEsti
     out.parts = {k: mix(lo.parts[k], hi.parts[k]) for k in CATEGORIES}
     out.host_bytes = mix(lo.host_bytes, hi.host_bytes)
     out.host_parts = {k: mix(lo.host_parts[k], hi.host_parts[k]) for k in CATEGORIES}
-    out.phase_peaks = {k: mix(lo.phase_peaks.get(k, 0), v) for k, v in hi.phase_peaks.items()}
     return out
 
 
-# A deep model of identical blocks is estimated at these depths and extrapolated: every part of
-# the step's memory grows by the same amount per block (its weights, gradients, optimizer state
-# and saved activations; what is gathered or temporary at once does not grow), so the peak of
-# each phase is linear in depth. The middle depth checks it; if it is off the line, or the
-# peak's phase changes, the model is estimated whole.
-DEPTHS = (2, 3, 4)
-_LINEAR_SLACK = 2**20  # bytes: the middle depth may sit this far off the line (rounding)
-
-
 def _estimate(cfg: TrainConfig, gpus: int, round_bytes: int) -> MemoryEstimate:
-    args = resolve_model_args(cfg)
-    policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
-    n = args.n_layers
-    uniform = args.layer_types is None and not args.dense_layers
-    uniform = uniform and len({policy.applies_to(i) for i in range(n)}) == 1
-    if not uniform or n <= 2 * DEPTHS[-1]:
-        return _estimate_at(cfg, gpus, round_bytes)
-    runs = [_estimate_at(cfg, gpus, round_bytes, depth) for depth in DEPTHS]
-    lo, mid, hi = runs
-    f_mid = (DEPTHS[1] - DEPTHS[0]) / (DEPTHS[2] - DEPTHS[0])
-    line = _interpolate(lo, hi, f_mid)
-    same_phase = lo.peak_phase == mid.peak_phase == hi.peak_phase
-    values = [
-        (line.peak_bytes, mid.peak_bytes),
-        (line.host_bytes, mid.host_bytes),
-        *((line.parts[k], mid.parts[k]) for k in CATEGORIES),
-        *((line.host_parts[k], mid.host_parts[k]) for k in CATEGORIES),
-    ]
-    if not same_phase or any(abs(a - b) > _LINEAR_SLACK for a, b in values):
-        return _estimate_at(cfg, gpus, round_bytes)
-    est = _interpolate(lo, hi, (n - DEPTHS[0]) / (DEPTHS[2] - DEPTHS[0]))
-    est.setup = {**hi.setup, "params": num_params(args)}
-    est.notes = [
-        f"{n} identical blocks: estimated at {', '.join(map(str, DEPTHS))} blocks and "
-        "extrapolated (the step's memory is linear in depth; checked at the middle depth)",
-        *hi.notes,
-    ]
-    return est
-
-
-def _estimate_at(
-    cfg: TrainConfig, gpus: int, round_bytes: int, n_layers: int | None = None
-) -> MemoryEstimate:
     fsdp = cfg.parallel.fsdp or gpus > 1
     host = {_SHARDED, _GRAD, _OPT} if cfg.parallel.cpu_offload else set()
     host.add(_ACT_HOST)
     tracker = _Tracker(host, round_bytes)
     group = mi.fake_process_group(gpus) if fsdp else contextlib.nullcontext()
     with group:
-        run = run_step(cfg, gpus if fsdp else None, tracker, n_layers=n_layers)
+        run = run_step(cfg, gpus if fsdp else None, tracker)
     device_keep = set(_REPORTED) - host
     parts = _reported(tracker.peak_totals, device_keep)
     return MemoryEstimate(
@@ -546,11 +501,7 @@ _PHASES = {
 
 
 def run_step(
-    cfg: TrainConfig,
-    world: int | None,
-    tracker: _Tracker | None,
-    device: str = "cpu",
-    n_layers: int | None = None,
+    cfg: TrainConfig, world: int | None, tracker: _Tracker | None, device: str = "cpu"
 ) -> Run:
     """The trainer's own build (`build_run`) and step (`train_step`) as rank 0 of `world` FSDP
     ranks (a process group must exist; None: one process), with random weights and tokens: on
@@ -590,7 +541,7 @@ def run_step(
                     lambda p: p.grad is not None and tracker.retag(_local(p.grad), _GRAD)
                 )
 
-    run = build_run(cfg, env, fake=fake, probe=Probe(scope, observe, device, n_layers))
+    run = build_run(cfg, env, fake=fake, probe=Probe(scope, observe, device))
     rows = cfg.data.batch_size * run.world
     # global batches, as the trainer draws them; each rank trains its slice
     micro = [

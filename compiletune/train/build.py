@@ -13,7 +13,6 @@ fake-tensor scope (`fake=True`), or on real tensors to check the estimate (`fake
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +70,6 @@ class Probe:
     scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     observe: Callable[[str, list[nn.Parameter]], None] = lambda phase, params: None
     device: str = "cpu"
-    n_layers: int | None = None  # build this many of the model's (identical) blocks instead
 
 
 @dataclass
@@ -525,8 +523,6 @@ def build_run(
     if dtype == torch.bfloat16 and device.type == "cpu" and probe is None:
         hardware.warn_slow_bf16()
     args = resolve_model_args(cfg)
-    if probe is not None and probe.n_layers is not None:
-        args = dataclasses.replace(args, n_layers=probe.n_layers)
     spec = lora_spec(cfg)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")

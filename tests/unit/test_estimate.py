@@ -310,33 +310,3 @@ def test_a_gpu_runs_estimate_of_document_masked_rows_runs_on_the_cpu(
     monkeypatch.setattr(build, "pick_device", lambda: torch.device("cuda"))
     est = estimate.estimate_memory(_cfg(objective="simpo", lora_rank=4))
     assert est.peak_bytes > 0
-
-
-@pytest.mark.parametrize(
-    ("flags", "gpus"),
-    [
-        ({"loss": "fused", "ac": "selective"}, 1),
-        ({"lora_rank": 8, "quantize_base": "nf4", "grad_accum": 2}, 1),
-        ({"fsdp": True, "cpu_offload": True, "optimizer": "adamw8bit"}, 2),
-        ({"ac": "full", "objective": "dpo"}, 1),
-    ],
-    ids=["selective", "qlora-accum", "fsdp-offload-8bit", "dpo-ac-full"],
-)
-def test_deep_models_are_estimated_from_three_depths_exactly(flags: dict, gpus: int) -> None:
-    """12 identical blocks: the estimate at 2, 3 and 4 blocks, extrapolated, equals the whole
-    model's estimate to the byte, part by part."""
-    cfg = _cfg(**{**flags, "n_layers": 12})
-    fast = estimate._estimate(cfg, gpus, estimate.GPU_ROUND_BYTES)
-    whole = estimate._estimate_at(cfg, gpus, estimate.GPU_ROUND_BYTES)
-    assert "12 identical blocks" in fast.notes[0]
-    assert fast.peak_bytes == whole.peak_bytes and fast.parts == whole.parts
-    assert fast.host_bytes == whole.host_bytes and fast.peak_phase == whole.peak_phase
-    assert fast.setup["params"] == whole.setup["params"]
-
-
-def test_models_with_block_patterns_are_estimated_whole() -> None:
-    """Layer kinds (Gemma 3), MoE dense layers, or a policy on every other block: no
-    extrapolation."""
-    for flags in ({"model": "debug_gemma3"}, {"model": "debug_moe"}, {"ac": "full", "ac_every": 2}):
-        est = estimate._estimate(_cfg(**{**flags, "n_layers": 12}), 1, estimate.GPU_ROUND_BYTES)
-        assert not any("identical blocks" in n for n in est.notes), flags
