@@ -191,8 +191,9 @@ class Trainer:
         seen: dict[str, float | None] = {}
 
         def accept(loss_sum: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
-            # The step's one host sync and, under FSDP, its one collective: the global loss,
-            # and a stop request seen by any rank (so every rank leaves after the same step).
+            # The step's one host sync and, under FSDP, its one collective (an --objective's
+            # metrics add one of each, after the step): the global loss, and a stop request
+            # seen by any rank (so every rank leaves after the same step).
             # The gradient norm is already global; so every rank takes the same decision.
             total = loss_sum.item()
             if self.env is not None:
