@@ -45,6 +45,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fused, in-backward": {"loss": "fused", "optimizer_in_backward": True},
     "fused, LoRA r16": {"loss": "fused", "lora_rank": 16},
     "fused, QLoRA r16": {"loss": "fused", "lora_rank": 16, "quantize_base": "nf4"},
+    # --objective: random pair rows; the frozen reference counted (none with LoRA)
+    "fused, DPO": {"loss": "fused", "objective": "dpo"},
+    "fused, DPO, LoRA r16": {"loss": "fused", "objective": "dpo", "lora_rank": 16},
     "fused, FSDP 2 ranks": {"loss": "fused", "fsdp": True, "_world": 2},
     "plain, ac full, FSDP 2 ranks": {"loss": "plain", "ac": "full", "fsdp": True, "_world": 2},
 }
