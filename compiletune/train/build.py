@@ -392,8 +392,7 @@ def shard_model(
         sharding=sharding,
         param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16-mixed" else None,
         cpu_offload=p.cpu_offload,
-        grad_hooks=cfg.optim.optimizer_in_backward
-        and any(x.requires_grad for x in model.parameters()),
+        grad_hooks=cfg.optim.optimizer_in_backward and not frozen,
     )
 
 
@@ -557,7 +556,9 @@ def build_run(
     if cfg.objective.objective != "sft":
         from compiletune.train.objective import build_frozen
 
-        frozen = build_frozen(cfg, env, args, spec, lora_kw, device, probe is not None)
+        # one process's policy as it starts: the reference is a copy (not read again)
+        start = model if resume_from is None and probe is None and env is None else None
+        frozen = build_frozen(cfg, env, args, spec, lora_kw, device, probe is not None, start)
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None
     head = LossHead(
@@ -577,7 +578,7 @@ def build_run(
         for f in frozen:
             if f is not None and f.pending:
                 fill = ("none" if fake else "seed") if probe is not None else "rank0"
-                materialise(f.model, cfg, device, fill, f.full_sd)
+                materialise(f.model, cfg, device, fill, f.full_sd and f.full_sd())
                 f.full_sd, f.pending = None, False
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params.extend(p for _, p in named)

@@ -14,7 +14,8 @@ under FSDP.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import copy
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,10 +207,12 @@ class Frozen:
     """A model that runs without gradients beside the policy: the DPO/IPO reference or the KD
     teacher. One process: loaded with its weights. FSDP, or the memory estimate: on the meta
     device (sharded like the policy under FSDP) until `materialise` gives it storage, with rank
-    0 holding `full_sd` to fill the shards from."""
+    0 reading the full state dict to fill the shards from."""
 
     model: Any
-    full_sd: dict[str, Tensor] | None = None
+    # FSDP rank 0: reads the full state dict when the shards are filled, after the policy's
+    # own is freed (rank 0's host holds one model at a time)
+    full_sd: Callable[[], dict[str, Tensor]] | None = None
     pending: bool = False  # still on the meta device
 
 
@@ -221,11 +224,14 @@ def build_frozen(
     lora_kw: dict[str, Any],
     device: torch.device,
     probe: bool,
+    start: Any = None,
 ) -> tuple[Frozen | None, Frozen | None]:
     """(reference, teacher) of the run, each None where the objective has none: the reference
     is a frozen copy of the starting weights for DPO/IPO without LoRA (with LoRA the policy
     with its adapters off serves; the estimate counts none with --precompute-ref, which drops
-    it before the first step), the teacher is --teacher-dir's model."""
+    it before the first step), the teacher is --teacher-dir's model. `start`: one process's
+    policy as it starts (None when resuming), copied for the reference rather than read
+    again."""
     from compiletune.models import from_hf
     from compiletune.train.build import build_model_weights
 
@@ -235,6 +241,8 @@ def build_frozen(
     if o.objective in ("dpo", "ipo") and spec is None and not (probe and o.precompute_ref):
         # the starting weights, also when resuming (the checkpoint is the policy, not them)
         def load_reference(where: Any) -> Any:
+            if isinstance(start, torch.nn.Module):
+                return copy.deepcopy(start)
             return build_model_weights(cfg, args, None, lora_kw, where, None)
 
         reference = _frozen(load_reference, args, dtype, cfg, env, device, probe)
@@ -248,20 +256,29 @@ def build_frozen(
 
 
 def _frozen(
-    load: Any, args: Any, dtype: torch.dtype, cfg: Any, env: Any, device: torch.device, probe: bool
+    load: Any,
+    args: Any,
+    dtype: torch.dtype,
+    cfg: Any,
+    env: Any,
+    device: torch.device,
+    probe: bool,
 ) -> Frozen:
     from compiletune.models import Transformer
     from compiletune.train.build import shard_model
 
     if not probe and env is None:
         return Frozen(load(device).requires_grad_(False).eval())
-    full_sd = load("cpu").state_dict() if not probe and env.is_main else None
+
+    def read() -> dict[str, Tensor]:
+        return load("cpu").state_dict()
+
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype).requires_grad_(False).eval()
     if env is not None:
         shard_model(model, cfg, env, frozen=True)
-    return Frozen(model, full_sd, pending=True)
+    return Frozen(model, read if not probe and env.is_main else None, pending=True)
 
 
 def reshard_frozen(model: Any) -> None:

@@ -37,12 +37,10 @@ def next_batch(run: Run) -> StepBatch:
     """The next step's micro-batches from the run's data. Every rank draws the same global
     batches, so the target count needs no communication. For preference pairs the "targets"
     the loss averages over are the pairs."""
-    from compiletune.train.objective import count_pairs
-
     micro = [run.batches.next() for _ in range(run.cfg.data.grad_accum)]
     if "pairs" in micro[0]:
         pairs = [mb["pairs"].tolist() for mb in micro]
-        return StepBatch(micro, sum(count_pairs(mb) for mb in micro), pairs)
+        return StepBatch(micro, sum(map(sum, pairs)), pairs)
     return StepBatch(micro, sum(count_targets(mb) for mb in micro))
 
 
