@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from compiletune.loss import IGNORE_INDEX
+from compiletune.loss import IGNORE_INDEX, LossHead
 from compiletune.models.lora import adapters_disabled
 from compiletune.objectives import (
     PreferenceOptions,
@@ -31,7 +31,7 @@ from compiletune.objectives import (
     preference_loss,
     sequence_sums,
 )
-from compiletune.ops.fused_logprobs import token_divergence, token_logprobs
+from compiletune.ops.fused_logprobs import token_divergence
 from compiletune.pairs import PairRows, batch_sequence_ids, row_values
 
 PREFERENCE = ("dpo", "ipo", "simpo")
@@ -49,13 +49,10 @@ def _options(cfg: Any) -> PreferenceOptions:
 
 
 def _logprobs(model: torch.nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
-    """Per-token log-probabilities [b * s] of the targets under the model's head."""
-    return token_logprobs(
-        hidden.flatten(0, 1),
-        model.output.weight,
-        targets.flatten(),
-        softcap=model.args.final_softcap or 0.0,
-    )
+    """Per-token log-probabilities [b * s] of the targets under a model's head (the chunked op,
+    as the policy's loss head gives them eagerly)."""
+    head = LossHead(model.output, "chunked", model.args.final_softcap)
+    return head(hidden, targets, logprobs=True)
 
 
 @contextlib.contextmanager
