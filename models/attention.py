@@ -38,6 +38,7 @@ import functools
 import importlib.util
 import math
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -283,20 +284,22 @@ BACKEND_ENV = "COMPILETUNE_ATTENTION"
 _HAS_FLEX = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
-def attention_backend(device: torch.device, checkpointed: bool = False) -> str:
+def attention_backend(device: torch.device, eager_selective: bool = False) -> str:
     """How masked attention (documents, windows, soft-caps) runs on `device`: "flex" (one
     FlexAttention kernel per layer, the mask a block mask built from the tensors, no host sync)
-    on CUDA, "segments" (the exact op above) elsewhere, and also where the block's activations
-    are checkpointed or offloaded (`checkpointed`): PyTorch's selective checkpointing does not
-    handle FlexAttention (pytorch#147879; on an H200 a compiled `--ac selective` run with it
-    failed a device-side assert). COMPILETUNE_ATTENTION=flex|segments overrides (tests run the
-    flex path on CPU)."""
+    on CUDA under every activation policy and offload, "segments" (the exact op above)
+    elsewhere. One exception: a block under eager selective checkpointing
+    (`eager_selective`: `--ac selective` without `--compile`), where PyTorch's dispatch-mode
+    checkpointing cannot run a compiled FlexAttention (pytorch#147879, #159970) and would fall
+    back to its dense [s, s] form. Compiled, the activation policy is a graph pass
+    (passes/activation_policy.py) that saves FlexAttention's output and log-sum-exp.
+    COMPILETUNE_ATTENTION=flex|segments overrides (tests run the flex path on CPU)."""
     forced = os.environ.get(BACKEND_ENV, "")
     if forced in ("flex", "segments"):
         return forced
     if forced:
         raise ValueError(f"{BACKEND_ENV}={forced!r}: expected flex or segments")
-    flex = device.type == "cuda" and _HAS_FLEX and not checkpointed
+    flex = device.type == "cuda" and _HAS_FLEX and not eager_selective
     return "flex" if flex else "segments"
 
 
@@ -313,26 +316,37 @@ def _flex_api():
     return torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask)
 
 
-def flex_causal_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    doc_ids: Tensor | None = None,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> Tensor:
-    """`causal_attention` as one FlexAttention call: causal, document and window terms in the
-    block mask (whole blocks outside it are skipped), the soft-cap as a score modifier."""
-    if torch.compiler.is_compiling():  # traced into the region's graph, compiled with it
-        from torch.nn.attention.flex_attention import create_block_mask
-        from torch.nn.attention.flex_attention import flex_attention as run
-    else:
-        api = _flex_api()
-        if api is None:
-            raise RuntimeError("this torch has no torch.nn.attention.flex_attention")
-        run, create_block_mask = api
-    b, _, s, _ = q.shape
+def _outside_regions():
+    """Outside a compiled region, the compiled wrappers of `_flex_api` run even under
+    set_stance("force_eager") (the stance of a DPO reference or KD teacher pass): eager
+    FlexAttention materialises the whole [b, h, s, s] score matrix."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("default")
+
+
+def _flex_functions():
+    """(flex_attention, create_block_mask): traced as they are inside a compiled region (they
+    compile with it), the compiled wrappers outside."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        return flex_attention, create_block_mask
+    api = _flex_api()
+    if api is None:
+        raise RuntimeError("this torch has no torch.nn.attention.flex_attention")
+    return api
+
+
+def flex_block_mask(doc_ids: Tensor | None, window: int, b: int, s: int, device: torch.device):
+    """The FlexAttention `BlockMask` of a [b, s] batch: causal, within documents when `doc_ids`
+    [b, s], within `window` tokens when > 0. Whole [128, 128] blocks outside it are skipped;
+    partial ones evaluate the mask per element (reading doc_ids), so no [s, s] tensor exists.
+
+    The model builds one per window size per forward (`Transformer.hidden_states`) and every
+    layer of that kind shares it: the mask is computed once, outside the compiled blocks, so a
+    block's graph holds only the attention kernel, and a checkpointed block has no mask to
+    recompute."""
 
     def mask_mod(bi, _hi, qi, kj):
         ok = kj <= qi
@@ -342,18 +356,40 @@ def flex_causal_attention(
             ok = ok & (doc_ids[bi, qi] == doc_ids[bi, kj])
         return ok
 
+    _, create_block_mask = _flex_functions()
+    with _outside_regions():
+        return create_block_mask(
+            mask_mod, b if doc_ids is not None else None, None, s, s, device=device
+        )
+
+
+def is_block_mask(mask: object) -> bool:
+    """Whether `mask` is a FlexAttention BlockMask (rather than doc_ids or None)."""
+    return type(mask).__name__ == "BlockMask"
+
+
+def flex_causal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    doc_ids: Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    block_mask: Any = None,
+) -> Tensor:
+    """`causal_attention` as one FlexAttention call: causal, document and window terms in the
+    block mask (`block_mask`, or built here from doc_ids and window), the soft-cap as a score
+    modifier."""
+    run, _ = _flex_functions()
+    b, _, s, _ = q.shape
+    if block_mask is None:
+        block_mask = flex_block_mask(doc_ids, window, b, s, q.device)
+
     def cap(score, _bi, _hi, _qi, _kj):
         return softcap * torch.tanh(score / softcap)
 
-    # Outside a region, the compiled wrappers run even under set_stance("force_eager") (the
-    # stance of a DPO reference or KD teacher pass): eager FlexAttention materialises the
-    # whole [b, h, s, s] score matrix.
-    compiling = torch.compiler.is_compiling()
-    stance = contextlib.nullcontext() if compiling else torch.compiler.set_stance("default")
-    with stance:
-        block_mask = create_block_mask(
-            mask_mod, b if doc_ids is not None else None, None, s, s, device=q.device
-        )
+    with _outside_regions():
         return run(
             q, k, v, score_mod=cap if softcap > 0 else None, block_mask=block_mask, scale=scale
         )
@@ -374,8 +410,12 @@ def causal_attention(
 
     With none of them this is plain causal SDPA, the same call as before any of them existed,
     so unmasked runs keep their numerics. Otherwise `backend` ("flex" or "segments"; default:
-    `attention_backend` of q's device) picks FlexAttention or the segment op.
+    `attention_backend` of q's device) picks FlexAttention or the segment op. `doc_ids` may
+    also be a prepared FlexAttention block mask (`flex_block_mask`, holding the documents and
+    the window), which FlexAttention then uses as it is.
     """
+    if is_block_mask(doc_ids):
+        return flex_causal_attention(q, k, v, scale, softcap=softcap, block_mask=doc_ids)
     if doc_ids is None and window <= 0 and softcap <= 0:
         return _sdpa(q, k, v, scale)
     if (backend or attention_backend(q.device)) == "flex":

@@ -20,12 +20,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import causal_attention, visible
+from .attention import attention_backend, causal_attention, flex_block_mask, visible
 from .moe import Experts, MoE
 
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")
@@ -339,10 +340,25 @@ class Attention(nn.Module):
         n_rep = self.n_heads // k
         return t[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, self.n_heads, s, hd)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def mask(
+        self, doc_ids: Tensor | None, shape: tuple[int, int], device: torch.device, shared: dict
+    ) -> Any:
+        """What `forward` takes as its mask for a batch of `shape` (b, s): doc_ids as they are,
+        or, where this layer runs FlexAttention with a mask, the block mask of its window,
+        built once and kept in `shared` for the other layers of the same window."""
+        if doc_ids is None and self.window <= 0 and self.softcap <= 0:
+            return None
+        if (self.backend or attention_backend(device)) != "flex":
+            return doc_ids
+        if self.window not in shared:
+            shared[self.window] = flex_block_mask(doc_ids, self.window, *shape, device)
+        return shared[self.window]
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Any = None) -> Tensor:
         """x [b, s, d], cos/sin [b, s, rd], doc_ids [b, s] or None -> [b, s, d].
 
-        With `doc_ids`, a token attends only to earlier tokens of its own document.
+        With `doc_ids`, a token attends only to earlier tokens of its own document. `doc_ids`
+        may instead be the FlexAttention block mask from `mask`.
         """
         b, s, _ = x.shape
         q, kk, v = self._qkv(x, cos, sin)
@@ -465,10 +481,11 @@ class TransformerBlock(nn.Module):
         return h + f, stats
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None
+        self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Any = None
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """x [b, s, d], cos/sin [b, s, rd], doc_ids [b, s] or None -> [b, s, d]; a MoE block
-        returns (that, its router statistics [2E + 2]) (see moe.py)."""
+        """x [b, s, d], cos/sin [b, s, rd], doc_ids [b, s] (or the block mask from
+        `Attention.mask`) or None -> [b, s, d]; a MoE block returns (that, its router
+        statistics [2E + 2]) (see moe.py)."""
         h, stats = self._residuals(x, lambda n: self.attention(n, cos, sin, doc_ids))
         return h if stats is None else (h, stats)
 
@@ -581,8 +598,10 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # [1, s]
         ropes = self.ropes(positions, h.dtype)
+        shared_masks: dict = {}  # FlexAttention block masks, one per window size
         for layer in self.layers:
-            out = layer(h, *ropes[layer.kind], doc_ids)
+            mask = layer.attention.mask(doc_ids, tokens.shape, tokens.device, shared_masks)
+            out = layer(h, *ropes[layer.kind], mask)
             if isinstance(out, tuple):
                 h, stats = out
                 if router_stats is not None:

@@ -7,8 +7,9 @@ Matches every forward node of an AOTAutograd joint graph (a call that does not d
     full       every forward node MUST_RECOMPUTE: the block keeps only its inputs (the hidden
                state entering the block, rope tables, parameters) and reruns its forward inside
                the backward. Least memory, about one extra forward of compute.
-    selective  outputs of matmuls and of attention MUST_SAVE; everything else (RMSNorm, rotary,
-               SiLU, the SwiGLU product, residual adds, views) PREFER_RECOMPUTE.
+    selective  outputs of matmuls and of attention (SDPA, the segment op, FlexAttention: its
+               output and log-sum-exp) MUST_SAVE; everything else (RMSNorm, rotary, SiLU, the
+               SwiGLU product, residual adds, views) PREFER_RECOMPUTE.
 
 Why this op list: matmuls and attention hold nearly all of a block's FLOPs (attention also grows
 with s^2), so recomputing them costs a forward; the other ops are memory-bound elementwise or
@@ -64,6 +65,12 @@ SAVE_OPS = frozenset(op for op in map(_resolve, _SAVE_NAMES) if op is not None) 
     # MoE experts' grouped matmul (the exact fallback; a custom op)
     grouped_mm_op,
 }
+# FlexAttention (the CUDA kernel for masked attention) is a higher-order op in the joint graph;
+# saving its outputs (out and the log-sum-exp its backward reads) keeps the backward from
+# rerunning the attention forward.
+_FLEX = getattr(torch.ops.higher_order, "flex_attention", None)
+if _FLEX is not None:
+    SAVE_OPS = SAVE_OPS | {_FLEX}
 
 
 def forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -359,8 +359,8 @@ def apply_techniques(
     policy = parse_ac(t.ac, t.ac_every)
     device = device or model_device(env)
     for i, block in enumerate(model.layers):
-        kept = policy.applies_to(i) or offloads_activations(cfg, device)
-        block.attention.backend = attention_backend(device, checkpointed=kept)
+        eager_selective = not compile and policy.kind == "selective" and policy.applies_to(i)
+        block.attention.backend = attention_backend(device, eager_selective=eager_selective)
     regions = None
     if compile:
         opts = CompileOptions(

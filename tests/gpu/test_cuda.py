@@ -78,6 +78,44 @@ def test_flex_is_the_cuda_default():
     assert attn.attention_backend(torch.device("cuda")) == (
         "flex" if attn._HAS_FLEX else "segments"
     )
+    # eager dispatch-mode selective checkpointing cannot run a compiled FlexAttention
+    assert attn.attention_backend(torch.device("cuda"), eager_selective=True) == "segments"
+
+
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_flex_under_checkpointing_with_grads(monkeypatch, ac):
+    """A compiled block under each policy runs FlexAttention (bf16, documents masked) and its
+    loss and gradients follow the segment op's eager block (Inductor's Triton kernels)."""
+    from compiletune.activation import parse_ac
+    from compiletune.compile import CompileOptions, compile_regions
+    from compiletune.loss import LossHead
+    from compiletune.models import build_model, from_name
+
+    args = from_name("debug")
+    args.n_layers = 2
+    torch.manual_seed(0)
+    base = build_model(args, seed=0).cuda()
+    other = build_model(args, seed=0).cuda()
+    hb, ho = LossHead(base.output), LossHead(other.output)
+    opts = CompileOptions(loss="plain", ac=parse_ac(ac), dump=True)
+    regions = compile_regions(other, ho, opts)
+    tokens = torch.randint(0, args.vocab_size, (2, 512), device="cuda")
+    targets = torch.randint(0, args.vocab_size, (2, 512), device="cuda")
+    doc_ids = doc_ids_for([[100, 412], [300, 12, 200]]).cuda()
+    positions = torch.cat([torch.arange(n) for n in (100, 412, 300, 12, 200)]).view(2, 512).cuda()
+
+    def run(model, head, backend):
+        monkeypatch.setenv(attn.BACKEND_ENV, backend)
+        loss = head(model.hidden_states(tokens, positions, doc_ids), targets)
+        loss.backward()
+        return [loss.detach(), *(p.grad for p in model.parameters())]
+
+    got, want = run(other, ho, "flex"), run(base, hb, "segments")
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=2e-3, atol=2e-4)
+    counts = {s.name: s.counts for s in regions.backends["block"].records[0].stages}
+    assert counts["forward"]["torch.ops.higher_order.flex_attention"] == 1
+    assert counts["backward"]["torch.ops.higher_order.flex_attention"] == (ac == "full")
 
 
 def test_flex_has_no_host_sync(monkeypatch):
@@ -117,7 +155,9 @@ def _run(tmp_path, data, name, **kw):
     [
         {},
         {"ac": "selective"},
+        {"ac": "full"},
         {"offload_activations": True},
+        {"ac": "selective", "offload_activations": True},
         {"optimizer": "adamw8bit"},
         {"optimizer": "adamw8bit", "optimizer_in_backward": True},
         {"lora_rank": 8},

@@ -255,3 +255,59 @@ def test_offload_ops_pass_opcheck_and_keep_strides():
     )
     back = torch.ops.compiletune.reload_from_host(host, torch.device("cpu"))
     assert back.stride() == x.stride() and torch.equal(back, x)
+
+
+def _doc_ids(seed: int) -> torch.Tensor:
+    """[2, 24] packed rows: documents of random lengths, numbered 0, 1, 2 ... per row."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.rand(2, 24, generator=g) < 0.2
+    starts[:, 0] = True
+    return (torch.cumsum(starts.int(), dim=1) - 1).to(torch.int32)
+
+
+@pytest.mark.parametrize("ac", ["selective", "full", "offload"])
+def test_flex_attention_under_compiled_policies(monkeypatch, ac):
+    """The CUDA attention kernel (FlexAttention, one block mask per forward built outside the
+    blocks) under each compiled policy and offload: loss and gradients equal the eager segment
+    op's; selective saves FlexAttention's output (its backward graph runs no attention forward)
+    and full recomputes it. Run on CPU through aot_eager, where FlexAttention's dense reference
+    has a backward (its Python API refuses CPU gradients, so that check is lifted here); the
+    GPU check runs the Triton kernels (tests/gpu/test_cuda.py)."""
+    import torch.nn.attention.flex_attention as flex
+
+    from compiletune.models import attention as attn
+
+    monkeypatch.setattr(flex, "_validate_device", lambda *a, **k: None)
+    base = tiny_model(seed=6)
+    other = copy.deepcopy(base)
+    hb, ho = LossHead(base.output), LossHead(other.output)
+    policy = parse_ac("none" if ac == "offload" else ac)
+    opts = CompileOptions(backend="aot_eager", loss="plain", ac=policy, dump=True)
+    opts.offload = ac == "offload"
+    monkeypatch.setenv(attn.BACKEND_ENV, "flex")
+    regions = compile_regions(other, ho, opts)
+
+    def run(model, head, seed):
+        tokens, targets = batch(seed)
+        positions = torch.arange(24).expand(2, 24)
+        model.zero_grad(set_to_none=True)
+        loss = head(model.hidden_states(tokens, positions, _doc_ids(seed)), targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    for seed in (1, 2):  # new document boundaries: new block masks, the same graph
+        lo, go = run(other, ho, seed)
+        monkeypatch.setenv(attn.BACKEND_ENV, "segments")
+        lb, gb = run(base, hb, seed)
+        monkeypatch.setenv(attn.BACKEND_ENV, "flex")
+        torch.testing.assert_close(lo, lb, rtol=1e-5, atol=1e-6)
+        for name in gb:
+            torch.testing.assert_close(go[name], gb[name], rtol=1e-4, atol=1e-6, msg=name)
+    (record,) = regions.backends["block"].records  # one compile for both batches
+    stages = {s.name: s.counts for s in record.stages}
+    assert stages["forward"]["torch.ops.higher_order.flex_attention"] == 1
+    assert stages["backward"]["torch.ops.higher_order.flex_attention_backward"] == 1
+    recomputed = stages["backward"]["torch.ops.higher_order.flex_attention"]
+    assert recomputed == (1 if ac == "full" else 0), stages["backward"]
+    # the mask is built outside the block: its graph holds no mask-building work
+    assert not any("sort" in op or "cumsum" in op for op in stages["dynamo"]), stages["dynamo"]
