@@ -48,12 +48,13 @@ from common import (  # noqa: E402
     write_result,
 )
 
+from compiletune import recipes  # noqa: E402
 from compiletune.hardware import cpu_default_dtype  # noqa: E402
 from compiletune.models import from_name, num_params  # noqa: E402
 
 _SAC = ["--compile", "--ac", "selective"]
 _OIB = [*_SAC, "--optimizer-in-backward", "--max-grad-norm", "0"]  # in-backward cannot clip
-_OFF = [*_OIB, "--offload-activations"]
+_8BIT = [*_OIB, "--optimizer", "adamw8bit"]
 
 # (name, the full `compiletune train` flags of the rung); each adds one technique to the last.
 RUNGS: list[tuple[str, list[str]]] = [
@@ -62,17 +63,46 @@ RUNGS: list[tuple[str, list[str]]] = [
     ("+ fused loss", ["--compile"]),  # --loss fused is the default
     ("+ selective AC", _SAC),
     ("+ optimizer in backward", _OIB),
-    ("+ offload activations", _OFF),
-    ("+ 8-bit AdamW", [*_OFF, "--optimizer", "adamw8bit"]),
+    ("+ 8-bit AdamW", _8BIT),
+    ("+ offload activations", [*_8BIT, "--offload-activations"]),
 ]
-# LoRA rows after the ladder: the stack up to offload, with the base frozen (only rank-16
-# adapters train, so 8-bit moments would save nothing). They change what is trained, so they
-# are not rungs: `full_stack` (what bench/peers.py compares with transformers) ignores them.
-_LORA = [*_OFF, "--lora-rank", "16"]
+# Rows beside the ladder: full AC instead of selective (it recomputes the whole forward), and
+# LoRA / QLoRA on the fused head with selective AC, the base frozen (only rank-16 adapters
+# train, so 8-bit moments would save nothing). They change a rung rather than add to the last,
+# so they are not rungs: `full_stack` (what bench/peers.py compares with transformers) ignores
+# them.
+_LORA = [*_SAC, "--lora-rank", "16"]
 LORA_ROWS: list[tuple[str, list[str]]] = [
+    ("full AC", ["--compile", "--ac", "full"]),
     ("LoRA r16", _LORA),
     ("QLoRA r16 (nf4)", [*_LORA, "--quantize-base", "nf4", "--base-dtype", "bf16"]),
 ]
+# `--models llama3_1_8b --rows 8b`: an 8B model on one GPU (seq 2048 x batch 2), each row with
+# the trainer's pre-flight estimate beside its measured peak.
+_8B_FULL = [*_8BIT]
+EIGHT_B_ROWS: list[tuple[str, list[str]]] = [
+    ("8B full: fused + selective AC + 8-bit AdamW in backward", _8B_FULL),
+    ("8B LoRA r16", _LORA),
+    ("8B QLoRA r16 (nf4)", [*_LORA, "--quantize-base", "nf4", "--base-dtype", "bf16"]),
+    ("8B recipe llama3_1_8b_full_24gb", ["--recipe", "llama3_1_8b_full_24gb"]),
+]
+# A recipe's own keys that a bench run replaces: its data, weights and run length.
+_RECIPE_IO = {"model_dir", "data", "output_dir", "epochs", "save_every", "max_steps"}
+
+
+def recipe_flags(name: str) -> list[str]:
+    """A shipped recipe's settings as `compiletune train` flags, less its placeholders (the
+    model is random-initialised, the data the embedded corpus) and its run length."""
+    flags = []
+    for key, value in recipes.get(name).values.items():
+        if key in _RECIPE_IO:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 def missing_flags(flags: list[str], known: set[str]) -> list[str]:
@@ -87,10 +117,17 @@ def full_stack(known: set[str]) -> tuple[str, list[str]]:
 def run_rung(
     model: str, flags: list[str], a: argparse.Namespace, cache: str, work: Path
 ) -> dict[str, Any]:
-    args = ["--model", model, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size)]
-    args += ["--max-steps", str(a.steps), "--dtype", a.dtype, *flags]
-    if a.n_layers:
-        args += ["--n-layers", str(a.n_layers)]
+    if flags[:1] == ["--recipe"]:  # a shipped recipe, as written (its own shapes and model)
+        args = [*recipe_flags(flags[1]), "--max-steps", str(a.steps)]
+    else:
+        args = ["--model", model, "--seq-len", str(a.seq_len)]
+        args += ["--batch-size", str(a.batch_size), "--max-steps", str(a.steps)]
+        args += ["--dtype", a.dtype, *flags]
+        if a.n_layers:
+            args += ["--n-layers", str(a.n_layers)]
+    # No checkpoint (an 8B one with its optimizer state is ~100 GB); the pre-flight estimate
+    # only where the row reports it.
+    args += ["--no-save"] + ([] if a.estimate else ["--no-preflight"])
     s = run_train(args, cache, work, allow_failure=True, remove_output=True, doc_mask=True)
     if "error" in s:
         return s
@@ -99,29 +136,50 @@ def run_rung(
     row["first_step_peak_mem_gib"] = s["first_step_peak_mem_gib"]
     row["final_loss"] = s["final_loss"]
     row["compile_seconds"] = s["compile"]["compile_seconds"] if s["compile"] else 0.0
+    if s.get("estimate_peak_gib") is not None:
+        row["estimate_peak_gib"] = s["estimate_peak_gib"]
+        row["estimate_error"] = s["estimate_peak_gib"] / row["peak_mem_gib"] - 1
     return row
+
+
+def _model_entry(model: str, args: Any, flops: float, rows: list[dict[str, Any]]) -> dict:
+    add_ratios(rows)
+    return {
+        "model": model,
+        "n_layers": args.n_layers,
+        "params_m": num_params(args) / 1e6,
+        "flops_per_token": flops,
+        "rungs": rows,
+    }
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """What each rung buys: its speed and memory against the baseline and the last rung run."""
     for r in rows:
-        for key in ("speed_vs_prev", "mem_vs_prev", "speed_vs_eager", "mem_vs_eager"):
+        for key in ("speed_vs_prev", "mem_vs_prev", "speed_vs_eager", "mem_vs_eager") + (
+            "speed_vs_compile",
+            "mem_vs_compile",
+        ):
             r.pop(key, None)
     ran = [r for r in rows if "tokens_per_s" in r]
     for prev, r in zip(ran, ran[1:], strict=False):
         r["speed_vs_prev"] = r["tokens_per_s"] / prev["tokens_per_s"]
         r["mem_vs_prev"] = r["peak_mem_gib"] / prev["peak_mem_gib"]
     base = rows[0] if rows and "tokens_per_s" in rows[0] else None
+    compiled = next((r for r in ran if r["rung"] == "+ compile"), None)
     for r in ran:
         if base:
             r["speed_vs_eager"] = r["tokens_per_s"] / base["tokens_per_s"]
             r["mem_vs_eager"] = r["peak_mem_gib"] / base["peak_mem_gib"]
+        if compiled:  # the issue's yardstick: what each technique costs the compiled baseline
+            r["speed_vs_compile"] = r["tokens_per_s"] / compiled["tokens_per_s"]
+            r["mem_vs_compile"] = r["peak_mem_gib"] / compiled["peak_mem_gib"]
 
 
 def markdown(result: dict[str, Any]) -> str:
     gpu = result["device"] != "cpu"
     head = ["rung", "tokens/s", "vs prev", "vs eager", "peak GiB", "vs prev", "vs eager"]
-    head += ["best tokens/s", "step spread", "load"] + ["MFU"] * gpu
+    head += ["vs compile", "best tokens/s", "step spread", "load"] + ["MFU", "estimate GiB"] * gpu
     lines = []
     for m in result["models"]:
         lines.append(
@@ -143,12 +201,15 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{r['peak_mem_gib']:.2f}",
                 ratio_cell(r, "mem_vs_prev"),
                 ratio_cell(r, "mem_vs_eager"),
+                ratio_cell(r, "speed_vs_compile"),
                 f"{r['best_tokens_per_s']:.0f}",
                 f"{r['step_spread']:.0%}",
                 f"{r['load_1m']:.1f}",
             ]
             if gpu:
                 cells.append(f"{r['mfu']:.1%}" if r.get("mfu") is not None else "")
+                est = r.get("estimate_peak_gib")
+                cells.append(f"{est:.2f} ({r['estimate_error']:+.1%})" if est else "")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -187,7 +248,18 @@ def main() -> None:
         help="default: bf16 (on a CPU, where it multiplies bf16 natively; else fp32)",
     )
     p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one compiles")
-    p.add_argument("--rungs", nargs="+", default=[name for name, _ in RUNGS + LORA_ROWS])
+    p.add_argument("--rungs", nargs="+", default=None, help="default: every row of --rows")
+    p.add_argument(
+        "--rows",
+        choices=["ladder", "8b"],
+        default="ladder",
+        help="ladder: the rungs and the LoRA / full-AC rows; 8b: the one-GPU 8B rows",
+    )
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="keep the trainer's pre-flight memory estimate and report it beside each peak",
+    )
     p.add_argument(
         "--repeats",
         type=int,
@@ -204,7 +276,8 @@ def main() -> None:
     a = p.parse_args()
     if a.repeats < 1:
         p.error(f"--repeats must be at least 1, got {a.repeats}")
-    rows_known = RUNGS + LORA_ROWS
+    rows_known = RUNGS + LORA_ROWS if a.rows == "ladder" else EIGHT_B_ROWS
+    a.rungs = a.rungs or [name for name, _ in rows_known]
     unknown = set(a.rungs) - {name for name, _ in rows_known}
     if unknown:
         p.error(f"unknown rungs {sorted(unknown)}; choose from {[n for n, _ in rows_known]}")
@@ -276,22 +349,29 @@ def main() -> None:
                 runs_of[name].append(row)
                 shown = {k: v for k, v in row.items() if k not in ("flags", "step_times")}
                 print(f"repeat {repeat + 1}/{a.repeats}", shown, flush=True)
+                if "mfu" not in row and "tokens_per_s" in row:
+                    row["mfu"] = mfu(row["tokens_per_s"], flops)
+                # Each row on disk as it completes: a run cut short keeps what it measured.
+                partial = {
+                    **result,
+                    "models": [
+                        *result["models"],
+                        _model_entry(
+                            model,
+                            args,
+                            flops,
+                            [*by_name.values(), *(r[-1] for r in runs_of.values() if r)],
+                        ),
+                    ],
+                }
+                write_result(path, partial)
         for name, _ in todo:
             row = best_of_repeats(runs_of[name])
             if "tokens_per_s" in row:
                 row["mfu"] = mfu(row["tokens_per_s"], flops)
             by_name[name] = row
         rows = [by_name[name] for name, _ in rows_known if name in by_name]
-        add_ratios(rows)
-        result["models"].append(
-            {
-                "model": model,
-                "n_layers": args.n_layers,
-                "params_m": num_params(args) / 1e6,
-                "flops_per_token": flops,
-                "rungs": rows,
-            }
-        )
+        result["models"].append(_model_entry(model, args, flops, rows))
 
     write_result(path, result)
     print(markdown(result))

@@ -467,6 +467,13 @@ class RunConfig:
     save_every: int = opt(
         0, "checkpoint every N steps (0 = at the end only)", estimate=False, on_resume="free"
     )
+    save: bool = opt(
+        True,
+        "write no checkpoint at all, not even at the end (benchmarks; the run is not resumable)",
+        estimate=False,
+        negate=True,
+        on_resume="free",
+    )
     log: str | None = opt(
         None, "also log to: tensorboard, wandb (comma-separated)", estimate=False, on_resume="free"
     )

@@ -381,6 +381,20 @@ def parse_sources(spec: str) -> list[tuple[str, float]]:
     return out
 
 
+def check_targets(batch: dict[str, torch.Tensor], vocab: int) -> None:
+    """Refuse a host batch whose targets fall outside [0, vocab) (ignored ones aside), before
+    it is copied to the device: on an accelerator the loss head does not read its targets on
+    the host, and an index outside the vocabulary would end in a device-side assert."""
+    targets = batch["targets"]
+    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
+    if bad.any():
+        raise UserError(
+            f"cross-entropy targets must lie in [0, {vocab}) or equal "
+            f"ignore_index={IGNORE_INDEX}; found {int(targets[bad][0])}. Check that the "
+            "tokenizer matches the model's vocabulary"
+        )
+
+
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
     """Number of target tokens in a batch (what the loss averages over)."""
     return int((batch["targets"] != IGNORE_INDEX).sum())

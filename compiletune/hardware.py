@@ -66,3 +66,18 @@ def warn_slow_bf16() -> bool:
 def cpu_default_dtype() -> str:
     """The dtype a CPU bench runs in by default: bf16 where the CPU multiplies it natively."""
     return "fp32" if cpu_bf16_is_slow() else "bf16"
+
+
+HOST_READS_ENV = "COMPILETUNE_NO_HOST_READS"
+
+
+def host_reads_free(device: torch.device) -> bool:
+    """Whether reading a tensor's values on the host mid-step (`.item()`, `.tolist()`,
+    `bool(t)`, a size taken from data) costs nothing on `device`. On a CPU it does not; on an
+    accelerator it stalls the host until the device's queue drains, so there a step reads the
+    device once (the loss check) and data-dependent sizes stay on the device.
+    COMPILETUNE_NO_HOST_READS=1 makes a CPU take the accelerator's paths (the test that counts
+    a step's host syncs)."""
+    import os
+
+    return device.type == "cpu" and os.environ.get(HOST_READS_ENV) != "1"

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from compiletune import torch_internals
 from compiletune.errors import UserError
+from compiletune.hardware import host_reads_free
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk of fp32 logits
 SCALE_BLOCK_BYTES = 64 * 2**20  # fp32 scratch when the one-pass head scales its gradients
@@ -207,7 +208,7 @@ class _Rows(NamedTuple):
 
     index: Tensor | None  # [m] indices into the N tokens; None: all N, in order (no copy)
     live: Tensor | None  # bool [m]: which of them count; None: all of them
-    n: int  # how many count (the mean's divisor)
+    n: int | Tensor  # how many count (the mean's divisor): a host int, or fp32 [] on the device
 
     def take(self, t: Tensor) -> Tensor:
         """t's entries (along dim 0) for the computed rows."""
@@ -224,15 +225,32 @@ class _Rows(NamedTuple):
         live = self.live.view(-1, *(1,) * (t.dim() - 1))
         return torch.where(live, t, fill)
 
+    @property
+    def empty(self) -> bool:
+        """Known on the host that no token counts (never known without a host read)."""
+        return isinstance(self.n, int) and self.n == 0
+
+    def mean(self, total: Tensor) -> Tensor:
+        """total / the count (0 when nothing counts)."""
+        return total / (self.n if isinstance(self.n, int) else self.n.clamp(min=1))
+
 
 def _select_rows(targets: Tensor, ignore_index: int) -> _Rows:
-    """Which of the N tokens the head computes: those that count, padded with ignored tokens to
-    a multiple of ROW_ALIGN (all N when that reaches N). Reading the count syncs with the GPU
-    (once): the op has data-dependent shapes, so that ignored tokens beyond the padding never
+    """Which of the N tokens the head computes.
+
+    Where host reads are free (a CPU): those that count, padded with ignored tokens to a
+    multiple of ROW_ALIGN (all N when that reaches N); ignored tokens beyond the padding never
     reach the projection. Padding rows are computed on zeroed hidden states with target 0 and
-    enter nothing: their loss is dropped and their gradient coefficients are 0."""
+    enter nothing: their loss is dropped and their gradient coefficients are 0.
+
+    On an accelerator: all N rows, the ignored ones as padding rows. Selecting would need the
+    count on the host (a sync per call, forward and backward); the count stays on the device.
+    """
     valid = targets != ignore_index
-    n, n_tokens = int(valid.sum()), targets.numel()
+    n_tokens = targets.numel()
+    if not host_reads_free(targets.device):
+        return _Rows(None, valid, valid.sum(dtype=torch.float32))
+    n = int(valid.sum())
     m = min(n_tokens, -(-n // ROW_ALIGN) * ROW_ALIGN)
     if m == n_tokens:
         return _Rows(None, None if n == n_tokens else valid, n)
@@ -243,13 +261,17 @@ def _select_rows(targets: Tensor, ignore_index: int) -> _Rows:
 
 
 def _checked_targets(tv: Tensor, vocab: int, ignore_index: int) -> Tensor:
-    """The targets of the counted tokens, contiguous; a clear error for one outside [0, V)."""
-    bad = (tv < 0) | (tv >= vocab)
-    if bad.any():
-        raise UserError(
-            f"cross-entropy targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
-            f"found {tv[bad][0].item()}. Check that the tokenizer matches the model's vocabulary"
-        )
+    """The targets of the counted tokens, contiguous; a clear error for one outside [0, V)
+    where host reads are free (on an accelerator the trainer checks each batch on the host
+    before copying it: `compiletune.data.check_targets`)."""
+    if host_reads_free(tv.device):
+        bad = (tv < 0) | (tv >= vocab)
+        if bad.any():
+            raise UserError(
+                f"cross-entropy targets must lie in [0, {vocab}) or equal "
+                f"ignore_index={ignore_index}; found {tv[bad][0].item()}. Check that the "
+                "tokenizer matches the model's vocabulary"
+            )
     return tv.contiguous()
 
 
@@ -276,7 +298,7 @@ def linear_cross_entropy_op(
     _check(h, weight, bias, targets, reduction)
     n_tokens, vocab = h.shape[0], weight.shape[0]
     sel = _select_rows(targets, ignore_index)
-    if sel.n == 0:
+    if sel.empty:
         zero = torch.zeros((), dtype=torch.float32, device=h.device)
         return zero, torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
     hv, tv = sel.inputs(h, targets)  # [m, d], [m]
@@ -300,7 +322,7 @@ def linear_cross_entropy_op(
         lse = torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
         lse.index_copy_(0, sel.index, lse_v)
     loss = sel.dead(loss_v, 0.0).sum()
-    return (loss / sel.n if reduction == "mean" else loss), lse
+    return (sel.mean(loss) if reduction == "mean" else loss), lse
 
 
 @linear_cross_entropy_op.register_fake
@@ -377,7 +399,7 @@ def linear_cross_entropy_backward_op(
     )
     db = torch.zeros(vocab, dtype=h.dtype, device=dev) if need_dbias else h.new_empty(0)
     sel = _select_rows(targets, ignore_index)
-    if sel.n == 0 or not (need_dh or need_dweight):
+    if sel.empty or not (need_dh or need_dweight):
         return dh, dw.zero_(), db
     hv, tv = sel.inputs(h, targets)  # [m, d], [m]
     tv = tv.contiguous()
@@ -388,7 +410,7 @@ def linear_cross_entropy_backward_op(
     # d loss_i / d logit_ij = g * ((1 + 2 z lse_i) softmax_ij - onehot_ij) + grad_lse_i softmax_ij
     g = torch.zeros((), dtype=f32, device=dev) if grad_loss is None else grad_loss.float()
     if reduction == "mean":
-        g = g / sel.n
+        g = sel.mean(g)
     coef_p = g * (1 + 2 * z_loss * lse_v) if z_loss != 0 else g.expand(m)
     if grad_lse is not None:
         coef_p = coef_p + sel.take(grad_lse).float()
@@ -613,7 +635,7 @@ def linear_cross_entropy_with_grads_op(
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_dweight else None
     db = torch.zeros(vocab, dtype=h.dtype, device=dev) if need_dbias else h.new_empty(0)
     sel = _select_rows(targets, ignore_index)
-    if sel.n == 0:
+    if sel.empty:
         zero = torch.zeros((), dtype=f32, device=dev)
         return zero, dh, h.new_empty(0) if dw is None else dw.zero_(), db
     hv, tv = sel.inputs(h, targets)  # [m, d], [m]
@@ -622,9 +644,9 @@ def linear_cross_entropy_with_grads_op(
 
     rows_forward, rows_backward = _row_ops(dev)
     chunk = one_pass_chunk_tokens(vocab, d_model, weight.dtype, chunk_size)
-    unit = 1.0 / sel.n if reduction == "mean" else 1.0  # d loss / d (per-token loss)
     # d loss / d (per-token loss) of each computed row: 0 on padding rows.
-    units = sel.dead(torch.full((m,), unit, dtype=f32, device=dev), 0.0)
+    ones = torch.ones((m,), dtype=f32, device=dev)
+    units = sel.dead(sel.mean(ones) if reduction == "mean" else ones, 0.0)
     wide = weight.dtype == f32
     one_chunk = m <= chunk
     if dw is None or one_chunk:
@@ -663,7 +685,7 @@ def linear_cross_entropy_with_grads_op(
         dh.index_copy_(0, sel.index, dh_v)
     loss = sel.dead(loss_v, 0.0).sum()
     return (
-        (loss / sel.n if reduction == "mean" else loss),
+        (sel.mean(loss) if reduction == "mean" else loss),
         dh,
         h.new_empty(0) if dw is None else dw,
         db,

@@ -29,10 +29,12 @@ from compiletune.models import num_params
 from compiletune.train import run_dir
 from compiletune.train.build import Run, build_run, pick_device
 from compiletune.train.step import (
+    RouterStep,
     StepResult,
     evaluate,
     lr_factor,
     next_batch,
+    read_once,
     train_step,
     weights_finite,
 )
@@ -45,8 +47,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     the config and the summary, and prints.
     """
     recipes.check_no_placeholders(cfg)
+    estimate_gib = None
     if cfg.run.preflight and pick_device().type == "cuda":
-        preflight_check(cfg)
+        estimate_gib = preflight_check(cfg)
     env = dist_.init_distributed(pick_device().type) if cfg.parallel.fsdp else None
     main = env is None or env.is_main
     try:
@@ -62,7 +65,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if refusal is not None:
             raise refusal
         try:
-            return Trainer(cfg, env, lock).train()
+            summary = Trainer(cfg, env, lock).train()
+            summary["estimate_peak_gib"] = estimate_gib  # the pre-flight's, beside the measured
+            return summary
         finally:
             lock.release()
     finally:
@@ -70,18 +75,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             dist_.shutdown(env)
 
 
-def preflight_check(cfg: TrainConfig) -> None:
+def preflight_check(cfg: TrainConfig) -> float | None:
     """Before anything is allocated: refuse a step that cannot fit this GPU, naming flags that
     would make it fit (estimate.py, fake tensors; seconds for an 8B model). Runs before the
     process group exists, since the estimate simulates its own. An estimator failure (a torch
-    version without one of its private APIs, say) warns and lets the run go on."""
+    version without one of its private APIs, say) warns and lets the run go on. Returns the
+    estimated peak in GiB (None when the estimate failed)."""
     from compiletune import estimate
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     capacity = estimate.Capacity(torch.cuda.mem_get_info(local)[1], estimate.machine_host_bytes())
     world = dist_.launched_world_size() if cfg.parallel.fsdp else 1
     try:
-        estimate.preflight(cfg, world, capacity)
+        return estimate.preflight(cfg, world, capacity).peak_bytes / 2**30
     except UserError:
         raise
     except Exception as e:  # the estimate is advice; never block a run on its own bug
@@ -90,6 +96,7 @@ def preflight_check(cfg: TrainConfig) -> None:
             "continuing without it",
             stacklevel=2,
         )
+        return None
 
 
 class Trainer:
@@ -168,7 +175,7 @@ class Trainer:
                     self.progress(record, bar, interactive)
                     if self.step == run.start_step + 1:
                         self.write_dump()  # every region has compiled by now
-                    if run_dir.checkpoint_due(cfg, self.step):
+                    if cfg.run.save and run_dir.checkpoint_due(cfg, self.step):
                         self.last_saved = self.save(final=False)
                 train_peaks = self.gather_peaks()  # before the final save adds its own
                 merged = self.finish()
@@ -188,35 +195,40 @@ class Trainer:
         batch = next_batch(run)
         # The lr is a function of the step alone, so a resume needs no schedule state.
         lr = cfg.optim.lr * lr_factor(self.step, cfg)
-        seen: dict[str, float | None] = {}
+        seen: dict[str, Any] = {}
 
-        def accept(loss_sum: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
-            # The step's one host sync and, under FSDP, its one collective (an --objective's
-            # metrics add one of each, after the step): the global loss, and a stop request
-            # seen by any rank (so every rank leaves after the same step).
-            # The gradient norm is already global; so every rank takes the same decision.
-            total = loss_sum.item()
+        def accept(values: dict[str, torch.Tensor]) -> bool:
+            # The step's one host sync and, under FSDP, its one collective: the global loss,
+            # the objective's sums, and a stop request seen by any rank (so every rank leaves
+            # after the same step). The norms are already global; so every rank takes the
+            # same decision.
+            host = read_once(values)
             if self.env is not None:
-                total, votes = dist_.all_reduce_sum([total, stop.requested], run.device)
+                extra = [k for k in host if k.startswith("extra.")]
+                summed = dist_.all_reduce_sum(
+                    [host["loss_sum"], stop.requested, *(host[k] for k in extra)], run.device
+                )
+                host["loss_sum"], votes = summed[0], summed[1]
+                host.update(zip(extra, summed[2:], strict=True))
                 stop.agreed = votes > 0
-            if grad_norm is not None and hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()  # the norm over every rank's shards
-            norm = None if grad_norm is None else float(grad_norm)
-            seen.update(loss_sum=total, grad_norm=norm)
-            return math.isfinite(total) and (norm is None or math.isfinite(norm))
+            seen.update(host)
+            norms = [host.get("grad_norm"), host.get("weights_norm")]
+            return math.isfinite(host["loss_sum"]) and all(
+                n is None or math.isfinite(n) for n in norms
+            )
 
         result: StepResult = train_step(run, batch, lr, accept)
         faults.point("step")
         self.step += 1
         loss = seen["loss_sum"] / result.n_targets
-        grad_norm = seen["grad_norm"]
+        grad_norm = seen.get("grad_norm")
         nonfinite = None
         if not result.stepped:
             bad = {"loss": loss, "gradient norm": grad_norm}
             nonfinite = " and ".join(
                 f"the {k} is {v}" for k, v in bad.items() if v is not None and not math.isfinite(v)
             )
-        elif cfg.optim.optimizer_in_backward and not weights_finite(run.params):
+        elif not math.isfinite(seen.get("weights_norm", 0.0)):
             nonfinite = "the weights became non-finite"
         dt = time.perf_counter() - t0
         n_tokens = cfg.data.grad_accum * cfg.data.batch_size * run.world * cfg.data.seq_len
@@ -238,13 +250,9 @@ class Trainer:
             "epoch": run.batches.epoch,
         }
         if result.router is not None:
-            record.update(result.router.record())
-        if result.extras:  # the objective's sums over this rank's pairs or tokens: means
-            summed = torch.stack(list(result.extras.values())).tolist()  # one host sync
-            if self.env is not None:
-                summed = dist_.all_reduce_sum(summed, run.device)
-            n = max(1, result.n_targets)
-            record.update({k: v / n for k, v in zip(result.extras, summed, strict=True)})
+            record.update(RouterStep.record(seen))
+        n = max(1, result.n_targets)  # the objective's sums over the pairs or tokens: means
+        record.update({k: seen[f"extra.{k}"] / n for k in result.extras})
         if nonfinite is not None:
             record["nonfinite"] = nonfinite
             record["applied"] = bool(result.stepped)
@@ -381,6 +389,8 @@ class Trainer:
 
     def finish(self) -> Path | None:
         """The final checkpoint, and with --merge the merged model; returns the merged folder."""
+        if not self.cfg.run.save:
+            return None
         if self.step > self.run.start_step or self.run.resume_from is None:
             self.last_saved = self.save(final=True)
         if not (self.cfg.lora.merge and self.step >= self.cfg.run.max_steps):

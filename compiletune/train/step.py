@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from compiletune import distributed as dist_
 from compiletune.config import TrainConfig
-from compiletune.data import PackedData, count_targets, eval_batches
+from compiletune.data import PackedData, check_targets, count_targets, eval_batches
 from compiletune.loss import IGNORE_INDEX, LossHead
 from compiletune.metrics import perplexity
 from compiletune.models.moe import router_losses
@@ -38,6 +39,8 @@ def next_batch(run: Run) -> StepBatch:
     batches, so the target count needs no communication. For preference pairs the "targets"
     the loss averages over are the pairs."""
     micro = [run.batches.next() for _ in range(run.cfg.data.grad_accum)]
+    for mb in micro:
+        check_targets(mb, run.model.args.vocab_size)
     if "pairs" in micro[0]:
         pairs = [mb["pairs"].tolist() for mb in micro]
         return StepBatch(micro, sum(map(sum, pairs)), pairs)
@@ -63,25 +66,57 @@ class RouterStep:
     z_loss: Tensor  # fp32 [], the router z-loss
     expert_tokens: Tensor  # fp32 [MoE layers, E], (token, slot) pairs routed to each expert
 
-    def record(self) -> dict[str, object]:
-        """The metrics-line fields: losses, and each layer's least and most loaded expert in
-        tokens (`mean`: every expert's share if balanced), and over all layers as a fraction
-        of that share (1.0 balanced; min 0.0: an expert that got nothing)."""
-        tokens = self.expert_tokens
-        mean = float(tokens.sum(dim=1).mean()) / tokens.shape[1]
-        low, high = tokens.min(dim=1).values, tokens.max(dim=1).values
+    def tensors(self) -> dict[str, Tensor]:
+        """What `record` needs, read with the step's other values in one host sync."""
         return {
-            "router_aux_loss": float(self.aux_loss),
-            "router_z_loss": float(self.z_loss),
-            "expert_load_min": float(low.min()) / mean,
-            "expert_load_max": float(high.max()) / mean,
-            "expert_load": {"mean": mean, "min": low.tolist(), "max": high.tolist()},
+            "router_aux_loss": self.aux_loss,
+            "router_z_loss": self.z_loss,
+            "expert_tokens": self.expert_tokens,
+        }
+
+    @staticmethod
+    def record(host: dict[str, Any]) -> dict[str, object]:
+        """The metrics-line fields from the host values of `tensors`: losses, and each layer's
+        least and most loaded expert in tokens (`mean`: every expert's share if balanced), and
+        over all layers as a fraction of that share (1.0 balanced; min 0.0: an expert that got
+        nothing)."""
+        tokens = host["expert_tokens"]  # [layers][E] floats
+        mean = sum(map(sum, tokens)) / len(tokens) / len(tokens[0])
+        low, high = [min(t) for t in tokens], [max(t) for t in tokens]
+        return {
+            "router_aux_loss": host["router_aux_loss"],
+            "router_z_loss": host["router_z_loss"],
+            "expert_load_min": min(low) / mean,
+            "expert_load_max": max(high) / mean,
+            "expert_load": {"mean": mean, "min": low, "max": high},
         }
 
 
-# Called between backward and the optimizer step with (loss_sum, grad_norm); False skips the
-# optimizer step (the trainer's check for non-finite values).
-Accept = Callable[[Tensor, Tensor | None], bool]
+def read_once(values: dict[str, Tensor]) -> dict[str, Any]:
+    """Every tensor of `values` on the host in one transfer: the step's one host sync. Scalars
+    come back as floats, others as nested lists of floats."""
+    parts = [v.detach().float().reshape(-1) for v in values.values()]
+    numbers = torch.cat(parts).tolist() if parts else []
+    out: dict[str, Any] = {}
+    at = 0
+    for (key, v), part in zip(values.items(), parts, strict=True):
+        flat = numbers[at : at + part.numel()]
+        at += part.numel()
+        if v.dim() == 0:
+            out[key] = flat[0]
+        elif v.dim() == 1:
+            out[key] = flat
+        else:  # [rows, cols]
+            cols = v.shape[-1]
+            out[key] = [flat[i : i + cols] for i in range(0, len(flat), cols)]
+    return out
+
+
+# Called between backward and the optimizer step with the step's device values: `loss_sum`,
+# `grad_norm` (when computed), `weights_norm` (with --optimizer-in-backward, whose update has
+# already happened), the objective's sums and a MoE model's router numbers. It reads them on the
+# host once; False skips the optimizer step (the trainer's check for non-finite values).
+Accept = Callable[[dict[str, Tensor]], bool]
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -167,12 +202,38 @@ def train_step(
     if router:
         aux, z, load = (torch.stack(parts) for parts in zip(*router, strict=True))
         moe = RouterStep(aux.mean(), z.mean(), load.sum(dim=0))
-    if accept is not None and not accept(total, grad_norm):
+    if accept is not None and not accept(step_values(run, total, grad_norm, extras, moe)):
         run.optimizer.zero_grad()
         return StepResult(total, n_targets, grad_norm, stepped=False, router=moe, extras=extras)
     run.optimizer.step()  # a no-op with --optimizer-in-backward: already stepped
     run.optimizer.zero_grad()
     return StepResult(total, n_targets, grad_norm, router=moe, extras=extras)
+
+
+def step_values(
+    run: Run,
+    loss_sum: Tensor,
+    grad_norm: Tensor | None,
+    extras: dict[str, Tensor],
+    router: RouterStep | None,
+) -> dict[str, Tensor]:
+    """The device values a step reports, for `accept` to read in one host sync. Objective
+    sums are keyed `extra.<name>`. With --optimizer-in-backward the update has already been
+    applied: the norm of the (local shards of the) weights says whether they stayed finite."""
+    values = {"loss_sum": loss_sum}
+    if grad_norm is not None:
+        values["grad_norm"] = _full(grad_norm)
+    if run.cfg.optim.optimizer_in_backward and run.params:
+        values["weights_norm"] = _full(torch.nn.utils.get_total_norm(run.params))
+    values |= {f"extra.{k}": v for k, v in extras.items()}
+    if router is not None:
+        values |= router.tensors()
+    return values
+
+
+def _full(norm: Tensor) -> Tensor:
+    """A norm over every rank's shards (a DTensor's full value; a plain tensor as it is)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _micro_loss(
@@ -200,10 +261,7 @@ def weights_finite(params: list[torch.nn.Parameter]) -> bool:
     """Are all of these (this rank's shards of) parameters finite? One pass, one host sync."""
     if not params:
         return True
-    norm = torch.nn.utils.get_total_norm(params)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return bool(torch.isfinite(norm))
+    return bool(torch.isfinite(_full(torch.nn.utils.get_total_norm(params))))
 
 
 def evaluate(

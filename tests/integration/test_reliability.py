@@ -62,7 +62,7 @@ def _all_finite(folder: Path) -> bool:
 
 def test_diverged_run_stops_and_never_saves_nonfinite_weights(tmp_path, corpus, capsys):
     out = tmp_path / "run"
-    assert _train(out, corpus, "--lr", "1e6", "--save-every", "1", "--max-steps", "8") == 2
+    assert _train(out, corpus, "--lr", "1e10", "--save-every", "1", "--max-steps", "8") == 2
     line = _one_error_line(capsys)
     step = int(line.split("step ")[1].split(":")[0])
     saved = ckpt.list_checkpoints(out)
@@ -84,8 +84,8 @@ def _nan_on_calls(monkeypatch: pytest.MonkeyPatch, calls: set[int]) -> None:
         if seen[0] in calls:
             poisoned = accept
 
-            def accept(loss, norm):  # noqa: F811 - the poisoned check
-                return poisoned(loss * float("nan"), norm)
+            def accept(values):  # noqa: F811 - the poisoned check
+                return poisoned({**values, "loss_sum": values["loss_sum"] * float("nan")})
 
         return real(run, batch, lr, accept)
 
