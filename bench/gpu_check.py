@@ -223,6 +223,61 @@ STEPS: list[Step] = [
 ]
 
 
+# Part 4: the speed set of issue 35, one call of <= 9 minutes (no eager rung; the compiled
+# baseline in the same call; every row on disk as it completes), ordered by what it proves:
+# FlexAttention under checkpointing and offload (correctness first), the 1B ladder with its
+# side rows, the loss head beside its peers, then the 8B rows with their estimates.
+_LADDER_1B_ROWS = ["+ compile", "+ fused loss", "+ selective AC", "full AC"]
+_LADDER_1B_ROWS += ["+ optimizer in backward", "+ 8-bit AdamW", "+ offload activations"]
+_LADDER_1B_ROWS += ["LoRA r16", "QLoRA r16 (nf4)"]
+STEPS += [
+    Step(
+        4,
+        "flex-tests",
+        [*_pytest("flex-tests", "tests/gpu/test_cuda.py"), *_xdist()]
+        + ["-k", "flex or compiled_run_follows_eager"],
+        _pytest("flex-tests", "tests/gpu/test_cuda.py") + ["-k", "flex"],
+        150,
+        60,
+        junit=True,
+    ),
+    Step(
+        4,
+        "ladder-1b",
+        [PY, "bench/ladder.py", *LADDER_1B, "--batch-size", "4", "--steps", "9"]
+        + ["--rungs", *_LADDER_1B_ROWS, "--out", "{results}/ladder-cuda-{dev}.json"],
+        [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "+ compile", "full AC"]
+        + ["--out", "{results}/ladder-cuda-{dev}.json"],
+        330,
+        120,
+        result="ladder-cuda-{dev}.json",
+    ),
+    Step(
+        4,
+        "loss-peers",
+        [PY, "bench/loss.py", "--tokens", "4096", "16384", "--iters", "5"]
+        + ["--out", "{results}/loss-cuda-{dev}.json"],
+        [PY, "bench/loss.py", "--tokens", "128", "--hidden", "32", "--vocab", "500"]
+        + ["--iters", "1", "--out", "{results}/loss-cuda-{dev}.json"],
+        150,
+        60,
+        result="loss-cuda-{dev}.json",
+    ),
+    Step(
+        4,
+        "ladder-8b",
+        [PY, "bench/ladder.py", "--models", "llama3_1_8b", "--rows", "8b", "--estimate"]
+        + ["--seq-len", "2048", "--batch-size", "2", "--steps", "9", "--no-plot"]
+        + ["--out", "{results}/ladder-8b-cuda-{dev}.json"],
+        [PY, "bench/ladder.py", *LADDER_DRY, "--rows", "8b", "--rungs", "8B LoRA r16"]
+        + ["--out", "{results}/ladder-8b-cuda-{dev}.json"],
+        420,
+        90,
+        result="ladder-8b-cuda-{dev}.json",
+    ),
+]
+
+
 def junit_counts(path: Path) -> dict[str, Any]:
     """passed / failed / errors / skipped of a pytest junit file, and the failures' messages."""
     if not path.exists():
@@ -322,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--part", type=int, nargs="+", choices=[1, 2, 3], default=[])
+    ap.add_argument("--part", type=int, nargs="+", choices=[1, 2, 3, 4], default=[])
     ap.add_argument("--all", action="store_true", help="parts 1, 2, 3 in turn")
     ap.add_argument("--steps", nargs="+", help="these steps, in this order (names: see STEPS)")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: the plumbing")
