@@ -29,6 +29,12 @@ the report at the end (for the device tool's $OUT, which brings back few files).
 Where the tree's .git is not the commit being measured (the device tool's copy), set
 BENCH_COMMIT=<hash> so that every result names the right one.
 
+The speed set of issue 35 (part 4; 2026-11-27), with the peers' wheels carried in .whl:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps -e . &&
+    BENCH_COMMIT=<hash> python3 bench/gpu_check.py --part 4 --deadline 540 --copy-to "$OUT"
+
 The device call used on 2026-11-26 (H200; 15 minutes of device time in all):
 
     python3 -m pip install -q --no-deps --no-build-isolation -e . &&
@@ -225,8 +231,9 @@ STEPS: list[Step] = [
 
 # Part 4: the speed set of issue 35, one call of <= 9 minutes (no eager rung; the compiled
 # baseline in the same call; every row on disk as it completes), ordered by what it proves:
-# FlexAttention under checkpointing and offload (correctness first), the 1B ladder with its
-# side rows, the loss head beside its peers, then the 8B rows with their estimates.
+# FlexAttention under checkpointing and offload and the fused head's CUDA tests (correctness
+# first), the loss head beside its peers, the 1B ladder with its side rows, then the 8B rows
+# with their estimates (a second call where the first runs out).
 _LADDER_1B_ROWS = ["+ compile", "+ fused loss", "+ selective AC", "full AC"]
 _LADDER_1B_ROWS += ["+ optimizer in backward", "+ 8-bit AdamW", "+ offload activations"]
 _LADDER_1B_ROWS += ["LoRA r16", "QLoRA r16 (nf4)"]
@@ -234,23 +241,12 @@ STEPS += [
     Step(
         4,
         "flex-tests",
-        [*_pytest("flex-tests", "tests/gpu/test_cuda.py"), *_xdist()]
-        + ["-k", "flex or compiled_run_follows_eager"],
+        [*_pytest("flex-tests", "tests/gpu/test_cuda.py", "tests/unit/ops/test_fused_loss.py")]
+        + [*_xdist(), "-k", "flex or compiled_run_follows_eager or test_cuda_"],
         _pytest("flex-tests", "tests/gpu/test_cuda.py") + ["-k", "flex"],
-        150,
+        120,
         60,
         junit=True,
-    ),
-    Step(
-        4,
-        "ladder-1b",
-        [PY, "bench/ladder.py", *LADDER_1B, "--batch-size", "4", "--steps", "9"]
-        + ["--rungs", *_LADDER_1B_ROWS, "--out", "{results}/ladder-cuda-{dev}.json"],
-        [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "+ compile", "full AC"]
-        + ["--out", "{results}/ladder-cuda-{dev}.json"],
-        330,
-        120,
-        result="ladder-cuda-{dev}.json",
     ),
     Step(
         4,
@@ -262,6 +258,17 @@ STEPS += [
         150,
         60,
         result="loss-cuda-{dev}.json",
+    ),
+    Step(
+        4,
+        "ladder-1b",
+        [PY, "bench/ladder.py", *LADDER_1B, "--batch-size", "4", "--steps", "9"]
+        + ["--rungs", *_LADDER_1B_ROWS, "--out", "{results}/ladder-cuda-{dev}.json"],
+        [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "+ compile", "full AC"]
+        + ["--out", "{results}/ladder-cuda-{dev}.json"],
+        330,
+        120,
+        result="ladder-cuda-{dev}.json",
     ),
     Step(
         4,

@@ -347,6 +347,27 @@ def _chunk_vocab(
     return vocab_acc < token_acc
 
 
+_ADDMM_OUT_DTYPE: bool | None = None  # addmm(..., out_dtype=) works here: unknown until tried
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, where acc may be fp32 and a, b narrower (bf16): on CUDA one cuBLAS call that
+    accumulates into acc (`addmm` with `out_dtype`, torch >= 2.9), no [m, n] temporary;
+    elsewhere (and where that overload is missing) through the product in a's dtype."""
+    global _ADDMM_OUT_DTYPE
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda and _ADDMM_OUT_DTYPE is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _ADDMM_OUT_DTYPE = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE = False
+    acc.add_(a @ b)
+
+
 COL_ALIGN = 128  # vocabulary columns per backward chunk come in multiples of this
 
 
@@ -438,10 +459,7 @@ def linear_cross_entropy_backward_op(
             if need_dh:
                 torch.mm(dl, weight, out=dh_v[s:e])
             if need_dweight:
-                if wide:
-                    dw_acc.addmm_(dl.t(), h_c)
-                else:
-                    dw_acc.add_(dl.t() @ h_c)
+                _accumulate_mm(dw_acc, dl.t(), h_c)
             if need_dbias:
                 db_acc.add_(dl.sum(0, dtype=f32))
             del dl
@@ -462,10 +480,7 @@ def linear_cross_entropy_backward_op(
             dl = rows_backward(logits, lse_v, tv, coef_p, coef_t, v0, softcap)
             del logits
             if need_dh:
-                if wide:
-                    dh_acc.addmm_(dl, w_c)
-                else:
-                    dh_acc.add_(dl @ w_c)
+                _accumulate_mm(dh_acc, dl, w_c)
             if need_dweight:
                 torch.mm(dl.t(), hv, out=dw[v0:v1])
             if need_dbias:
@@ -670,10 +685,8 @@ def linear_cross_entropy_with_grads_op(
         if need_dweight:
             if one_chunk:
                 torch.mm(dl.t(), h_c, out=dw_acc)
-            elif dw_acc.dtype == weight.dtype:
-                dw_acc.addmm_(dl.t(), h_c)
             else:
-                dw_acc.add_(dl.t() @ h_c)
+                _accumulate_mm(dw_acc, dl.t(), h_c)
         if need_dbias:
             db_acc.add_(dl.sum(0, dtype=f32))
         del dl
