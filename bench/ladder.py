@@ -165,7 +165,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     for prev, r in zip(ran, ran[1:], strict=False):
         r["speed_vs_prev"] = r["tokens_per_s"] / prev["tokens_per_s"]
         r["mem_vs_prev"] = r["peak_mem_gib"] / prev["peak_mem_gib"]
-    base = rows[0] if rows and "tokens_per_s" in rows[0] else None
+    first = rows[0] if rows else {}
+    base = first if first.get("rung") == "eager" and "tokens_per_s" in first else None
     compiled = next((r for r in ran if r["rung"] == "+ compile"), None)
     for r in ran:
         if base:

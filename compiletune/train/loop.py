@@ -65,9 +65,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if refusal is not None:
             raise refusal
         try:
-            summary = Trainer(cfg, env, lock).train()
-            summary["estimate_peak_gib"] = estimate_gib  # the pre-flight's, beside the measured
-            return summary
+            trainer = Trainer(cfg, env, lock)
+            trainer.estimate_peak_gib = estimate_gib  # the pre-flight's, beside the measured
+            return trainer.train()
         finally:
             lock.release()
     finally:
@@ -106,6 +106,7 @@ class Trainer:
         self, cfg: TrainConfig, env: dist_.DistEnv | None, lock: run_dir.OutputLock | None = None
     ) -> None:
         self.cfg, self.env = cfg, env
+        self.estimate_peak_gib: float | None = None
         self.main = env is None or env.is_main
         self.graphs_before = torch_internals.dynamo_graphs_compiled()
         # Everything that can be wrong is checked before anything is written.
@@ -488,6 +489,7 @@ class Trainer:
             "compile": compile_stats,
             "helper_graphs": helper_graphs,
             "processes": run.world,
+            "estimate_peak_gib": self.estimate_peak_gib,  # the GPU pre-flight's estimate
         }
         if self.main:
             run_dir.write_summary(self.out, summary)
