@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import time
 import types
@@ -729,7 +730,11 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
     defaults that need nothing but the config."""
     unknown = sorted(set(yaml_values) - FIELD_NAMES)
     if unknown:
-        raise UserError(f"config: unknown option '{unknown[0]}'")
+        raise UserError(f"config: {unknown_option(unknown[0])}")
+    # A file's value of the wrong type is refused even where a flag replaces it.
+    _check_types(TrainConfig.from_flat(dict(yaml_values)))
+    if _LENGTH & set(flag_values):  # a flag's run length replaces the file's, whichever it is
+        yaml_values = {k: v for k, v in yaml_values.items() if k not in _LENGTH}
     given = {**yaml_values, **flag_values}
     cfg = TrainConfig.from_flat({**_resumed_base(given), **given})
     _check_types(cfg)
@@ -740,6 +745,7 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
 
 
 SAVED_CONFIG = "config.yaml"
+_LENGTH = {"max_steps", "epochs"}  # the run's length: one of them
 # Options that belong to one invocation, never taken from a run's saved config.
 _PER_INVOCATION = ("resume", "overwrite", "accept_changes")
 
@@ -758,7 +764,10 @@ def read_saved_config(output_dir: str | Path) -> dict[str, Any] | None:
         ) from e
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected option: value lines; restore or delete the file")
-    return {k: v for k, v in raw.items() if k in FIELD_NAMES}
+    for key in raw:
+        if key not in FIELD_NAMES:
+            raise UserError(f"{path}: {unknown_option(key)} Remove or correct that line")
+    return dict(raw)
 
 
 def _resumed_base(given: dict[str, Any]) -> dict[str, Any]:
@@ -767,7 +776,16 @@ def _resumed_base(given: dict[str, Any]) -> dict[str, Any]:
     `--epochs`, whichever is given, replaces both saved ones."""
     if not given.get("resume") or given.get("output_dir") is None:
         return {}
-    base = read_saved_config(given["output_dir"]) or {}
+    base = read_saved_config(given["output_dir"])
+    if base is None:
+        if Path(given["output_dir"]).is_dir() and not given.get("accept_changes"):
+            raise UserError(
+                f"--resume: {Path(given['output_dir']) / SAVED_CONFIG} is missing, so the run's "
+                "options are unknown (a resume would fall back to defaults); restore the file "
+                "(every run writes it as it starts), or pass every option of the run again with "
+                "--accept-changes"
+            )
+        base = {}
     for key in _PER_INVOCATION:
         base.pop(key, None)
     if "max_steps" in given or "epochs" in given:
@@ -870,14 +888,22 @@ def load_yaml(path: str) -> dict[str, Any]:
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in FIELD_NAMES:
-            known = ", ".join(sorted(FIELD_NAMES))
-            raise UserError(f"--config {path}: unknown option '{key}'; known options: {known}")
+            raise UserError(f"--config {path}: {unknown_option(key)}")
         if name in out:
             raise UserError(
                 f"--config {path}: '{spelled[name]}' and '{key}' are the same option; keep one"
             )
         out[name], spelled[name] = value, key
     return out
+
+
+def unknown_option(key: Any) -> str:
+    """'unknown option K; did you mean N?' with the nearest option name, or the known ones."""
+    name = str(key).replace("-", "_")
+    near = difflib.get_close_matches(name, sorted(FIELD_NAMES), n=1, cutoff=0.6)
+    if near:
+        return f"unknown option '{key}'; did you mean '{near[0]}'?"
+    return f"unknown option '{key}'; known options: {', '.join(sorted(FIELD_NAMES))}"
 
 
 def save_yaml(cfg: TrainConfig, path: Path) -> None:

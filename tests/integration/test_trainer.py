@@ -96,6 +96,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     part = tmp_path / "part"
     part.mkdir()
     shutil.copytree(tmp_path / "full" / "step_4", part / "step_4")
+    shutil.copy(tmp_path / "full" / "config.yaml", part / "config.yaml")  # written at the start
     (part / ".tmp-step_6").mkdir()
     (part / "metrics.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in full[:5])  # step 5 was logged, not saved
@@ -289,6 +290,7 @@ def test_adamw8bit_in_backward_resumes_exactly(tmp_path, corpus):
     part = tmp_path / "part"
     part.mkdir()
     shutil.copytree(tmp_path / "full" / "step_3", part / "step_3")
+    shutil.copy(tmp_path / "full" / "config.yaml", part / "config.yaml")
     run(tmp_path, corpus, name="part", resume=True, **flags)
     resumed = read_metrics(part / "metrics.jsonl")  # steps 4..6: the copy held no metrics
     assert [r["step"] for r in resumed] == [4, 5, 6]

@@ -223,3 +223,49 @@ def test_one_option_twice_and_non_finite_numbers_are_refused(tmp_path):
             resolve({"min_lr_ratio": value}, {})
     with pytest.raises(UserError, match="--lr must be a finite number, got inf"):
         resolve({}, {"lr": float("inf")})
+
+
+def test_unknown_keys_name_the_nearest_option(tmp_path):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("seq_lenn: 12\n")
+    with pytest.raises(UserError, match="unknown option 'seq_lenn'; did you mean 'seq_len'"):
+        load_yaml(str(bad))
+    with pytest.raises(UserError, match="did you mean 'max_steps'"):
+        resolve({"max_step": 3}, {})
+
+
+@pytest.mark.parametrize(
+    "yaml_values, flags, needle",
+    [
+        ({"seq_len": "thirty"}, {"seq_len": 64}, "--seq-len \\(seq_len: in a --config file\\)"),
+        ({"max_steps": True}, {"max_steps": 5}, "--max-steps \\(max_steps: in a --config"),
+    ],
+)
+def test_a_wrong_yaml_value_is_refused_even_where_a_flag_replaces_it(yaml_values, flags, needle):
+    with pytest.raises(UserError, match=needle):
+        resolve(yaml_values, flags)
+
+
+def test_a_flag_sets_the_run_length_over_the_file():
+    cfg = resolve({"max_steps": 100}, {"epochs": 1})
+    assert cfg.run.epochs == 1 and cfg.run.max_steps is None
+    assert resolve({"epochs": 3}, {"max_steps": 7}).run.max_steps == 7
+    with pytest.raises(UserError, match="both set the run's length"):
+        resolve({}, {"max_steps": 7, "epochs": 1})  # two flags do conflict
+    with pytest.raises(UserError, match="both set the run's length"):
+        resolve({"max_steps": 7, "epochs": 1}, {})  # and so does one file with both
+
+
+def test_resume_needs_the_runs_saved_config(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    flags = {"resume": True, "output_dir": str(run)}
+    with pytest.raises(UserError, match="config.yaml is missing.*--accept-changes"):
+        resolve({}, flags)
+    assert resolve({}, {**flags, "accept_changes": True, "seq_len": 128}).data.seq_len == 128
+    (run / "config.yaml").write_text("seq_len: 128\nbatch_sise: 4\n")
+    with pytest.raises(UserError, match="config.yaml: unknown option 'batch_sise'; did you mean"):
+        resolve({}, flags)
+    (run / "config.yaml").write_text("seq_len: 128\nbatch_size: 4\n")
+    cfg = resolve({}, flags)
+    assert (cfg.data.seq_len, cfg.data.batch_size) == (128, 4)
