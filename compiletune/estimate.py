@@ -58,6 +58,7 @@ from compiletune.config import RunFacts, TrainConfig, fill_defaults
 from compiletune.errors import UserError
 from compiletune.loss import IGNORE_INDEX
 from compiletune.models import num_params
+from compiletune.ops import op_memory
 from compiletune.optim import _local
 from compiletune.train import Probe, Run, StepBatch, build_run, train_step
 from compiletune.train.build import probe_dtype, resolve_model_args
@@ -134,7 +135,6 @@ class _Tracker(mi.TorchDispatchMode):
         self.host_peak_totals = dict(self.totals)
         self.phase = "setup"
         self.phase_peaks: dict[str, int] = {}
-        self.fused_loss_extra = _FusedLossTemps()
         self.paused = 0
 
     @contextlib.contextmanager
@@ -250,83 +250,14 @@ class _Tracker(mi.TorchDispatchMode):
             for t in tree_leaves(kwargs.get("out", ())):
                 if isinstance(t, Tensor):
                     self.retag(t, _GATHERED)
-        if name.startswith("compiletune.linear_cross_entropy"):
-            # The op's outputs exist (it allocates them first) while its chunks come and go.
-            self.transient(self.fused_loss_extra.bytes(name, args))
-        elif name.startswith(("compiletune.token_logprobs", "compiletune.token_divergence")):
-            self.transient(_logprob_op_bytes(name, args))
+        if isinstance(func, torch._ops.OpOverload):
+            # A custom op's outputs exist (it allocates them first) while what it holds inside
+            # itself comes and goes: each op declares that (ops/op_memory.py).
+            self.transient(op_memory.internal_bytes(func, args, kwargs))
         return out
 
     def set_phase(self, phase: str, category: str) -> None:
         self.phase, self.category = phase, category
-
-
-@dataclass
-class _FusedLossTemps:
-    """Bytes the fused loss op holds inside itself (see fused_loss.py), all tokens as targets:
-    forward one chunk of logits [c, V]; backward the chunk plus the weight-gradient (or
-    hidden-gradient) accumulator and, in a narrow dtype, one product per chunk."""
-
-    def bytes(self, name: str, args: tuple) -> int:
-        from compiletune.ops.fused_loss import (
-            _chunk_vocab,
-            chunk_tokens,
-            one_pass_chunk_tokens,
-            vocab_chunk_cols,
-        )
-
-        if "with_grads" in name:
-            # One pass: a chunk of logits (turned into their gradient in place) and, in a narrow
-            # dtype over several chunks, the fp32 dweight buffer and one product per chunk. The
-            # gradients it returns are outputs, which the tracker counts itself.
-            h, weight, chunk_size, need_dw = args[0], args[1], args[6], bool(args[10])
-            (n, d), vocab, elt = h.shape, weight.shape[0], h.element_size()
-            c = min(n, one_pass_chunk_tokens(vocab, d, weight.dtype, chunk_size))
-            narrow_sum = need_dw and c < n and weight.dtype != torch.float32
-            return c * vocab * elt + (vocab * d * (4 + elt) if narrow_sum else 0)
-        backward = "backward" in name
-        h, weight = (args[2], args[3]) if backward else (args[0], args[1])
-        chunk_size = args[9] if backward else args[6]
-        n, d = h.shape
-        vocab = weight.shape[0]
-        elt = h.element_size()
-        c = min(n, chunk_tokens(vocab, chunk_size))
-        logits = c * vocab * elt
-        if not backward:
-            return logits
-        need_dh, need_dw = bool(args[12]), bool(args[13])
-        if weight.dtype == torch.float32:
-            return logits  # fp32 accumulates in place (addmm_)
-        if _chunk_vocab(n, vocab, d, weight.dtype, need_dh, need_dw):
-            cols = min(vocab, vocab_chunk_cols(chunk_tokens(vocab, chunk_size), vocab, n))
-            return n * cols * elt + n * d * 4 + n * d * elt
-        return logits + (vocab * d * (4 + elt) if need_dw else 0)
-
-
-def _logprob_op_bytes(name: str, args: tuple) -> int:
-    """Bytes the --objective heads (ops/fused_logprobs.py) hold inside themselves beyond their
-    outputs, as measured on their CPU implementations: a chunk's [c, V] fp32 temporaries (the
-    chunks are sized by 2 of them for log-probabilities, 8 for a divergence) and, in a narrow
-    dtype, the logits before their fp32 copy; in backward each chunk's weight-gradient product
-    and, in a narrow dtype, its fp32 copy and the fp32 accumulator (in fp32 the output itself)."""
-    from compiletune.ops.fused_logprobs import _DIV_TEMPORARIES
-    from compiletune.ops.fused_loss import chunk_tokens
-
-    backward = "backward" in name
-    divergence = "divergence" in name
-    h, weight = (args[1], args[2]) if backward else (args[0], args[1])
-    chunk_size = args[(8 if backward else 7) if divergence else (6 if backward else 4)]
-    (n, d), vocab, elt = h.shape, weight.shape[0], h.element_size()
-    c = min(n, chunk_tokens(vocab * (_DIV_TEMPORARIES if divergence else 2), chunk_size))
-    chunk, grad = c * vocab, vocab * d
-    narrow = weight.dtype != torch.float32
-    fp32 = {(False, False): 2, (False, True): 1, (True, False): 9, (True, True): 10}
-    held = fp32[divergence, backward] * chunk * 4
-    if narrow:
-        held += (2 if divergence else 1) * chunk * elt
-    if backward:
-        held += grad * elt + (grad * (4 if divergence else 8) if narrow else 0)
-    return held
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from compiletune.ops.op_memory import declare_memory, holds_nothing
+
 _CHUNK = 512  # queries per SDPA call on a windowed segment
 _TILE = 256  # queries and keys per block of the soft-capped kernel
 
@@ -276,6 +278,12 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+# What the segment op holds beyond its outputs, for the memory estimate: not modelled. It works
+# one document (or one window chunk, or one tile) at a time, so what it holds is one segment's
+# SDPA workspace or [b, h, tile, tile] scores: small next to the step's activations.
+declare_memory("compiletune::attention")(holds_nothing)
+declare_memory("compiletune::attention_backward")(holds_nothing)
 
 
 # --- FlexAttention (the GPU path) -----------------------------------------------------------

@@ -8,4 +8,5 @@ host_copy.py    compiletune::offload_to_host / reload_from_host: a saved activat
 grouped_mm.py   compiletune::grouped_mm: rows grouped by expert times each expert's weight
                 (MoE layers); torch._grouped_mm where the GPU has it, else an exact fallback
 cpu_kernels.py  the 8-bit AdamW step as one C++ kernel per CPU parameter (`--optim adamw8bit`)
+op_memory.py    what each op holds inside itself, declared beside it, for the memory estimate
 """

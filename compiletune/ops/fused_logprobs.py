@@ -22,10 +22,13 @@ soft-cap applies to both. The teacher gets no gradient. Chunks follow `fused_los
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from compiletune.ops.fused_loss import chunk_tokens
+from compiletune.ops.op_memory import Args, declare_memory
 
 KINDS = ("forward_kl", "jsd")
 # [c, V] fp32 tensors a divergence chunk holds at once (both log-softmaxes, probabilities, ...)
@@ -60,6 +63,38 @@ def _accumulate(
 
 
 # --------------------------------------------------------------------------- log-probabilities
+
+
+def _head_op_bytes(a: Args, divergence: bool, backward: bool) -> int:
+    """What the chunked heads hold inside themselves beyond their outputs, as measured on their
+    CPU implementations: a chunk's [c, V] fp32 temporaries (chunks are sized by 2 of them for
+    log-probabilities, `_DIV_TEMPORARIES` for a divergence) and, in a narrow dtype, the logits
+    before their fp32 copy; in backward each chunk's weight-gradient product and, in a narrow
+    dtype, its fp32 copy and the fp32 accumulator (in fp32 the output itself)."""
+    h, weight = a["h"], a["weight"]
+    (n, d), vocab, elt = h.shape, weight.shape[0], h.element_size()
+    width = vocab * (_DIV_TEMPORARIES if divergence else 2)
+    c = min(n, chunk_tokens(width, a["chunk_size"]))
+    chunk, grad = c * vocab, vocab * d
+    narrow = weight.dtype != torch.float32
+    fp32 = {(False, False): 2, (False, True): 1, (True, False): 9, (True, True): 10}
+    held = fp32[divergence, backward] * chunk * 4
+    if narrow:
+        held += (2 if divergence else 1) * chunk * elt
+    if backward:
+        held += grad * elt + (grad * (4 if divergence else 8) if narrow else 0)
+    return held
+
+
+for _name, _divergence, _backward in (
+    ("token_logprobs", False, False),
+    ("token_logprobs_backward", False, True),
+    ("token_divergence", True, False),
+    ("token_divergence_backward", True, True),
+):
+    declare_memory(f"compiletune::{_name}")(
+        functools.partial(_head_op_bytes, divergence=_divergence, backward=_backward)
+    )
 
 
 @torch.library.custom_op("compiletune::token_logprobs", mutates_args=())

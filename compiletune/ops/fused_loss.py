@@ -43,6 +43,7 @@ from torch import Tensor
 from compiletune import torch_internals
 from compiletune.errors import UserError
 from compiletune.hardware import host_reads_free
+from compiletune.ops.op_memory import Args, declare_memory
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk of fp32 logits
 SCALE_BLOCK_BYTES = 64 * 2**20  # fp32 scratch when the one-pass head scales its gradients
@@ -517,6 +518,33 @@ def _(
     return dh, dw, db
 
 
+@declare_memory("compiletune::linear_cross_entropy")
+def _(a: Args) -> int:
+    """One chunk of logits [c, V] in h's dtype (the row kernels read it in place; all tokens
+    counted as targets)."""
+    (n, _), vocab = a["h"].shape, a["weight"].shape[0]
+    return min(n, chunk_tokens(vocab, a["chunk_size"])) * vocab * a["h"].element_size()
+
+
+@declare_memory("compiletune::linear_cross_entropy_backward")
+def _(a: Args) -> int:
+    """The chunk of logits turned into their gradient, and the sum over chunks: over token
+    chunks the weight gradient's fp32 accumulator and one product per chunk; over vocabulary
+    columns a chunk [n, cols], the fp32 dh accumulator and one product per chunk. In fp32 the
+    output itself accumulates."""
+    h, weight = a["h"], a["weight"]
+    (n, d), vocab, elt = h.shape, weight.shape[0], h.element_size()
+    chunk = chunk_tokens(vocab, a["chunk_size"])
+    logits = min(n, chunk) * vocab * elt
+    need_dh, need_dw = a["need_dh"], a["need_dweight"]
+    if weight.dtype == torch.float32:
+        return logits
+    if _chunk_vocab(n, vocab, d, weight.dtype, need_dh, need_dw):
+        cols = min(vocab, vocab_chunk_cols(chunk, vocab, n))
+        return n * cols * elt + n * d * 4 + n * d * elt
+    return logits + (vocab * d * (4 + elt) if need_dw else 0)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     h, weight, bias, targets, ignore_index, reduction, chunk_size, z_loss, softcap = inputs
     # Inputs and lse [N]: the whole saved state of the head (no [N, V] tensor).
@@ -724,6 +752,18 @@ def _(
     dw = weight.new_empty(weight.shape) if need_dweight else h.new_empty(0)
     db = h.new_empty(weight.shape[0]) if need_dweight and bias is not None else h.new_empty(0)
     return h.new_empty((), dtype=torch.float32), dh, dw, db
+
+
+@declare_memory("compiletune::linear_cross_entropy_with_grads")
+def _(a: Args) -> int:
+    """A chunk of logits (turned into their gradient in place) and, in a narrow dtype over
+    several chunks, the fp32 dweight buffer and one product per chunk. The gradients it
+    returns are outputs."""
+    h, weight = a["h"], a["weight"]
+    (n, d), vocab, elt = h.shape, weight.shape[0], h.element_size()
+    c = min(n, one_pass_chunk_tokens(vocab, d, weight.dtype, a["chunk_size"]))
+    narrow_sum = a["need_dweight"] and c < n and weight.dtype != torch.float32
+    return c * vocab * elt + (vocab * d * (4 + elt) if narrow_sum else 0)
 
 
 def _scaled(t: Tensor, g: Tensor) -> Tensor:

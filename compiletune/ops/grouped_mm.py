@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from compiletune.ops.op_memory import declare_memory, holds_nothing
 from compiletune.torch_internals import native_grouped_mm
 
 # dtypes the native kernel takes on every torch from 2.11 (2.14 adds fp16 on some GPUs)
@@ -110,3 +111,8 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     if uses_native(x, w):
         return native_grouped_mm(x, w, offs=offs)
     return _grouped_mm_fallback(x, w, offs)
+
+
+# What these ops hold beyond their outputs (the memory estimate reads it): nothing; one expert's slice at a time, views of its inputs, written into the output.
+declare_memory("compiletune::grouped_mm")(holds_nothing)
+declare_memory("compiletune::grouped_mm_weight_grad")(holds_nothing)

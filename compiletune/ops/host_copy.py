@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from compiletune.ops.op_memory import declare_memory, holds_nothing
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -63,3 +65,8 @@ def reload_from_host(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 @reload_from_host.register_fake
 def _(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _empty_like(x, device)
+
+
+# What these ops hold beyond their outputs (the memory estimate reads it): nothing; a copy is its output.
+declare_memory("compiletune::offload_to_host")(holds_nothing)
+declare_memory("compiletune::reload_from_host")(holds_nothing)
