@@ -77,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     configs.add_argument("action", nargs="?", choices=("list", "show", "copy"), default="list")
     configs.add_argument("name", nargs="?", help="a recipe name (show, copy)")
     configs.add_argument("path", nargs="?", help="where to copy it (copy)")
+    cache = sub.add_parser(
+        "cache",
+        help="the token cache: `cache list`, `cache verify [KEY ...]`, `cache clear [KEY ...]`",
+        description="Entries of the token cache (tokenised data sources, see --cache-dir). "
+        "verify re-hashes every file of each entry against its recorded checksums and exits 1 "
+        "when one is damaged (training rebuilds a damaged entry by itself); clear removes "
+        "entries (all of them without KEY).",
+    )
+    cache.add_argument("action", choices=("list", "verify", "clear"))
+    cache.add_argument("keys", nargs="*", metavar="KEY", help="entries (default: every one)")
+    cache.add_argument("--cache-dir", default=None, help="default: as `train` finds it")
     convert = sub.add_parser("convert", help="turn a sharded (--fsdp) checkpoint into an HF folder")
     convert.add_argument("checkpoint", help="a step_N folder of an --fsdp run")
     convert.add_argument("output", help="new folder for the HF checkpoint")
@@ -225,6 +236,50 @@ def _cmd_configs(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache(ns: argparse.Namespace) -> int:
+    import json
+
+    from compiletune import token_cache
+
+    root = token_cache.cache_root(ns.cache_dir)
+    if ns.action == "clear":
+        removed = token_cache.clear(ns.cache_dir, ns.keys)
+        print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} from {root}")
+        return 0
+    found = token_cache.entries(ns.cache_dir)
+    if ns.keys:
+        names = {p.name for p in found}
+        missing = [k for k in ns.keys if k not in names]
+        if missing:
+            raise UserError(f"no token cache entry {missing[0]} in {root}; see `cache list`")
+        found = [p for p in found if p.name in ns.keys]
+    if not found:
+        print(f"no entries in {root}")
+        return 0
+    damaged = 0
+    for entry in found:
+        try:
+            meta = json.loads((entry / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+        size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file()) / 2**20
+        line = (
+            f"{entry.name}  {meta.get('source', '?')}  {meta.get('documents', '?')} documents, "
+            f"{meta.get('tokens', '?')} tokens, {size:.1f} MiB, {meta.get('created', '?')}"
+        )
+        if ns.action == "verify":
+            problem = token_cache.damage(entry, rehash=True)
+            damaged += problem is not None
+            line += f"  {'ok' if problem is None else 'DAMAGED: ' + problem}"
+        print(line)
+    if damaged:
+        print(
+            f"{damaged} damaged: a training run rebuilds an entry from its source; "
+            "`compiletune cache clear KEY` removes one whose source is gone"
+        )
+    return 1 if damaged else 0
+
+
 def _cmd_convert(ns: argparse.Namespace) -> int:
     import time
 
@@ -272,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_estimate(ns)
         if ns.command == "configs":
             return _cmd_configs(ns)
+        if ns.command == "cache":
+            return _cmd_cache(ns)
         return _cmd_models(ns)
     except UserError as e:
         message = " ".join(str(e).split())  # one line, whatever a message quotes

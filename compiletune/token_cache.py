@@ -14,6 +14,12 @@ tokens to the entry's files in order, so memory holds a few chunks whatever the 
 entry is written under a temporary name and renamed when complete (atomic.py): a killed build
 leaves nothing that is ever read. A lock file makes concurrent builders wait for one another:
 under torchrun every rank asks for the entry, one builds it, the others wait and open it.
+
+An entry proves itself. Its meta.json records each file's size and SHA-256 and the largest
+token id. Opening an entry always checks the sizes and the document offsets (cheap), and the
+first open in a process also re-hashes every file. A damaged entry is rebuilt from its source
+with one line saying why: a truncated file, offsets past the ids, unreadable metadata, or ids
+changed in place. `compiletune cache list|verify|clear` shows, checks and removes entries.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from array import array
@@ -38,9 +45,10 @@ from tqdm import tqdm
 
 from compiletune import faults
 from compiletune.atomic import make_folder, write_folder_atomically
+from compiletune.errors import UserError
 from compiletune.token_store import DOCS, FLAGS, IDS, META, FileStore
 
-FORMAT = 1  # bump when the entry layout or the tokenisation rules change
+FORMAT = 2  # bump when the entry layout or the tokenisation rules change (2: checksums)
 _CHUNK = 512  # raw examples per tokenisation task
 _IN_PROCESS_BYTES = 16 << 20  # sources smaller than this tokenise in this process
 
@@ -113,15 +121,110 @@ def cached_store(
     make_folder(root, "--cache-dir")
     key = cache_key(source, tokenizer, fmt, columns, split)
     entry = root / key
-    if (entry / META).is_file():
+    if entry.exists() and damage(entry) is None:
         return FileStore(entry)
     with _locked(root / f".{key}.lock"):
-        if not (entry / META).is_file():  # another process may have built it meanwhile
+        problem = damage(entry) if entry.exists() else None  # another process may have built it
+        if problem is not None:
+            say(f"token cache entry {entry} is damaged ({problem}); rebuilding it from {source}")
+            _remove(entry)
+        if not entry.exists():
             n = _workers(source, split, workers)
             write_folder_atomically(
                 entry, lambda tmp: _build(tmp, source, tokenizer, fmt, columns, split, n, say)
             )
     return FileStore(entry)
+
+
+# Entries whose files were hashed in this process (by path): later opens check sizes only.
+_HASHED: set[str] = set()
+_HASH_BLOCK = 8 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def damage(entry: Path, rehash: bool | None = None) -> str | None:
+    """What is wrong with cache entry `entry`, or None when it is whole. Always: meta.json
+    readable, of this FORMAT, each file of its recorded size, the document offsets rising from
+    0 to the token count. With `rehash` (default: the first time in this process) also every
+    file's SHA-256 against the recorded one."""
+    try:
+        meta = json.loads((entry / META).read_text())
+        files, tokens, docs = meta["files"], int(meta["tokens"]), int(meta["documents"])
+    except FileNotFoundError:
+        return f"{META} is missing"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{META} is unreadable ({type(e).__name__})"
+    if meta.get("format") != FORMAT:
+        return f"{META} is of format {meta.get('format')}, not {FORMAT}"
+    expected = {IDS: 4 * tokens, FLAGS: tokens, DOCS: 8 * (docs + 1)}
+    for name, size in expected.items():
+        path = entry / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = path.stat().st_size
+        if actual != size or files.get(name, {}).get("bytes") != size:
+            return f"{name} holds {actual} bytes where {size} are recorded"
+    bounds = np.fromfile(entry / DOCS, dtype=np.int64)
+    if bounds[0] != 0 or bounds[-1] != tokens or (np.diff(bounds) < 0).any():
+        return f"{DOCS} holds document offsets outside the {tokens} stored tokens"
+    if rehash is None:
+        rehash = str(entry) not in _HASHED
+    if rehash:
+        for name in expected:
+            if _sha256(entry / name) != files[name].get("sha256"):
+                return f"{name} changed since it was written (its SHA-256 differs)"
+        _HASHED.add(str(entry))
+    return None
+
+
+def check_vocabulary(store: FileStore, vocab: int) -> None:
+    """Refuse an entry holding a token id outside [0, vocab): the tokenizer does not match the
+    model (the embedding would fail with an index error mid-step)."""
+    top = int(store.meta.get("max_id", -1))
+    if top >= vocab:
+        raise UserError(
+            f"token cache entry {store.folder} holds token id {top}, outside the model's "
+            f"vocabulary of {vocab}; the tokenizer does not match the model (pass the model's "
+            "own with --tokenizer)"
+        )
+
+
+def _remove(entry: Path) -> None:
+    """Take an entry out of the cache: renamed first (one step), then deleted."""
+    trash = entry.with_name(f".trash-{entry.name}-{os.getpid()}")
+    entry.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+    _HASHED.discard(str(entry))
+
+
+def entries(cache_dir: str | None = None) -> list[Path]:
+    """Every entry folder of the cache, by name."""
+    root = cache_root(cache_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def clear(cache_dir: str | None = None, keys: list[str] | None = None) -> list[Path]:
+    """Remove these entries (by key, or every entry); returns what was removed."""
+    found = {p.name: p for p in entries(cache_dir)}
+    unknown = [k for k in keys or [] if k not in found]
+    if unknown:
+        raise UserError(
+            f"no token cache entry {unknown[0]} in {cache_root(cache_dir)}; "
+            "`compiletune cache list` shows the entries"
+        )
+    chosen = [found[k] for k in keys] if keys else list(found.values())
+    for entry in chosen:
+        _remove(entry)
+    return chosen
 
 
 def _workers(source: str, split: str | None, asked: int | None) -> int:
@@ -202,12 +305,18 @@ def _build(
     bounds = array("q", [0])
     interactive = sys.stderr.isatty()
     bar = tqdm(desc=f"tokenizing {source}", unit="tok", unit_scale=True, disable=not interactive)
+    hashes = {IDS: hashlib.sha256(), FLAGS: hashlib.sha256()}
+    top = [-1]  # the largest token id
     with open(tmp / IDS, "wb") as ids_f, open(tmp / FLAGS, "wb") as flags_f:
 
         def write(result: tuple[bytes, bytes, list[int]]) -> None:
             ids, flags, lengths = result
             ids_f.write(ids)
             flags_f.write(flags)
+            hashes[IDS].update(ids)
+            hashes[FLAGS].update(flags)
+            if ids:
+                top[0] = max(top[0], int(np.frombuffer(ids, dtype=np.int32).max()))
             for n in lengths:
                 bounds.append(bounds[-1] + n)
             bar.update(sum(lengths))
@@ -232,18 +341,25 @@ def _build(
                 while pending:
                     write(pending.popleft().result())
     bar.close()
-    np.asarray(bounds, dtype=np.int64).tofile(tmp / DOCS)
+    offsets = np.asarray(bounds, dtype=np.int64)
+    offsets.tofile(tmp / DOCS)
+    hashes[DOCS] = hashlib.sha256(offsets.tobytes())
     seconds = time.perf_counter() - t0
     tokens, docs = bounds[-1], len(bounds) - 1
+    sizes = {IDS: 4 * tokens, FLAGS: tokens, DOCS: 8 * (docs + 1)}
     meta = {
         "format": FORMAT,
         "source": source,
         "documents": docs,
         "tokens": tokens,
+        "max_id": top[0],
+        "files": {k: {"bytes": sizes[k], "sha256": h.hexdigest()} for k, h in hashes.items()},
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(seconds, 3),
         "workers": workers,
     }
     (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+    _HASHED.add(str(tmp.parent / tmp.name.removeprefix(".tmp-")))  # hashed as it was written
     rate = tokens / seconds if seconds > 0 else 0.0
     say(
         f"tokenized {source}: {docs} documents, {tokens} tokens in {seconds:.1f}s "

@@ -44,7 +44,7 @@ from compiletune.models.attention import attention_backend
 from compiletune.models.hf import brief
 from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
 from compiletune.optim import Optimizer
-from compiletune.token_cache import cached_store
+from compiletune.token_cache import cached_store, check_vocabulary
 from compiletune.token_store import MemoryStore, Store
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
@@ -217,11 +217,12 @@ def _check_shapes(cfg: TrainConfig, args: ModelArgs, tokenizer: Any) -> None:
 
 
 def build_data(
-    cfg: TrainConfig, tokenizer: Any, say: Any = print
+    cfg: TrainConfig, tokenizer: Any, say: Any = print, vocab: int | None = None
 ) -> tuple[list[PackedData], list[float], PackedData | None]:
     """The training rows of each --data source (with its mixture weight), and the held-out rows
     (--val-split or --eval-data) if any. Sources are read from the token cache, tokenised
-    first if needed (token_cache.py)."""
+    first if needed (token_cache.py); an entry holding a token id outside the model's `vocab`
+    is refused."""
     d = cfg.data
     opts = {
         "fmt": d.data_format,
@@ -233,6 +234,9 @@ def build_data(
     }
     sources = parse_sources(d.source)
     stores: list[Store] = [cached_store(src, tokenizer, **opts) for src, _ in sources]
+    if vocab is not None:
+        for store in stores:
+            check_vocabulary(store, vocab)
     held: Store | None = None
     held_name = None
     if d.val_split > 0:
@@ -246,6 +250,8 @@ def build_data(
         held_name = f"the --val-split {d.val_split} held-out examples"
     elif d.eval_data is not None:
         evals = [cached_store(src, tokenizer, **opts) for src, _ in parse_sources(d.eval_data)]
+        for store in evals if vocab is not None else []:
+            check_vocabulary(store, vocab)
         held = (
             evals[0]
             if len(evals) == 1
@@ -454,7 +460,7 @@ def _read_inputs(
     if cfg.objective.objective in ("dpo", "ipo", "simpo"):
         datas, weights, eval_set = build_pairs(cfg, tokenizer, say)
     else:
-        datas, weights, eval_set = build_data(cfg, tokenizer, say)
+        datas, weights, eval_set = build_data(cfg, tokenizer, say, args.vocab_size)
     packs = any(d.packs_documents() for d in datas)
     rows = sum(d.rows for d in datas)
     facts = RunFacts(

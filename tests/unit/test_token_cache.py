@@ -197,3 +197,104 @@ def test_mixture_trains_and_resumes_exactly(tmp_path, capsys):
     assert read_metrics(full / "metrics.jsonl")[-1]["eval_loss"] > 0
     assert main(["train", "--data", f"{a}:0.6,{b}:oops", "--output-dir", str(tmp_path / "x")]) == 2
     assert "the weight 'oops'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def _entry(tmp_path: Path) -> tuple[str, str, Path, list]:
+    """A built entry of a small chat file: (source, cache dir, entry folder, its rows)."""
+    src, cache = str(_chat_file(tmp_path / "chat.jsonl", 30)), str(tmp_path / "c")
+    store = cached_store(src, byte_tokenizer(), cache_dir=cache, say=lambda s: None)
+    return src, cache, store.folder, PackedData(store, 16).all_rows()
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-8])
+
+
+def _offsets_past_the_ids(path: Path) -> None:
+    bounds = np.fromfile(path, dtype=np.int64)
+    bounds[-2] = bounds[-1] + 100
+    bounds.tofile(path)
+
+
+def _ids_changed_in_place(path: Path) -> None:
+    ids = np.fromfile(path, dtype=np.int32)
+    ids[5] = (ids[5] + 1) % 200  # still inside the vocabulary
+    ids.tofile(path)
+
+
+DAMAGE = [
+    ("ids.i32", _truncate, "ids.i32 holds"),
+    ("docs.i64", _offsets_past_the_ids, "docs.i64 holds document offsets outside"),
+    ("meta.json", lambda p: p.write_text("{not json"), "meta.json is unreadable"),
+    ("flags.u8", _truncate, "flags.u8 holds"),
+    ("ids.i32", _ids_changed_in_place, "ids.i32 changed since it was written"),
+]
+
+
+@pytest.mark.parametrize("name, spoil, reason", DAMAGE, ids=[d[2] for d in DAMAGE])
+def test_a_damaged_entry_is_rebuilt_with_one_line(tmp_path, name, spoil, reason):
+    from compiletune import token_cache
+
+    src, cache, entry, rows = _entry(tmp_path)
+    spoil(entry / name)
+    token_cache._HASHED.clear()  # a new process: the first open re-hashes
+    said = []
+    store = cached_store(src, byte_tokenizer(), cache_dir=cache, say=said.append)
+    assert said[0].startswith(f"token cache entry {entry} is damaged ({reason}")
+    assert said[0].endswith(f"rebuilding it from {src}") and said[1].startswith("tokenized")
+    again = PackedData(store, 16).all_rows()
+    assert all(torch.equal(again[k], rows[k]) for k in rows)  # the same data as before
+    assert token_cache.damage(store.folder, rehash=True) is None
+
+
+def test_sizes_are_checked_at_every_open_and_hashes_once_per_process(tmp_path):
+    from compiletune import token_cache
+
+    src, cache, entry, _ = _entry(tmp_path)
+    _ids_changed_in_place(entry / "ids.i32")  # same size: only a hash sees it
+    assert token_cache.damage(entry) is None  # hashed as it was written, in this process
+    assert "changed since" in token_cache.damage(entry, rehash=True)
+    _truncate(entry / "flags.u8")
+    assert "flags.u8 holds" in token_cache.damage(entry)  # sizes: always
+
+
+def test_token_ids_outside_the_models_vocabulary_are_refused(tmp_path):
+    from compiletune.token_cache import check_vocabulary
+
+    src, cache, entry, _ = _entry(tmp_path)
+    store = cached_store(src, byte_tokenizer(), cache_dir=cache, say=lambda s: None)
+    top = store.meta["max_id"]
+    assert top == int(np.fromfile(entry / "ids.i32", dtype=np.int32).max())
+    check_vocabulary(store, top + 1)
+    with pytest.raises(UserError, match=f"{entry} holds token id {top}, outside .* of {top}"):
+        check_vocabulary(store, top)
+
+
+def test_cache_command_lists_verifies_and_clears(tmp_path, capsys):
+    src, cache, entry, _ = _entry(tmp_path)
+    other = cached_store(
+        str(_text_file(tmp_path / "t.jsonl", 20, "w")),
+        byte_tokenizer(),
+        cache_dir=cache,
+        say=lambda s: None,
+    ).folder
+    assert main(["cache", "list", "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    assert entry.name in out and other.name in out and "30 documents" in out
+    assert main(["cache", "verify", "--cache-dir", cache]) == 0
+    assert capsys.readouterr().out.count("  ok") == 2
+    _ids_changed_in_place(entry / "ids.i32")
+    assert main(["cache", "verify", "--cache-dir", cache]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED: ids.i32 changed" in out and "1 damaged" in out
+    assert main(["cache", "clear", entry.name, "--cache-dir", cache]) == 0
+    assert not entry.exists() and other.exists()
+    assert main(["cache", "clear", "nosuchkey", "--cache-dir", cache]) == 2
+    assert "no token cache entry nosuchkey" in capsys.readouterr().err
+    assert main(["cache", "clear", "--cache-dir", cache]) == 0
+    assert not other.exists()
+    assert main(["cache", "list", "--cache-dir", cache]) == 0
+    assert "no entries" in capsys.readouterr().out
