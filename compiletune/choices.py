@@ -21,6 +21,8 @@ Quantize = Literal["nf4"]
 Objective = Literal["sft", "dpo", "ipo", "simpo", "kd"]
 KdLoss = Literal["forward_kl", "jsd"]
 DataFormat = Literal["auto", "text", "prompt-completion", "messages", "sharegpt", "alpaca"]
+Packing = Literal["whole", "stream"]
+Truncation = Literal["right", "left"]
 
 
 def choices(literal: object) -> tuple[str, ...]:

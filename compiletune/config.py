@@ -39,9 +39,11 @@ from compiletune.choices import (
     Loss,
     Objective,
     OptimizerKind,
+    Packing,
     Quantize,
     Schedule,
     Sharding,
+    Truncation,
 )
 from compiletune.errors import UserError
 
@@ -179,6 +181,15 @@ class DataConfig:
     val_split: float = opt(0.0, "hold out this fraction of --data (0 = none)", estimate=False)
     eval_every: int = opt(
         0, "evaluate every N steps (0 = at the end)", estimate=False, on_resume="free"
+    )
+    packing: Packing = opt(
+        "whole",
+        "how examples fill rows: whole (each example whole in one row, best-fit packed, padded) "
+        "or stream (one token stream cut into rows: pre-training corpora)",
+    )
+    truncation: Truncation = opt(
+        "right",
+        "an example longer than --seq-len keeps its start (right: the prompt) or its end (left)",
     )
     seq_len: int = opt(256, "tokens per row")
     batch_size: int = opt(8, "rows per micro-batch (per process)")

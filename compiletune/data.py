@@ -18,14 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from compiletune.errors import UserError
-from compiletune.token_store import IGNORE_INDEX, MemoryStore, PackedData
+from compiletune.token_store import IGNORE_INDEX, ExampleRows, MemoryStore, PackedData, Store
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -188,14 +188,26 @@ def pack(
     return check_rows(PackedData(MemoryStore.from_examples(examples), seq_len, keep_tail), source)
 
 
-def check_rows(data: PackedData, source: str) -> PackedData:
+def pack_store(
+    store: Store, seq_len: int, packing: str = "whole", truncation: str = "right", **kw: Any
+) -> PackedData | ExampleRows:
+    """A store's training rows: each example whole in a row (`packing="whole"`, `truncation`
+    for one longer than a row), or the stream cut into rows ("stream"; `kw`: `keep_tail`)."""
+    if packing == "whole":
+        return ExampleRows(store, seq_len, truncation)
+    if packing == "stream":
+        return PackedData(store, seq_len, **kw)
+    raise ValueError(f"packing must be whole or stream, got {packing!r}")
+
+
+def check_rows(data: PackedData | ExampleRows, source: str) -> PackedData | ExampleRows:
     """`data`, refused in one line when it has no row to train on."""
     if data.seq_len < 1:
         raise UserError(
             f"seq-len must be at least 1, got {data.seq_len}; pass a positive --seq-len"
         )
     n, L = data.store.n_tokens, data.seq_len
-    if data.total_rows == 0:
+    if data.total_rows == 0 and n < (2 if data.keep_tail else L + 1):
         raise UserError(
             f"{source} has {n} tokens; seq-len {L} needs at least "
             f"{2 if data.keep_tail else L + 1}; lower --seq-len or add data"

@@ -8,9 +8,15 @@ the corpus (nothing is memory-mapped, so no page of the corpus counts in its res
 `Store.subset(docs)` is a view of some documents in order (what `--val-split` leaves), with no
 copy.
 
-`PackedData` cuts a store's stream into rows of `seq_len + 1` tokens that overlap by one
-(inputs and shifted targets) and builds a batch of rows when asked (`take`): the training step
-never needs more than its own rows in memory.
+Two ways to lay documents into training rows of `seq_len` inputs, each building a batch of
+rows when asked (`take`), so the training step never needs more than its own rows in memory:
+
+    ExampleRows   `--packing whole` (the default): every document (an example) whole in one
+                  row, rows filled by best-fit-decreasing bin packing and padded with ignored
+                  targets; an example longer than a row is truncated (`--truncation`).
+    PackedData    `--packing stream` (pre-training corpora): the documents as one token stream
+                  cut into rows of `seq_len + 1` tokens that overlap by one; a document that
+                  straddles a row boundary is trained in two pieces.
 """
 
 from __future__ import annotations
@@ -271,3 +277,186 @@ class PackedData:
         starts = self.store.starts[1:-1]  # document starts after the first
         inside = starts[(starts % L) != 0] // L  # rows where a document starts mid-row
         return bool(np.isin(inside, self._row).any())
+
+
+class _Bins:
+    """Best fit over bins of integer capacity: `place(size)` puts an item into the open bin
+    whose free room is the smallest that holds it (a new bin when none does) and returns the
+    bin's number. Free rooms are counted in a segment tree over 0..capacity, so a placement
+    costs O(log capacity)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 1 << max(1, (capacity + 1).bit_length())
+        self.count = [0] * (2 * self.size)  # bins per free room, summed up the tree
+        self.by_room: dict[int, list[int]] = {}  # free room -> bins with it (a stack)
+        self.room: list[int] = []  # free room of each bin
+
+    def _add(self, room: int, delta: int) -> None:
+        i = room + self.size
+        while i:
+            self.count[i] += delta
+            i //= 2
+
+    def _smallest_at_least(self, need: int) -> int | None:
+        """The smallest free room >= need that some bin has, or None."""
+        if need > self.capacity:
+            return None
+        # walk the leaves' range [need, size) through the tree, left to right
+        lo, hi = need + self.size, 2 * self.size
+        left: list[int] = []
+        right: list[int] = []
+        while lo < hi:
+            if lo & 1:
+                left.append(lo)
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                right.append(hi)
+            lo //= 2
+            hi //= 2
+        for node in left + right[::-1]:
+            if self.count[node]:
+                while node < self.size:  # down to the leftmost non-empty leaf
+                    node = 2 * node if self.count[2 * node] else 2 * node + 1
+                return node - self.size
+        return None
+
+    def place(self, size: int) -> int:
+        room = self._smallest_at_least(size)
+        if room is None:
+            b = len(self.room)
+            self.room.append(self.capacity)
+            self.by_room.setdefault(self.capacity, []).append(b)
+            self._add(self.capacity, 1)
+            room = self.capacity
+        b = self.by_room[room].pop()
+        self._add(room, -1)
+        left = room - size
+        self.room[b] = left
+        self.by_room.setdefault(left, []).append(b)
+        self._add(left, 1)
+        return b
+
+
+class ExampleRows:
+    """The training rows of a store with every document whole in one row.
+
+    A document of n tokens trains on n - 1 inputs (its tokens but the last) with the next token
+    as each one's target, as it would alone. Documents longer than a row (n - 1 > seq_len) are
+    truncated to seq_len + 1 tokens: `truncation` "right" keeps their start (the prompt), "left"
+    their end. Documents are placed into rows by best-fit-decreasing (longest first, ties by
+    position; each into the row whose free room is the smallest that holds it), which is
+    deterministic; within a row they keep their order in the data. The rest of a row is
+    padding: token 0, never a target, a document of its own. Documents without a target (after
+    truncation) are left out.
+
+    Serves batches as `PackedData` does (`rows`, `take`, `all_rows`, `packs_documents`), with
+    `fill_ratio` (real inputs / row inputs), `truncated` (documents cut) and `lost_tokens`.
+    """
+
+    keep_tail = True  # nothing is ever dropped for not filling a row
+
+    def __init__(self, store: Store, seq_len: int, truncation: str = "right") -> None:
+        if truncation not in ("right", "left"):
+            raise ValueError(f"truncation must be right or left, got {truncation!r}")
+        self.store, self.seq_len, self.truncation = store, seq_len, truncation
+        lens = store._lens
+        # the part of each document a row holds: [first, first + used) of its tokens
+        used = np.minimum(lens, seq_len + 1)
+        first = np.where(lens > used, lens - used, 0) if truncation == "left" else 0
+        first = np.broadcast_to(np.asarray(first, dtype=np.int64), lens.shape).copy()
+        self.truncated = int((lens > used).sum())
+        self.lost_tokens = int((lens - used).sum())
+        trains = self._has_targets(first, used)
+        docs = np.flatnonzero(trains)
+        inputs = used[docs] - 1
+        order = docs[np.lexsort((docs, -inputs))]  # longest first, ties by position
+        bins = _Bins(seq_len)
+        row_of = np.empty(len(lens), dtype=np.int64)
+        for d in order.tolist():
+            row_of[d] = bins.place(int(used[d]) - 1)
+        # rows as runs of documents in data order
+        by_row = docs[np.argsort(row_of[docs], kind="stable")]
+        counts = np.bincount(row_of[docs], minlength=len(bins.room)) if len(docs) else []
+        self._docs, self._first, self._used = by_row, first[by_row], used[by_row]
+        self._row_start = np.zeros(len(bins.room) + 1, dtype=np.int64)
+        np.cumsum(counts, out=self._row_start[1:])
+        self.total_rows = len(bins.room)
+        filled = int(inputs.sum())
+        self.fill_ratio = filled / (self.total_rows * seq_len) if self.total_rows else 0.0
+        self.dropped = int(len(lens) - len(docs))
+
+    def _has_targets(self, first: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """bool [n_docs]: the kept part of each document predicts at least one target."""
+        out = np.zeros(len(used), dtype=bool)
+        for d in range(len(used)):  # flags only, a document at a time
+            _, flags = self.store.read(int(self.store.starts[d] + first[d]), int(used[d]))
+            out[d] = bool((flags[1:] > 0).any())
+        return out
+
+    @property
+    def rows(self) -> int:
+        return self.total_rows
+
+    def take(self, idx: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
+        """Rows `idx` as a batch: `inputs`, `targets`, `positions` (int64) and `doc_ids`
+        (int32), each `[len(idx), seq_len]`."""
+        L = self.seq_len
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        n = len(idx)
+        inputs = np.zeros((n, L), dtype=np.int64)
+        targets = np.full((n, L), IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros((n, L), dtype=np.int64)
+        doc_ids = np.zeros((n, L), dtype=np.int32)
+        for j, r in enumerate(idx.tolist()):
+            at = 0
+            k = 0
+            for k, i in enumerate(range(self._row_start[r], self._row_start[r + 1])):
+                d, first, used = int(self._docs[i]), int(self._first[i]), int(self._used[i])
+                ids, flags = self.store.read(int(self.store.starts[d]) + first, used)
+                m = used - 1
+                span = slice(at, at + m)
+                inputs[j, span] = ids[:-1]
+                targets[j, span] = np.where(flags[1:] > 0, ids[1:], IGNORE_INDEX)
+                positions[j, span] = np.arange(m)
+                doc_ids[j, span] = k
+                at += m
+            doc_ids[j, at:] = k + 1  # padding: a document of its own
+            positions[j, at:] = np.arange(L - at)
+        return {
+            "inputs": torch.from_numpy(inputs),
+            "targets": torch.from_numpy(targets),
+            "positions": torch.from_numpy(positions),
+            "doc_ids": torch.from_numpy(doc_ids),
+        }
+
+    def all_rows(self) -> dict[str, torch.Tensor]:
+        return self.take(np.arange(self.rows))
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        return self.all_rows()["inputs"]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.all_rows()["targets"]
+
+    def packs_documents(self) -> bool:
+        """Does any row hold two documents (so document masking changes something)?"""
+        return bool((np.diff(self._row_start) > 1).any())
+
+    def summary(self) -> str:
+        """One line: rows, fill and what truncation cost."""
+        line = (
+            f"packed whole examples into {self.rows} rows of {self.seq_len} tokens "
+            f"(fill {self.fill_ratio:.1%})"
+        )
+        if self.truncated:
+            line += (
+                f"; {self.truncated} example{'s' if self.truncated > 1 else ''} longer than "
+                f"--seq-len truncated ({self.truncation}), {self.lost_tokens} tokens lost"
+            )
+        if self.dropped:
+            line += f"; {self.dropped} without a target left out"
+        return line

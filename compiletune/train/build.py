@@ -27,7 +27,15 @@ from compiletune import distributed as dist_
 from compiletune.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compile import CompiledRegions, CompileOptions, compile_regions
 from compiletune.config import RunFacts, TrainConfig, fill_defaults
-from compiletune.data import Batches, Mixture, PackedData, check_rows, parse_sources, split_indices
+from compiletune.data import (
+    Batches,
+    Mixture,
+    PackedData,
+    check_rows,
+    pack_store,
+    parse_sources,
+    split_indices,
+)
 from compiletune.errors import UserError
 from compiletune.loss import LossHead, head_kind
 from compiletune.models import (
@@ -45,7 +53,7 @@ from compiletune.models.hf import brief
 from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
 from compiletune.optim import Optimizer
 from compiletune.token_cache import cached_store, check_vocabulary
-from compiletune.token_store import MemoryStore, Store
+from compiletune.token_store import ExampleRows, MemoryStore, Store
 from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
 # Fields that make two architectures different models (head_dim is compared resolved).
@@ -259,12 +267,16 @@ def build_data(
         )
         held_name = f"--eval-data {d.eval_data}"
     datas = [
-        check_rows(PackedData(store, d.seq_len), src)
+        check_rows(pack_store(store, d.seq_len, d.packing, d.truncation), src)
         for store, (src, _) in zip(stores, sources, strict=True)
     ]
+    for data, (src, _) in zip(datas, sources, strict=True):
+        if isinstance(data, ExampleRows):
+            say(f"{src}: {data.summary()}")
     eval_set = None
     if held is not None:
-        eval_set = check_rows(PackedData(held, d.seq_len, keep_tail=True), held_name)
+        eval_set = pack_store(held, d.seq_len, d.packing, d.truncation, keep_tail=True)
+        eval_set = check_rows(eval_set, held_name)
     return datas, [w for _, w in sources], eval_set
 
 
