@@ -182,10 +182,11 @@ class DataConfig:
     eval_every: int = opt(
         0, "evaluate every N steps (0 = at the end)", estimate=False, on_resume="free"
     )
-    packing: Packing = opt(
-        "whole",
+    packing: Packing | None = opt(
+        None,
         "how examples fill rows: whole (each example whole in one row, best-fit packed, padded) "
         "or stream (one token stream cut into rows: pre-training corpora)",
+        shows="whole; stream for the embedded pydocs corpus",
     )
     truncation: Truncation = opt(
         "right",
@@ -828,6 +829,9 @@ def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfi
     the facts of the model and data. Values already set are never changed."""
     facts = facts or RunFacts()
     o, lora, run = cfg.optim, cfg.lora, cfg.run
+    if cfg.data.packing is None:
+        # The embedded corpus is long documents (a pre-training corpus): cut, not truncated.
+        cfg.data.packing = "stream" if cfg.data.source == "pydocs" else "whole"
     if o.lr is None:
         # Adapters start at zero and are few: LoRA wants a ~10x larger lr than full fine-tuning.
         o.lr = (2e-4 if lora.rank else 2e-5) if cfg.model.model_dir else 1e-3

@@ -457,6 +457,12 @@ class ExampleRows:
                 f"; {self.truncated} example{'s' if self.truncated > 1 else ''} longer than "
                 f"--seq-len truncated ({self.truncation}), {self.lost_tokens} tokens lost"
             )
+            share = self.lost_tokens / max(1, self.store.n_tokens)
+            if share > 0.25:
+                line += (
+                    f" ({share:.0%} of the data: raise --seq-len, or for long documents such as "
+                    "a pre-training corpus pass --packing stream)"
+                )
         if self.dropped:
             line += f"; {self.dropped} without a target left out"
         return line
