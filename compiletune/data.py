@@ -212,6 +212,13 @@ def check_rows(data: PackedData | ExampleRows, source: str) -> PackedData | Exam
             f"{source} has {n} tokens; seq-len {L} needs at least "
             f"{2 if data.keep_tail else L + 1}; lower --seq-len or add data"
         )
+    if data.rows == 0 and getattr(data, "truncated", 0):
+        right = data.truncation == "right"
+        raise UserError(
+            f"{source}: every example's targets were truncated away at --seq-len {L} (each "
+            f"keeps its {'start' if right else 'end'}); raise --seq-len"
+            + (", or pass --truncation left to keep the ends (the replies)" if right else "")
+        )
     if data.rows == 0:
         raise UserError(
             f"{source}: no row has a token to predict (every target is masked); check that "

@@ -490,6 +490,8 @@ class Trainer:
             "helper_graphs": helper_graphs,
             "processes": run.world,
             "estimate_peak_gib": self.estimate_peak_gib,  # the GPU pre-flight's estimate
+            # --packing whole: real inputs / row inputs of the training rows (one source)
+            "fill_ratio": getattr(getattr(run.batches, "data", None), "fill_ratio", None),
         }
         if self.main:
             run_dir.write_summary(self.out, summary)

@@ -158,6 +158,7 @@ def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> Non
     part = tmp_path / "part"
     part.mkdir()
     shutil.copytree(step2, part / "step_2")
+    shutil.copy(tmp_path / "fsdp" / "config.yaml", part / "config.yaml")  # written at the start
     (part / "metrics.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in read_metrics(tmp_path / "fsdp" / "metrics.jsonl")[:2])
     )

@@ -163,6 +163,12 @@ def _short_txt(tmp_path: Path) -> str:
     return str(p)
 
 
+def _long_prompts(tmp_path: Path) -> str:
+    p = tmp_path / "long.jsonl"
+    p.write_text(json.dumps({"prompt": "a long question " * 4, "completion": " yes"}) + "\n")
+    return str(p)
+
+
 def _mismatched_dir(tmp_path: Path) -> str:
     args = from_name("debug")
     args.n_layers, args.dim, args.ffn_dim, args.n_heads, args.n_kv_heads = 1, 64, 128, 4, 2
@@ -195,7 +201,11 @@ BAD = [
     (lambda t: ["--model-dir", str(t / "nowhere")], "nowhere"),
     (lambda t: ["--model-dir", _mismatched_dir(t)], "feed_forward|mlp|128|96"),
     (lambda t: ["--data", _bad_jsonl(t)], "bad.jsonl:2"),
-    (lambda t: ["--data", _short_txt(t)], "seq-len"),
+    (lambda t: ["--data", _short_txt(t), "--packing", "stream"], "seq-len"),
+    (
+        lambda t: ["--data", _long_prompts(t), "--seq-len", "8"],
+        "truncated away .* --truncation left",
+    ),
     (lambda t: ["--seq-len", "40000"], "beyond the model's 32768 positions"),
     (lambda t: ["--tokenizer", _big_tokenizer(t)], "601 tokens"),
     (lambda t: ["--output-dir", _file_as_parent(t)], "cannot create it \\(Not a directory\\)"),

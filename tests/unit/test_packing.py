@@ -154,3 +154,14 @@ def test_eval_loss_equals_transformers_per_example_loss(tmp_path):
                 count += 1
     assert got["eval_targets"] == count
     assert got["eval_loss"] == pytest.approx(total / count, rel=1e-4)
+
+
+def test_a_run_reports_its_fill_ratio(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_run import tiny_run
+
+    _, tok = _held_out(tmp_path, 40)
+    summary = tiny_run(tmp_path, str(tmp_path / "chat.jsonl"), seq_len=96, max_steps=1)
+    assert 0.5 < summary["fill_ratio"] <= 1.0

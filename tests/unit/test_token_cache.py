@@ -181,7 +181,7 @@ def test_bad_mixtures(spec, needle):
 def test_mixture_trains_and_resumes_exactly(tmp_path, capsys):
     a = _text_file(tmp_path / "a.jsonl", 200, "alpha")
     b = _chat_file(tmp_path / "b.jsonl", 100)
-    flags = ["--data", f"{a}:0.6,{b}:0.4", "--seq-len", "32", "--batch-size", "2"]
+    flags = ["--data", f"{a}:0.6,{b}:0.4", "--seq-len", "96", "--batch-size", "2"]
     flags += ["--val-split", "0.1"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert (
