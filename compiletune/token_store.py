@@ -160,7 +160,36 @@ class FileStore(Store):
         self.__init__(state["folder"])
 
 
-class PackedData:
+class _Rows:
+    """Whole-tensor views of a row layout's batches (small data and tests; training reads
+    batches with `take`)."""
+
+    rows: int
+
+    def take(self, idx: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def all_rows(self) -> dict[str, torch.Tensor]:
+        return self.take(np.arange(self.rows))
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        return self.all_rows()["inputs"]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.all_rows()["targets"]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.all_rows()["positions"]
+
+    @property
+    def doc_ids(self) -> torch.Tensor:
+        return self.all_rows()["doc_ids"]
+
+
+class PackedData(_Rows):
     """The training rows of a store. Row r covers stream tokens [r*L, r*L + L] (L + 1 tokens,
     L = seq_len): inputs are the first L, targets the last L where they are targets of the
     same document and IGNORE_INDEX elsewhere, so consecutive rows share one token and no token
@@ -250,26 +279,6 @@ class PackedData:
             "doc_ids": torch.from_numpy(doc_ids),
         }
 
-    def all_rows(self) -> dict[str, torch.Tensor]:
-        return self.take(np.arange(self.rows))
-
-    # Whole-tensor views (small data and tests; training reads batches with `take`).
-    @property
-    def inputs(self) -> torch.Tensor:
-        return self.all_rows()["inputs"]
-
-    @property
-    def targets(self) -> torch.Tensor:
-        return self.all_rows()["targets"]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.all_rows()["positions"]
-
-    @property
-    def doc_ids(self) -> torch.Tensor:
-        return self.all_rows()["doc_ids"]
-
     def packs_documents(self) -> bool:
         """Does any kept row hold the start of a second document (so document masking
         changes something)?"""
@@ -339,7 +348,7 @@ class _Bins:
         return b
 
 
-class ExampleRows:
+class ExampleRows(_Rows):
     """The training rows of a store with every document whole in one row.
 
     A document of n tokens trains on n - 1 inputs (its tokens but the last) with the next token
@@ -430,17 +439,6 @@ class ExampleRows:
             "positions": torch.from_numpy(positions),
             "doc_ids": torch.from_numpy(doc_ids),
         }
-
-    def all_rows(self) -> dict[str, torch.Tensor]:
-        return self.take(np.arange(self.rows))
-
-    @property
-    def inputs(self) -> torch.Tensor:
-        return self.all_rows()["inputs"]
-
-    @property
-    def targets(self) -> torch.Tensor:
-        return self.all_rows()["targets"]
 
     def packs_documents(self) -> bool:
         """Does any row hold two documents (so document masking changes something)?"""
