@@ -22,6 +22,8 @@ each other. Per token, `seq_ids` names the sequence its target belongs to within
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +92,13 @@ def _texts(row: dict, col: dict[str, str], tokenizer: Any, where: str) -> tuple[
         prompt = [{"role": "user", "content": prompt}]
     if not prompt:
         raise UserError(f"{where}: the pair has no prompt (no shared turns); add a prompt")
+    for name, side in (("chosen", chosen), ("rejected", rejected)):
+        role = side[-1].get("role") if side else None
+        if role != "assistant":
+            raise UserError(
+                f'{where}: the "{name}" messages must end with the assistant\'s answer, not '
+                f"a {role!r} turn; fix the row"
+            )
     head = _render(tokenizer, prompt, True, where)
     sides = []
     for side in (chosen, rejected):
@@ -99,22 +108,61 @@ def _texts(row: dict, col: dict[str, str], tokenizer: Any, where: str) -> tuple[
                 f"{where}: the chat template renders the prompt differently inside the "
                 "conversation, so the response cannot be cut from it; give the pairs as text"
             )
-        sides.append(full[len(head) :])
+        empty = not str(side[-1].get("content") or "").strip()  # the template's markup aside
+        sides.append("" if empty else full[len(head) :])
     return head, sides[0], sides[1]
 
 
+# A source where more than this fraction of the pairs has nothing to teach is refused: its
+# chosen and rejected columns are likely swapped in or copied (a loss of log 2 that never moves).
+DEGENERATE_LIMIT = 0.5
+
+
+def _degenerate(chosen: str, rejected: str) -> str | None:
+    """Why a pair teaches nothing (None when it can): a preference needs two different,
+    non-empty responses."""
+    if not chosen.strip() and not rejected.strip():
+        return "both responses empty"
+    if not chosen.strip() or not rejected.strip():
+        return "an empty response"
+    if chosen == rejected:
+        return "chosen equals rejected"
+    return None
+
+
 def read_pairs(
-    source: str, tokenizer: Any, columns: str | None = None, split: str | None = None
+    source: str,
+    tokenizer: Any,
+    columns: str | None = None,
+    split: str | None = None,
+    say: Callable[[str], None] = print,
 ) -> list[Pair]:
-    """Every pair of `source`, tokenised (see the module docstring)."""
+    """Every pair of `source`, tokenised (see the module docstring). Pairs with nothing to
+    teach (`_degenerate`) are left out and counted in one line; a source where more than
+    DEGENERATE_LIMIT of them are, or none is left, is refused."""
     col = parse_columns(columns)
     raw: list[RawExample] = []
+    dropped: Counter[str] = Counter()
     for row, where in iter_records(source, split):
         prompt, chosen, rejected = _texts(row, col, tokenizer, where)
+        why = _degenerate(chosen, rejected)
+        if why is not None:
+            dropped[why] += 1
+            continue
         for response in (chosen, rejected):
             raw.append(RawExample([(prompt, False), (response, True)], True, where))
+    total = len(raw) // 2 + sum(dropped.values())
+    reasons = ", ".join(f"{n} {why}" for why, n in dropped.most_common())
+    if dropped and (not raw or sum(dropped.values()) > DEGENERATE_LIMIT * total):
+        raise UserError(
+            f"{source}: {sum(dropped.values())} of {total} pairs have nothing to teach "
+            f"({reasons}); preference data needs two different, non-empty responses per "
+            "prompt: check that the chosen and rejected columns are the right ones"
+        )
     if not raw:
         raise UserError(f"{source} has no preference pairs; add rows to it or pick another --data")
+    if dropped:
+        say(f"{source}: left out {sum(dropped.values())} of {total} pairs ({reasons})")
     examples = encode(raw, tokenizer, source)
     pairs = []
     for c, r in zip(examples[0::2], examples[1::2], strict=True):

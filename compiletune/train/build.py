@@ -286,13 +286,13 @@ def build_pairs(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[lis
     from compiletune.pairs import PairRows, read_pairs
 
     d = cfg.data
-    pairs = read_pairs(d.source, tokenizer, d.data_columns, d.data_split)
+    pairs = read_pairs(d.source, tokenizer, d.data_columns, d.data_split, say)
     held = None
     if d.val_split > 0:
         train, out = split_indices(len(pairs), d.val_split, cfg.run.seed)
         pairs, held = [pairs[i] for i in train], [pairs[i] for i in out]
     elif d.eval_data is not None:
-        held = read_pairs(d.eval_data, tokenizer, d.data_columns, d.data_split)
+        held = read_pairs(d.eval_data, tokenizer, d.data_columns, d.data_split, say)
     rows = PairRows(pairs, d.seq_len)
     say(f"preference pairs: {rows.n_pairs} in {rows.rows} rows of {d.seq_len} tokens")
     return [rows], [1.0], None if held is None else PairRows(held, d.seq_len)

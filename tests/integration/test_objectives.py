@@ -12,6 +12,7 @@ from pair_data import WORDS, write_pairs
 from tiny_run import tiny_run
 
 from compiletune.cli import main
+from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_hf, from_name, save_hf
 from compiletune.objectives import sequence_sums
@@ -287,3 +288,41 @@ def test_compiled_head_logprobs_are_fused_and_equal_the_op(tmp_path, loss, softc
     assert write_dump(records, tmp_path)["head"]["full_logits_exist"] is False
     fuse = [p for p in records[0].passes if p["pass"] == "fuse_linear_logprobs"]
     assert [p["matched"] for p in fuse] == ([1] if loss == "fused" else [])
+
+
+def test_pairs_with_nothing_to_teach_are_left_out_or_refused(tmp_path):
+    tok = byte_tokenizer()
+    tok.chat_template = CHATML
+    good = [{"prompt": f"q{i}", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(8)]
+    bad = [
+        {"prompt": "q", "chosen": " same", "rejected": " same"},
+        {"prompt": "q", "chosen": " ", "rejected": " no"},
+        {"prompt": "q", "chosen": "", "rejected": ""},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in good + bad))
+    said: list[str] = []
+    assert len(read_pairs(str(path), tok, say=said.append)) == 8
+    assert said == [
+        f"{path}: left out 3 of 11 pairs (1 chosen equals rejected, 1 an empty response, "
+        "1 both responses empty)"
+    ]
+    same = [{**r, "rejected": r["chosen"]} for r in good]  # every pair degenerate
+    path.write_text("\n".join(json.dumps(r) for r in same))
+    with pytest.raises(UserError, match="8 of 8 pairs have nothing to teach"):
+        read_pairs(str(path), tok)
+    user = {"role": "user", "content": "hi"}
+    rows = [
+        {"chosen": [user, {"role": "assistant", "content": "a"}], "rejected": [user, user]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(UserError, match='"rejected" messages must end with the assistant'):
+        read_pairs(str(path), tok)
+    empty = {"role": "assistant", "content": " "}
+    rows = [
+        {"chosen": [user, {"role": "assistant", "content": f"a{i}"}], "rejected": [user, empty]}
+        for i in range(3)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(UserError, match="3 an empty response"):
+        read_pairs(str(path), tok)
