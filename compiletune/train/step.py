@@ -94,8 +94,10 @@ class RouterStep:
 
 def read_once(values: dict[str, Tensor]) -> dict[str, Any]:
     """Every tensor of `values` on the host in one transfer: the step's one host sync. Scalars
-    come back as floats, others as nested lists of floats."""
-    parts = [v.detach().float().reshape(-1) for v in values.values()]
+    come back as floats, others as nested lists of floats. Values on another device than the
+    first (a norm over --cpu-offload's host-side shards) join it first: a copy, not a sync."""
+    device = next(iter(values.values())).device if values else None
+    parts = [v.detach().float().reshape(-1).to(device) for v in values.values()]
     numbers = torch.cat(parts).tolist() if parts else []
     out: dict[str, Any] = {}
     at = 0

@@ -176,3 +176,22 @@ def test_one_host_sync_per_step_of_an_objective(tmp_path, syncs, objective):
     else:
         data = write_pairs(tmp_path / "pairs.jsonl", n=60)
     _check(syncs, tiny_run(tmp_path, data, **flags))
+
+
+def test_read_once_brings_every_value_back_in_its_shape():
+    from compiletune.train.step import read_once
+
+    values = {
+        "loss_sum": torch.tensor(2.5),
+        "grad_norm": torch.tensor(0.25, dtype=torch.float64),
+        "expert_tokens": torch.tensor([[1, 2, 3], [4, 5, 6]]),
+        "extra.kl": torch.tensor([0.5, 1.5]),
+    }
+    host = read_once(values)
+    assert host == {
+        "loss_sum": 2.5,
+        "grad_norm": 0.25,
+        "expert_tokens": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]],
+        "extra.kl": [0.5, 1.5],
+    }
+    assert read_once({}) == {}
