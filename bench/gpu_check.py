@@ -35,6 +35,8 @@ The speed set of issue 35 (part 4; 2026-11-27), with the peers' wheels carried i
     export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps -e . &&
     BENCH_COMMIT=<hash> python3 bench/gpu_check.py --part 4 --deadline 540 --copy-to "$OUT"
 
+What that first call left (part 5; the same set-up, `--part 5 --deadline 560`, timeout_s 590).
+
 The device call used on 2026-11-26 (H200; 15 minutes of device time in all):
 
     python3 -m pip install -q --no-deps --no-build-isolation -e . &&
@@ -286,6 +288,50 @@ STEPS += [
 ]
 
 
+# Part 5: what part 4's first call left (2026-11-27, the second GPU session), in one call of
+# <= 9.5 minutes: the 1B rows whose ratios need a quiet machine, run first and alone (the
+# compiled baseline, fused head, selective and full AC, LoRA and QLoRA; the rows measured
+# cleanly last time are not repeated); the FlexAttention tests with more workers and time; the
+# 24 GB 8B recipe's peak beside its pre-flight estimate (3 steps: its optimizer runs on the host).
+_LADDER_CLEAN = ["+ compile", "+ fused loss", "+ selective AC", "full AC"]
+_LADDER_CLEAN += ["LoRA r16", "QLoRA r16 (nf4)"]
+STEPS += [
+    Step(
+        5,
+        "ladder-1b-clean",
+        [PY, "bench/ladder.py", *LADDER_1B, "--batch-size", "4", "--steps", "9"]
+        + ["--rungs", *_LADDER_CLEAN, "--out", "{results}/ladder-clean-cuda-{dev}.json"],
+        [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "+ compile"]
+        + ["--out", "{results}/ladder-clean-cuda-{dev}.json"],
+        270,
+        150,
+        result="ladder-clean-cuda-{dev}.json",
+    ),
+    Step(
+        5,
+        "flex-tests-5",
+        [*_pytest("flex-tests-5", "tests/gpu/test_cuda.py", "tests/unit/ops/test_fused_loss.py")]
+        + ["-n", "8", "-k", "flex or compiled_run_follows_eager or test_cuda_"],
+        _pytest("flex-tests-5", "tests/gpu/test_cuda.py") + ["-k", "flex"],
+        170,
+        60,
+        junit=True,
+    ),
+    Step(
+        5,
+        "recipe-8b",
+        [PY, "bench/ladder.py", "--models", "llama3_1_8b", "--rows", "8b", "--estimate"]
+        + ["--rungs", "8B recipe llama3_1_8b_full_24gb", "--steps", "3", "--no-plot"]
+        + ["--out", "{results}/recipe-8b-cuda-{dev}.json"],
+        [PY, "bench/ladder.py", *LADDER_DRY, "--rows", "8b", "--rungs", "8B LoRA r16"]
+        + ["--out", "{results}/recipe-8b-cuda-{dev}.json"],
+        300,
+        90,
+        result="recipe-8b-cuda-{dev}.json",
+    ),
+]
+
+
 def junit_counts(path: Path) -> dict[str, Any]:
     """passed / failed / errors / skipped of a pytest junit file, and the failures' messages."""
     if not path.exists():
@@ -395,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--part", type=int, nargs="+", choices=[1, 2, 3, 4], default=[])
+    ap.add_argument("--part", type=int, nargs="+", choices=[1, 2, 3, 4, 5], default=[])
     ap.add_argument("--all", action="store_true", help="parts 1, 2, 3 in turn (part 4: --part 4)")
     ap.add_argument("--steps", nargs="+", help="these steps, in this order (names: see STEPS)")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: the plumbing")
