@@ -336,7 +336,9 @@ def main() -> None:
         for repeat in range(a.repeats):
             for name, flags in todo:
                 row: dict[str, Any] = {"rung": name, "flags": flags, "commit": result["commit"]}
-                missing = missing_flags(flags, known)
+                # A recipe row stands for its recipe's own flags (`run_rung` expands them).
+                expanded = recipe_flags(flags[1]) if flags[:1] == ["--recipe"] else flags
+                missing = missing_flags(expanded, known)
                 if missing and repeat > 0:
                     continue
                 if missing:
