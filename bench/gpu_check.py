@@ -32,7 +32,7 @@ BENCH_COMMIT=<hash> so that every result names the right one.
 The speed set of issue 35 (part 4; 2026-11-27), with the peers' wheels carried in .whl:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-    export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps -e . &&
+    export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-build-isolation -e . &&
     BENCH_COMMIT=<hash> python3 bench/gpu_check.py --part 4 --deadline 540 --copy-to "$OUT"
 
 What that first call left (part 5; the same set-up, `--part 5 --deadline 560`, timeout_s 590).
