@@ -143,6 +143,12 @@ class DataConfig:
         estimate=False,
         metavar="FIELD=COL,...",
     )
+    data_roles: str | None = opt(
+        None,
+        "map chat roles the tokenizer's template does not know, e.g. human=user,bot=assistant",
+        estimate=False,
+        metavar="FROM=TO,...",
+    )
     data_split: str | None = opt(
         None,
         "the split of a DatasetDict or HF-cache dataset",
@@ -205,6 +211,10 @@ class DataConfig:
             from compiletune.sources import parse_columns
 
             parse_columns(self.data_columns)  # a malformed mapping fails before the model loads
+        if self.data_roles is not None:
+            from compiletune.sources import parse_roles
+
+            parse_roles(self.data_roles)
         if not recipes.is_placeholder(self.source):  # a recipe's <...> is refused by train
             from compiletune.data import parse_sources
 

@@ -65,13 +65,16 @@ def _read_source(
     fmt: str = "auto",
     columns: str | None = None,
     split: str | None = None,
+    roles: str | None = None,
 ) -> list[_RawExample]:
     """The examples of `source` (see `compiletune.sources`): any container (files, folders,
     save_to_disk folders, the HF cache) and layout, `fmt` (--data-format), `columns`
     (--data-columns) and `split` (--data-split). `sources.read_examples` gives them lazily."""
     from compiletune.sources import read_examples
 
-    return list(read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split))
+    return list(
+        read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split, roles=roles)
+    )
 
 
 # ----------------------------------------------------------------------------- tokenising
@@ -111,10 +114,11 @@ def load_examples(
     fmt: str = "auto",
     columns: str | None = None,
     split: str | None = None,
+    roles: str | None = None,
 ) -> list[Example]:
     """Read `source` (see `compiletune.sources`) and tokenise it into examples, in memory (the
     trainer goes through the token cache instead, token_cache.py)."""
-    raw = _read_source(source, tokenizer, fmt=fmt, columns=columns, split=split)
+    raw = _read_source(source, tokenizer, fmt=fmt, columns=columns, split=split, roles=roles)
     if not raw:
         raise UserError(f"{source} has no examples; add data to it or pick another --data")
     return encode(raw, tokenizer, source)

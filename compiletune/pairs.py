@@ -33,7 +33,7 @@ import torch
 from compiletune.data import encode
 from compiletune.errors import UserError
 from compiletune.loss import IGNORE_INDEX
-from compiletune.sources import RawExample, iter_records, parse_columns
+from compiletune.sources import RawExample, check_roles, iter_records, parse_columns, parse_roles
 
 
 @dataclass
@@ -73,8 +73,11 @@ def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, where
         raise UserError(f"{where}: the chat template failed on this pair ({e}); fix it") from e
 
 
-def _texts(row: dict, col: dict[str, str], tokenizer: Any, where: str) -> tuple[str, str, str]:
-    """(prompt, chosen, rejected) as text."""
+def _texts(
+    row: dict, col: dict[str, str], tokenizer: Any, where: str, roles: dict[str, str]
+) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) as text; chat roles mapped by `roles` (--data-roles) and
+    checked against the template (`sources.check_roles`)."""
     prompt = _field(row, "prompt", col, where, optional=True)
     chosen, rejected = (_field(row, k, col, where) for k in ("chosen", "rejected"))
     if isinstance(chosen, str) and isinstance(rejected, str):
@@ -90,6 +93,10 @@ def _texts(row: dict, col: dict[str, str], tokenizer: Any, where: str) -> tuple[
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
+    prompt, chosen, rejected = (
+        check_roles(side, tokenizer, roles, where, name)
+        for name, side in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))
+    )
     if not prompt:
         raise UserError(f"{where}: the pair has no prompt (no shared turns); add a prompt")
     for name, side in (("chosen", chosen), ("rejected", rejected)):
@@ -136,15 +143,17 @@ def read_pairs(
     columns: str | None = None,
     split: str | None = None,
     say: Callable[[str], None] = print,
+    roles: str | None = None,
 ) -> list[Pair]:
     """Every pair of `source`, tokenised (see the module docstring). Pairs with nothing to
     teach (`_degenerate`) are left out and counted in one line; a source where more than
     DEGENERATE_LIMIT of them are, or none is left, is refused."""
     col = parse_columns(columns)
+    role_map = parse_roles(roles)
     raw: list[RawExample] = []
     dropped: Counter[str] = Counter()
     for row, where in iter_records(source, split):
-        prompt, chosen, rejected = _texts(row, col, tokenizer, where)
+        prompt, chosen, rejected = _texts(row, col, tokenizer, where, role_map)
         why = _degenerate(chosen, rejected)
         if why is not None:
             dropped[why] += 1

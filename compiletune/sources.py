@@ -50,7 +50,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from compiletune.errors import UserError
 
@@ -227,22 +227,81 @@ def _read_arrow(path: Path) -> Iterator[tuple[dict, str]]:
 
 
 def _read_csv(path: Path) -> Iterator[tuple[dict, str]]:
+    """The rows of a CSV file, parsed strictly: a header of distinct names, every row with as
+    many fields as it, UTF-8 text; a value may span lines inside quotes. A bad row is a
+    UserError naming its line (pyarrow's own errors name none)."""
     pa = _pyarrow(path)
     import pyarrow.csv as pacsv
 
+    parse = pacsv.ParseOptions(newlines_in_values=True)
     try:
         # The header first, so that every column is read as text: a column of numbers is still
         # text to train on, and a type guessed from the first block cannot fail on a later one.
-        names = pacsv.open_csv(path).schema.names
+        names = pacsv.open_csv(path, parse_options=parse).schema.names
+        _check_header(path, names)
         reader = pacsv.open_csv(
             path,
+            parse_options=parse,
             convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names}),
         )
+        yield from _batches_rows(path, reader)
+    except UserError:
+        raise
     except Exception as e:
         if "Empty CSV file" in str(e):
             raise UserError(f"{path} is empty; add a header row and data, or remove it") from e
-        raise _arrow_error(path, e) from e
-    yield from _batches_rows(path, reader)
+        if type(e).__module__.startswith("pyarrow"):
+            raise _csv_error(path, e) from e
+        raise
+
+
+def _check_header(path: Path, names: list[str]) -> None:
+    blank = [i + 1 for i, n in enumerate(names) if not n.strip()]
+    if blank:
+        raise UserError(f"{path}:1: header column {blank[0]} has no name; name every column")
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            raise UserError(
+                f"{path}:1: the header names column {n!r} twice, so one of them would be "
+                "ignored; give each column its own name"
+            )
+        seen.add(n)
+
+
+def _csv_error(path: Path, e: Exception) -> UserError:
+    """pyarrow's error about `path` as one line naming the file's line where it can be found:
+    the first line that is not UTF-8, or the first record whose field count is not the
+    header's (found with Python's csv module, which counts physical lines)."""
+    import csv
+
+    why = " ".join(str(e).split())[:200]
+    if "UTF8" in why or "UTF-8" in why:
+        offset = 0
+        with path.open("rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    return UserError(
+                        f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[bad.start]:02x} at "
+                        f"offset {offset + bad.start}); save the file as UTF-8"
+                    )
+                offset += len(raw)
+    with path.open(newline="", encoding="utf-8-sig", errors="replace") as fh:
+        reader = csv.reader(fh)
+        try:
+            width = len(next(reader))
+            for record in reader:
+                if record and len(record) != width:
+                    return UserError(
+                        f"{path}:{reader.line_num}: {len(record)} field{'s' if len(record) != 1 else ''} where the header has "
+                        f"{width}; quote a value that holds a comma or a quote "
+                        '("a, b"; "say ""hi""")'
+                    )
+        except csv.Error as bad:
+            return UserError(f"{path}:{reader.line_num}: {bad}; fix the quoting of this row")
+    return _arrow_error(path, e)
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[dict, str]]:
@@ -576,6 +635,57 @@ def parse_columns(spec: str | None) -> dict[str, str]:
     return mapping
 
 
+# Roles every chat template renders; any other role must be named in the template's source
+# (Qwen's "tool", Llama 3.1's "ipython", gpt-oss's "developer") or mapped with --data-roles.
+_TEMPLATE_ROLES = ("system", "user", "assistant")
+ROLE_TARGETS = ("system", "user", "assistant", "tool")
+
+
+def parse_roles(spec: str | None) -> dict[str, str]:
+    """`--data-roles FROM=TO,...` as {from: to}; TO one of ROLE_TARGETS."""
+    if not spec:
+        return {}
+    mapping: dict[str, str] = {}
+    for item in spec.split(","):
+        src, eq, dst = (s.strip() for s in item.partition("="))
+        if not eq or not src or not dst:
+            raise UserError(
+                f"--data-roles: {item.strip()!r} is not FROM=TO; write e.g. human=user,bot=assistant"
+            )
+        if dst not in ROLE_TARGETS:
+            raise UserError(
+                f"--data-roles: {src}={dst}: the role must become one of {', '.join(ROLE_TARGETS)}"
+            )
+        if src in mapping:
+            raise UserError(f"--data-roles: {src} is mapped twice; map it once")
+        mapping[src] = dst
+    return mapping
+
+
+def check_roles(
+    messages: list[dict], tokenizer: Any, roles: dict[str, str], where: str, list_col: str
+) -> list[dict]:
+    """`messages` with their roles mapped by `roles` (--data-roles), each role one the chat
+    template renders: system, user and assistant always; another only where the template's
+    source names it. A template that ignores a role it does not know (Qwen's drops the
+    message) would otherwise train without that text and without a word."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise UserError(f'{where}: {list_col}[{i}] has no "role" string; fix the row')
+        role = roles.get(m["role"], m["role"])
+        named = f"'{role}'" in template or f'"{role}"' in template
+        if role not in _TEMPLATE_ROLES and not named:
+            raise UserError(
+                f"{where}: {list_col}[{i}] has role {role!r}, which the tokenizer's chat "
+                "template does not name, so it may drop or misplace that text; map it with "
+                f"--data-roles {role}=user (or system, assistant, tool)"
+            )
+        out.append(m if role == m["role"] else {**m, "role": role})
+    return out
+
+
 def _detect(row: dict, col: dict[str, str]) -> str | None:
     """The layout of `row`: the first whose key column it has with a value (parquet, arrow
     and csv give every row every column, null where a row has none), else merely has."""
@@ -601,8 +711,11 @@ def _get_str(row: dict, field: str, col: dict[str, str], where: str, optional=Fa
     return check_utf8(value, where, f'"{name}"')
 
 
-def _messages(row: dict, layout: str, col: dict[str, str], where: str) -> list[dict]:
-    """The row's conversation as [{"role", "content", ...}], checked."""
+def _messages(
+    row: dict, layout: str, col: dict[str, str], where: str, roles: dict[str, str]
+) -> list[dict]:
+    """The row's conversation as [{"role", "content", ...}], checked; roles mapped by `roles`
+    (--data-roles) first."""
     if layout == "messages":
         list_key, role_key, content_key = "messages", "role", "content"
     else:
@@ -630,12 +743,13 @@ def _messages(row: dict, layout: str, col: dict[str, str], where: str) -> list[d
                     f'{where}: {shape}; {list_col}[{i}]["{key}"] is {got}{hint}; fix the row'
                 )
             check_utf8(m[key], where, f'{list_col}[{i}]["{key}"]')
-        role = m[role_col]
+        role = roles.get(m[role_col], m[role_col])
         if layout == "sharegpt":
             if role.lower() not in _SHAREGPT_ROLES:
                 raise UserError(
                     f'{where}: {list_col}[{i}]["{role_col}"] is {role!r}; ShareGPT roles are '
-                    f"{', '.join(_SHAREGPT_ROLES)}"
+                    f"{', '.join(_SHAREGPT_ROLES)}; map others with --data-roles {role}=user "
+                    "(or system, assistant, tool)"
                 )
             role = _SHAREGPT_ROLES[role.lower()]
         # Other keys (name, tool_calls, ...) go to the template; a null is a column this row
@@ -655,11 +769,8 @@ def _messages(row: dict, layout: str, col: dict[str, str], where: str) -> list[d
             f"{where}: the conversation starts with an assistant message; put the user (or "
             "system) message it answers before it"
         )
-    if not any(m["role"] == "assistant" for m in out):
-        raise UserError(
-            f'{where}: the conversation has no "assistant" message, so there is nothing to '
-            "learn from it; add the assistant reply or remove the row"
-        )
+    # A conversation with no assistant reply (or only empty ones) has nothing to learn: it is
+    # kept as an example without a target, which packing counts and leaves out.
     return out
 
 
@@ -688,6 +799,10 @@ def chat_examples(
     its own: that context (never a target), then the reply as the template renders it last.
     """
     full = _render_chat(tokenizer, messages, False, where)
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        # Nothing to learn (no reply, or only empty ones): an example without a target, which
+        # packing counts and leaves out.
+        return [RawExample([(full, False)], False, where)]
     turns = []  # (before, through) per assistant reply
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -738,20 +853,33 @@ def _needs_template(tokenizer, where: str, layout: str) -> None:
         )
 
 
+def _learned(prompt: str, reply: str, where: str) -> RawExample:
+    """A prompt and the reply to learn; a blank reply teaches nothing (not even to stop at
+    once), so it is an example without a target, which packing counts and leaves out."""
+    if not reply.strip():
+        return RawExample([p for p in [(prompt, False)] if p[0]], False, where)
+    return RawExample([p for p in [(prompt, False), (reply, True)] if p[0]], True, where)
+
+
 def row_examples(
-    row: dict, layout: str, tokenizer: PreTrainedTokenizerBase, col: dict[str, str], where: str
+    row: dict,
+    layout: str,
+    tokenizer: PreTrainedTokenizerBase,
+    col: dict[str, str],
+    where: str,
+    roles: dict[str, str] | None = None,
 ) -> list[RawExample]:
-    """The examples of one row in `layout` (checked; a UserError naming `where`)."""
+    """The examples of one row in `layout` (checked; a UserError naming `where`); chat roles
+    mapped by `roles` (--data-roles)."""
     if layout == "text":
-        return [RawExample([(_get_str(row, "text", col, where), True)], True, where)]
+        return [_learned("", _get_str(row, "text", col, where), where)]
     if layout == "prompt-completion":
         p, c = col.get("prompt", "prompt"), col.get("completion", "completion")
         if p not in row or c not in row:
             missing = c if p in row else p
             raise UserError(f'{where}: "{missing}" is missing; give both prompt and completion')
         prompt = _get_str(row, "prompt", col, where)
-        completion = _get_str(row, "completion", col, where)
-        return [RawExample([(prompt, False), (completion, True)], True, where)]
+        return [_learned(prompt, _get_str(row, "completion", col, where), where)]
     if layout == "alpaca":
         messages = _alpaca_messages(row, col, where)
         if getattr(tokenizer, "chat_template", None) is not None:
@@ -761,10 +889,12 @@ def row_examples(
         if extra:
             prompt += f"### Input:\n{extra}\n\n"
         prompt += "### Response:\n"
-        return [RawExample([(prompt, False), (messages[1]["content"], True)], True, where)]
+        return [_learned(prompt, messages[1]["content"], where)]
     # messages, sharegpt
     _needs_template(tokenizer, where, layout)
-    return chat_examples(tokenizer, _messages(row, layout, col, where), where)
+    messages = _messages(row, layout, col, where, roles or {})
+    list_col = col.get(_KEY[layout][0], _KEY[layout][0])
+    return chat_examples(tokenizer, check_roles(messages, tokenizer, {}, where, list_col), where)
 
 
 class _Layouts:
@@ -824,9 +954,12 @@ def read_examples(
     fmt: str = "auto",
     columns: str | None = None,
     split: str | None = None,
+    roles: str | None = None,
 ) -> Iterator[RawExample]:
-    """The examples of `source`, lazily, in order. A source with none is a UserError."""
+    """The examples of `source`, lazily, in order (chat roles mapped by `roles`,
+    --data-roles). A source with none is a UserError."""
     col = parse_columns(columns)
+    role_map = parse_roles(roles)
     layouts = _Layouts(fmt, col)
     count = 0
     if source == "pydocs":
@@ -857,7 +990,7 @@ def read_examples(
             for row, where in _READERS[found.kind](path):
                 count += 1
                 layout = layouts.of(row, where)
-                yield from row_examples(row, layout, tokenizer, col, where)
+                yield from row_examples(row, layout, tokenizer, col, where, role_map)
     if count == 0:
         what = f"split {split!r} of {source}" if split else source
         raise UserError(f"{what} has no examples; add data to it or pick another --data")

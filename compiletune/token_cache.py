@@ -81,7 +81,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def cache_key(source: str, tokenizer: Any, fmt: str, columns: str | None, split: str | None) -> str:
+def cache_key(
+    source: str,
+    tokenizer: Any,
+    fmt: str,
+    columns: str | None,
+    split: str | None,
+    roles: str | None = None,
+) -> str:
     from compiletune.sources import fingerprint
 
     parts = {
@@ -90,6 +97,8 @@ def cache_key(source: str, tokenizer: Any, fmt: str, columns: str | None, split:
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "layout": [fmt, columns, split],
     }
+    if roles:  # (absent otherwise, so entries built before --data-roles keep their keys)
+        parts["roles"] = roles
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:40]
 
 
@@ -112,6 +121,7 @@ def cached_store(
     fmt: str = "auto",
     columns: str | None = None,
     split: str | None = None,
+    roles: str | None = None,
     cache_dir: str | None = None,
     workers: int | None = None,
     say: Callable[[str], None] = print,
@@ -119,7 +129,7 @@ def cached_store(
     """The tokenised documents of `source`, from the cache (built first if missing)."""
     root = cache_root(cache_dir)
     make_folder(root, "--cache-dir")
-    key = cache_key(source, tokenizer, fmt, columns, split)
+    key = cache_key(source, tokenizer, fmt, columns, split, roles)
     entry = root / key
     if entry.exists() and damage(entry) is None:
         return FileStore(entry)
@@ -131,7 +141,8 @@ def cached_store(
         if not entry.exists():
             n = _workers(source, split, workers)
             write_folder_atomically(
-                entry, lambda tmp: _build(tmp, source, tokenizer, fmt, columns, split, n, say)
+                entry,
+                lambda tmp: _build(tmp, source, tokenizer, fmt, columns, split, n, say, roles),
             )
     return FileStore(entry)
 
@@ -295,12 +306,13 @@ def _build(
     split: str | None,
     workers: int,
     say: Callable[[str], None],
+    roles: str | None = None,
 ) -> None:
     from compiletune.sources import read_examples
 
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    raw = read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split)
+    raw = read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split, roles=roles)
     chunks = iter(lambda: list(islice(raw, _CHUNK)), [])
     bounds = array("q", [0])
     interactive = sys.stderr.isatty()

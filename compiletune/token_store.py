@@ -462,5 +462,8 @@ class ExampleRows(_Rows):
                     "a pre-training corpus pass --packing stream)"
                 )
         if self.dropped:
-            line += f"; {self.dropped} without a target left out"
+            line += (
+                f"; {self.dropped} with nothing to learn left out (no assistant reply, an empty "
+                "reply or completion, or targets cut away by truncation)"
+            )
         return line

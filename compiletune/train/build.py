@@ -236,6 +236,7 @@ def build_data(
         "fmt": d.data_format,
         "columns": d.data_columns,
         "split": d.data_split,
+        "roles": d.data_roles,
         "cache_dir": d.cache_dir,
         "workers": d.data_workers,
         "say": say,
@@ -286,13 +287,13 @@ def build_pairs(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[lis
     from compiletune.pairs import PairRows, read_pairs
 
     d = cfg.data
-    pairs = read_pairs(d.source, tokenizer, d.data_columns, d.data_split, say)
+    pairs = read_pairs(d.source, tokenizer, d.data_columns, d.data_split, say, d.data_roles)
     held = None
     if d.val_split > 0:
         train, out = split_indices(len(pairs), d.val_split, cfg.run.seed)
         pairs, held = [pairs[i] for i in train], [pairs[i] for i in out]
     elif d.eval_data is not None:
-        held = read_pairs(d.eval_data, tokenizer, d.data_columns, d.data_split, say)
+        held = read_pairs(d.eval_data, tokenizer, d.data_columns, d.data_split, say, d.data_roles)
     rows = PairRows(pairs, d.seq_len)
     say(f"preference pairs: {rows.n_pairs} in {rows.rows} rows of {d.seq_len} tokens")
     return [rows], [1.0], None if held is None else PairRows(held, d.seq_len)

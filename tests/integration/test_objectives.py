@@ -326,3 +326,30 @@ def test_pairs_with_nothing_to_teach_are_left_out_or_refused(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(UserError, match="3 an empty response"):
         read_pairs(str(path), tok)
+
+
+def test_pair_roles_are_checked_against_the_template_and_mapped(tmp_path):
+    tok = byte_tokenizer()
+    tok.chat_template = CHATML
+    human = {"role": "human", "content": "hi"}
+    rows = [
+        {
+            "chosen": [human, {"role": "bot", "content": f"good {i}"}],
+            "rejected": [human, {"role": "bot", "content": f"bad {i}"}],
+        }
+        for i in range(2)
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(UserError, match=r"pairs\.jsonl:1: prompt\[0\] has role 'human'"):
+        read_pairs(str(path), tok)
+    mapped = read_pairs(str(path), tok, roles="human=user,bot=assistant")
+    plain = [
+        {
+            k: [{**m, "role": {"human": "user", "bot": "assistant"}[m["role"]]} for m in r[k]]
+            for k in r
+        }
+        for r in rows
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in plain))
+    assert mapped == read_pairs(str(path), tok)

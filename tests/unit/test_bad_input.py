@@ -118,7 +118,7 @@ _BAD_OBJECTS = st.one_of(
     st.builds(lambda v: {"messages": [_message(), _message("assistant", v)]}, _NOT_STR),
     st.just({"messages": [{"content": "no role"}, _message("assistant")]}),
     st.just({"messages": [_message(), {"role": "assistant"}]}),
-    st.just({"messages": [_message(), _message()]}),  # nothing to learn
+    st.just({"messages": [_message("human"), _message("assistant")]}),  # a role to map
     st.just({"messages": [_message("assistant"), _message()]}),
     st.builds(lambda s: {"text": "a" + s + "b"}, _SURROGATE),
     st.builds(lambda s: {"messages": [_message(content=s), _message("assistant")]}, _SURROGATE),

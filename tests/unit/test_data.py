@@ -213,7 +213,7 @@ def test_error_bad_values(tok, tmp_path):
         ({"prompt": "p"}, '"completion" is missing'),
         ({"text": 3}, '"text" must be a string'),
         ({"messages": [{"role": "user"}]}, '"messages" must be a list'),
-        ({"messages": [{"role": "user", "content": "x"}]}, 'no "assistant" message'),
+        ({"messages": [{"role": "human", "content": "x"}]}, "has role 'human'"),
         ({"messages": [{"role": "assistant", "content": "x"}]}, "starts with an assistant"),
     ]
     for i, (row, message) in enumerate(cases):

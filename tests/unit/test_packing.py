@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from compiletune.data import load_examples, pack_store
+from compiletune.data import check_rows, load_examples, pack_store
+from compiletune.errors import UserError
 from compiletune.loss import IGNORE_INDEX
 from compiletune.models import build_model, from_name
 from compiletune.models.hf import save_hf
@@ -165,3 +166,45 @@ def test_a_run_reports_its_fill_ratio(tmp_path):
     _, tok = _held_out(tmp_path, 40)
     summary = tiny_run(tmp_path, str(tmp_path / "chat.jsonl"), seq_len=96, max_steps=1)
     assert 0.5 < summary["fill_ratio"] <= 1.0
+
+
+def test_examples_with_nothing_to_learn_are_counted_and_left_out(tmp_path):
+    """A conversation without an assistant reply, a blank reply, a blank completion and a
+    blank text teach nothing (not even to stop): packing leaves them out and says how many;
+    a source of nothing else is refused."""
+    tok = byte_tokenizer()
+
+    def chat(*turns):
+        return {"messages": [{"role": r, "content": c} for r, c in turns]}
+
+    groups = [  # (a row with something to learn, rows with nothing) per layout
+        (
+            chat(("user", "hi"), ("assistant", "yo")),
+            [
+                chat(("user", "hi"), ("user", "again")),
+                chat(("user", "hi"), ("assistant", " "), ("user", "?"), ("assistant", "")),
+            ],
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]},
+            [
+                {"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": ""}]},
+            ],
+        ),
+        ({"prompt": "p", "completion": "c"}, [{"prompt": "p", "completion": ""}]),
+        ({"text": "words"}, [{"text": "  "}]),
+    ]
+    for k, (good, rows) in enumerate(groups):
+        path = tmp_path / f"d{k}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in [good, *rows, good]) + "\n")
+        examples = load_examples(str(path), tok)
+        assert [any(e.is_target) for e in examples] == [True] + [False] * len(rows) + [True]
+        data = pack_store(MemoryStore.from_examples(examples), 64, "whole", "right")
+        assert data.dropped == len(rows)
+        assert f"{len(rows)} with nothing to learn left out" in data.summary()
+        assert len(data._docs) == 2
+        only = tmp_path / f"only{k}.jsonl"
+        only.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        store = MemoryStore.from_examples(load_examples(str(only), tok))
+        with pytest.raises(UserError, match="no row has a token to predict"):
+            check_rows(pack_store(store, 64, "whole", "right"), str(only))

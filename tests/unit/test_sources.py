@@ -486,7 +486,7 @@ def test_error_not_utf8(tok, tmp_path):
             load_examples(str(path), tok)
     path = tmp_path / "t.csv"
     path.write_bytes(b"text\ncaf\xe9\n")
-    with pytest.raises(UserError, match=r"t\.csv: cannot be read as csv .*UTF8"):
+    with pytest.raises(UserError, match=r"t\.csv:2: not valid UTF-8 \(byte 0xe9 at offset 8\)"):
         load_examples(str(path), tok)
 
 
@@ -524,3 +524,80 @@ def test_fingerprint_follows_content(tmp_path):
     assert sources.fingerprint(str(saved), "train") != sources.fingerprint(str(saved), "test")
     assert sources.fingerprint("pydocs", None) == sources.fingerprint("pydocs", None)
     assert sources.source_files("pydocs") == []
+
+
+@pytest.mark.parametrize(
+    "text, line, message",
+    [
+        ("prompt,completion\nhi,there\na,b,c\nx,y\n", 3, "3 fields where the header has 2"),
+        ("prompt,completion\nhi,there\nonly\n", 3, "1 field where the header has 2"),
+        # a value may span lines inside quotes: the bad record is on the file's line 6
+        ('prompt,completion\n"hi\nthere",ok\nx,"multi\nline"\nbad,row,here\n', 6, "3 fields"),
+        ('prompt,completion\n"hi\nthere",ok\n"unterminated,x\n', 4, "1 field"),
+    ],
+)
+def test_csv_errors_name_the_line(tok, tmp_path, text, line, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(UserError, match=rf"bad\.csv:{line}: {message}.*quote a value"):
+        load_examples(str(path), tok)
+
+
+def test_csv_bytes_and_header_are_checked(tok, tmp_path):
+    path = tmp_path / "bytes.csv"
+    path.write_bytes(b"prompt,completion\nhi,there\nok,\xff\xfebad\n")
+    with pytest.raises(
+        UserError, match=r"bytes\.csv:3: not valid UTF-8 \(byte 0xff at offset 30\); save"
+    ):
+        load_examples(str(path), tok)
+    path = tmp_path / "dup.csv"
+    path.write_text("prompt,completion,prompt\na,b,c\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"dup\.csv:1: the header names column 'prompt' twice"):
+        load_examples(str(path), tok)
+    path = tmp_path / "blank.csv"
+    path.write_text("prompt,,completion\na,b,c\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"blank\.csv:1: header column 2 has no name"):
+        load_examples(str(path), tok)
+
+
+def _chat(*roles: str) -> dict:
+    return {"messages": [{"role": r, "content": f"turn {i}"} for i, r in enumerate(roles)]}
+
+
+def test_roles_outside_the_template_are_refused_or_mapped(tok, tmp_path):
+    path = tmp_path / "roles.jsonl"
+    path.write_text("\n".join(json.dumps(_chat(*r)) for r in [("user", "assistant")] * 2))
+    path.write_text(path.read_text() + "\n" + json.dumps(_chat("human", "bot")) + "\n")
+    # The test tokenizer's template renders any role by name, but names none: only system,
+    # user and assistant pass unmapped.
+    with pytest.raises(
+        UserError, match=r"roles\.jsonl:3: messages\[0\] has role 'human'.*--data-roles human=user"
+    ):
+        load_examples(str(path), tok)
+    mapped = load_examples(str(path), tok, roles="human=user,bot=assistant")
+    assert mapped[2].ids == mapped[0].ids  # the same conversation once its roles are mapped
+    assert mapped[2].is_target == mapped[0].is_target
+    # A role the template names (Qwen's and ChatML-style templates name "tool") passes as is.
+    named = byte_tokenizer()
+    named.chat_template = tok.chat_template + "{# 'tool' #}"
+    tool = tmp_path / "tool.jsonl"
+    tool.write_text(json.dumps(_chat("user", "tool", "assistant")) + "\n")
+    assert len(load_examples(str(tool), named)) == 1
+    with pytest.raises(UserError, match=r"messages\[1\] has role 'tool'"):
+        load_examples(str(tool), tok)
+    for spec, message in [
+        ("human", "is not FROM=TO"),
+        ("human=boss", "must become one of system, user, assistant, tool"),
+        ("a=user,a=system", "a is mapped twice"),
+    ]:
+        with pytest.raises(UserError, match=f"--data-roles: .*{message}"):
+            load_examples(str(path), tok, roles=spec)
+
+
+def test_sharegpt_roles_can_be_mapped(tok, tmp_path):
+    path = tmp_path / "share.jsonl"
+    row = {"conversations": [{"from": "bing", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(UserError, match=r"share\.jsonl:1: .*'bing'.*--data-roles bing=user"):
+        load_examples(str(path), tok)
+    assert len(load_examples(str(path), tok, roles="bing=user")) == 1
