@@ -26,6 +26,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,14 @@ def check_resumable(
         )
 
 
+def _plain(step: int) -> Callable[[BaseException], str]:
+    def describe(e: BaseException) -> str:
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        return f"step_{step} could not be written ({type(e).__name__}: {why})"
+
+    return describe
+
+
 def save_sharded_checkpoint(
     output_dir: Path,
     step: int,
@@ -148,42 +157,61 @@ def save_sharded_checkpoint(
     *,
     is_main: bool,
     export_hf: bool,
+    describe: Callable[[BaseException], str] | None = None,
 ) -> Path:
     """Every rank calls this. Writes `output_dir/step_{step}` atomically (rank 0 renames it once
-    all ranks are done); `export_hf` also writes the HF weights, gathered tensor by tensor."""
-    import torch.distributed as dist
+    all ranks are done); `export_hf` also writes the HF weights, gathered tensor by tensor.
 
+    It goes in four parts (make the folder; every rank's shards; the export or config; the
+    training state and the rename), and the ranks agree after each (`distributed.agree`): a
+    failure on any rank (a full disk, described by `describe`) is raised on every rank as the
+    same one line at that point, and the half-written folder is removed."""
     from compiletune.adapter_io import save_adapter
-    from compiletune.distributed import SHARDED_DIR, save_sharded
+    from compiletune.distributed import SHARDED_DIR, agree, attempt, save_sharded
     from compiletune.models import hf_config_from_args, save_hf
     from compiletune.models.lora import is_lora
 
+    describe = describe or _plain(step)
     final = output_dir / f"step_{step}"
     tmp = output_dir / f".tmp-step_{step}"
-    if is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
     lora = is_lora(model)
-    # A LoRA run's sharded/ holds the optimizer state alone; its base is the run's source.
-    save_sharded(tmp / SHARDED_DIR, None if lora else model, optimizer_state)
-    if lora:  # the adapter folder a single process writes
-        save_adapter(model, tmp, tokenizer=tokenizer, writer=is_main)
-    elif export_hf:
-        save_hf(model, tmp, tokenizer=tokenizer, writer=is_main)
-    elif is_main:
-        dtype = next(model.parameters()).dtype
-        cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-    dist.barrier()  # every rank's shards are on disk
-    if is_main:
-        torch.save(train_state, tmp / STATE_FILE)
-        fsync_tree(tmp)
-        publish(tmp, final)
-    dist.barrier()
+
+    def make_folder() -> None:
+        if is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+
+    def shards() -> None:
+        # A LoRA run's sharded/ holds the optimizer state alone; its base is the run's source.
+        save_sharded(tmp / SHARDED_DIR, None if lora else model, optimizer_state)
+
+    def weights() -> None:
+        if lora:  # the adapter folder a single process writes
+            save_adapter(model, tmp, tokenizer=tokenizer, writer=is_main)
+        elif export_hf:
+            save_hf(model, tmp, tokenizer=tokenizer, writer=is_main)
+        elif is_main:
+            dtype = next(model.parameters()).dtype
+            cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+
+    def state() -> None:
+        if is_main:
+            faults.point("state")
+            torch.save(train_state, tmp / STATE_FILE)
+            fsync_tree(tmp)
+            publish(tmp, final)
+
+    try:
+        for part in (make_folder, shards, weights, state):
+            agree(attempt(part), describe)
+    except UserError:
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 

@@ -25,10 +25,12 @@ beside it and its frozen base is rebuilt from the run's source.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -232,6 +234,54 @@ def gather_floats(value: float, device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def _failure(error: BaseException) -> tuple[int | None, BaseException]:
+    """(the rank it happened on where known, the exception): torch.distributed.checkpoint
+    hands every rank a CheckpointException holding the failing ranks' own exceptions."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank]
+        return rank, inner[0] if isinstance(inner, tuple) else inner
+    return None, error
+
+
+def attempt(work: Callable[[], Any]) -> BaseException | None:
+    """Run `work`; its exception (None if it went well), for `agree`. torch.distributed.
+    checkpoint's CheckpointException is a BaseException, so it is named beside Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        work()
+    except (Exception, CheckpointException) as e:
+        return e
+    return None
+
+
+def agree(error: BaseException | None, describe: Callable[[BaseException], str]) -> None:
+    """A barrier that carries failures. Every rank calls it after work that may fail on some
+    ranks only (`error`: this rank's exception, None where its part went well). When any rank
+    failed, every rank raises the same UserError, the first failing rank's `describe(error)`
+    naming that rank, at once: no rank is left waiting at a barrier (until the process
+    group's timeout) for one that has given up. Alone (no process group) it re-raises."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    line = None
+    if error is not None:
+        at, cause = _failure(error)
+        line = (dist.get_rank() if at is None else at, describe(cause))
+    lines: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, line)
+    failed = sorted(x for x in lines if x is not None)
+    if not failed:
+        return
+    rank, text = failed[0]
+    others = sorted({r for r, _ in failed} - {rank})
+    also = f" (and on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
+    raise UserError(f"rank {rank}: {text}" + (also if others else "")) from error
+
+
 def save_sharded(folder: Path, model: nn.Module | None, optimizer_sd: dict[str, Any]) -> None:
     """Every rank writes its shards of the model and its own optimizer state into `folder`.
     model None: the optimizer state alone (a LoRA run keeps its adapters in the adapter folder
@@ -242,7 +292,24 @@ def save_sharded(folder: Path, model: nn.Module | None, optimizer_sd: dict[str, 
     state: dict[str, Any] = {"optimizer": {f"rank{dist.get_rank()}": optimizer_sd}}
     if model is not None:
         state["model"] = get_model_state_dict(model)
-    dcp.save(state, checkpoint_id=str(folder))
+    dcp.save(state, storage_writer=_shard_writer_class()(str(folder)))
+
+
+@functools.cache
+def _shard_writer_class() -> type:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from compiletune import faults
+
+    class ShardWriter(FileSystemWriter):
+        """DCP's own file writer (its defaults: what `checkpoint_id=folder` gives), with the
+        fault point "shards" where each rank writes (a full disk there is one rank's)."""
+
+        def write_data(self, *args: Any, **kwargs: Any) -> Any:
+            faults.point("shards")
+            return super().write_data(*args, **kwargs)
+
+    return ShardWriter
 
 
 def load_sharded(

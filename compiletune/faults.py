@@ -1,5 +1,7 @@
 """Named points where a test kills the process as `kill -9` would: `COMPILETUNE_KILL_AT=NAME`
-(the first time NAME is reached) or `NAME:K` (the K-th time).
+(the first time NAME is reached) or `NAME:K` (the K-th time). `COMPILETUNE_FAIL_AT=NAME[:K][@R]`
+makes the point raise a full disk's OSError instead (in the process of rank R only, under
+torchrun): a save error on one rank, which every rank must then report alike.
 
 The crash tests (tests/integration/test_crash.py) use them to stop a run at exact moments (in a
 step, between writing a checkpoint's files, in the middle of the rename that publishes it, in
@@ -9,16 +11,21 @@ that `--resume` continues from a complete checkpoint. Unset, a point costs a dic
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from collections import Counter
 
 ENV = "COMPILETUNE_KILL_AT"
+FAIL_ENV = "COMPILETUNE_FAIL_AT"
 _reached: Counter[str] = Counter()
+_failed: Counter[str] = Counter()
 
 
 def point(name: str) -> None:
-    """Die here with SIGKILL if the environment names this point (and this is its K-th time)."""
+    """Die here with SIGKILL if the environment names this point (and this is its K-th time);
+    raise ENOSPC if COMPILETUNE_FAIL_AT names it."""
+    _fail(name)
     spec = os.environ.get(ENV)
     if not spec:
         return
@@ -28,3 +35,16 @@ def point(name: str) -> None:
     _reached[name] += 1
     if _reached[name] == int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fail(name: str) -> None:
+    spec = os.environ.get(FAIL_ENV)
+    if not spec:
+        return
+    spec, _, rank = spec.partition("@")
+    target, _, nth = spec.partition(":")
+    if target != name or (rank and os.environ.get("RANK", "0") != rank):
+        return
+    _failed[name] += 1
+    if _failed[name] == int(nth or 1):
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from compiletune import faults
 from compiletune.errors import UserError
 
 from .decoder import ROPE_TYPES, ModelArgs, RopeScaling, Transformer, TransformerBlock
@@ -1267,18 +1268,25 @@ def write_hf_folder(
     written: list[tuple[Path, Path]] = []
     weight_map: dict[str, str] = {}
     total = 0
+    failed: Exception | None = None  # the writer's error: it still joins every fetch
     for file_name, shard in zip(file_names, shards, strict=True):
         tensors = {}
         for name, fetch in shard:
             whole = fetch()
-            if writer:
+            if writer and failed is None:
                 tensors[name] = whole.to(device="cpu", dtype=dtype).contiguous()
             del whole
-        if not writer:
+        if not writer or failed is not None:
             continue
         final = path / file_name
         tmp = path / (file_name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        try:
+            faults.point("export")
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        except Exception as e:  # a full disk: the other ranks' gathers still need this one
+            failed = e
+            tmp.unlink(missing_ok=True)
+            continue
         written.append((tmp, final))
         for name, t in tensors.items():
             weight_map[name] = file_name
@@ -1286,6 +1294,10 @@ def write_hf_folder(
         del tensors
     if not writer:
         return
+    if failed is not None:
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
+        raise failed
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         tmp = path / "model.safetensors.index.json.tmp"

@@ -379,7 +379,10 @@ class Trainer:
                     run.optimizer.state_dict(),
                     is_main=self.main,
                     export_hf=final,
+                    describe=self._save_error,
                 )
+        except UserError:  # every rank's one line (FSDP)
+            raise
         except Exception as e:  # OSError, torch's RuntimeError, SafetensorError, ...
             full = run_dir.disk_full_error(self.out, self.step, e, self.checkpoint_bytes)
             if full is None:
@@ -387,6 +390,14 @@ class Trainer:
             raise full from e
         self.checkpoint_bytes = run_dir.folder_bytes(path) or self.checkpoint_bytes
         return path
+
+    def _save_error(self, e: BaseException) -> str:
+        """One line for a checkpoint that could not be written (the line every rank prints)."""
+        full = run_dir.disk_full_error(self.out, self.step, e, self.checkpoint_bytes)
+        if full is not None:
+            return str(full)
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        return f"step_{self.step} could not be written ({type(e).__name__}: {why})"
 
     def finish(self) -> Path | None:
         """The final checkpoint, and with --merge the merged model; returns the merged folder."""
@@ -396,15 +407,26 @@ class Trainer:
             self.last_saved = self.save(final=True)
         if not (self.cfg.lora.merge and self.step >= self.cfg.run.max_steps):
             return None
-        merged = adapter_io.save_merged(
-            self.run.model,
-            self.out / adapter_io.MERGED_DIR,
-            tokenizer=self.run.tokenizer,
-            writer=self.main,
+        path = self.out / adapter_io.MERGED_DIR
+
+        def merge() -> None:
+            adapter_io.save_merged(
+                self.run.model, path, tokenizer=self.run.tokenizer, writer=self.main
+            )
+
+        if self.env is None:
+            merge()
+        else:  # every rank joins the gathers; a failure on one is every rank's one line
+            dist_.agree(dist_.attempt(merge), self._merge_error)
+        return path
+
+    def _merge_error(self, e: BaseException) -> str:
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        return (
+            f"{self.out / adapter_io.MERGED_DIR} could not be written ({type(e).__name__}: "
+            f"{why}); the last checkpoint, {self.last_saved}, is complete (an adapter folder "
+            "that peft loads on the base model)"
         )
-        if self.env is not None:
-            torch.distributed.barrier()  # the folder is complete before any rank returns
-        return merged
 
     def write_dump(self) -> None:
         if self.run.regions is not None and self.cfg.techniques.dump_graphs and self.main:

@@ -352,3 +352,59 @@ def test_fsdp_integer_parameter_shim():
     assert nn_.Parameter(torch.zeros(4)).requires_grad
     assert not nn_.Parameter(torch.zeros(4), requires_grad=False).requires_grad
     assert nn_.Linear is torch.nn.Linear
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def _torchrun(out: Path, corpus: Path, env: dict[str, str], *extra: str):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), "-m", "compiletune", "train", "--fsdp"]
+    for key, value in {**BASE, "data": str(corpus)}.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    cmd += ["--output-dir", str(out), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    # Without the ranks agreeing on a failure, the ranks that did not fail would wait at a
+    # barrier for the process group's timeout (30 minutes): the 120 s limit is that check.
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.slow
+def test_a_save_error_on_one_rank_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+    """A full disk on one rank, in each part of a sharded save (its shards, inside
+    torch.distributed.checkpoint; rank 0's HF export, where the other rank is gathering; rank 0's
+    training state, after the last collective): every rank stops at once with the same line
+    naming the rank, and no half-written folder is left."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    for at in ("shards@1", "export@0", "state@0"):
+        out = tmp_path / at
+        done = _torchrun(out, corpus, {"COMPILETUNE_FAIL_AT": at}, "--max-steps", "2")
+        assert done.returncode != 0
+        rank = at.split("@")[1]
+        lines = [x for x in done.stderr.splitlines() if x.startswith("compiletune: error:")]
+        assert len(lines) == 2 and lines[0] == lines[1], done.stderr[-3000:]
+        assert lines[0].startswith(f"compiletune: error: rank {rank}: the disk of "), lines[0]
+        assert "step_2 could not be written" in lines[0]
+        assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_kill_9_during_the_fsdp_final_export_then_resume(tmp_path: Path) -> None:
+    """SIGKILL in rank 0 while it writes the final HF export (rank 1 gathering): torchrun
+    stops both, only whole checkpoints are visible, and `--resume` under torchrun finishes the
+    run from step_2 with an export transformers loads."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "run"
+    flags = ("--max-steps", "4", "--save-every", "2")
+    done = _torchrun(out, corpus, {"COMPILETUNE_KILL_AT": "export"}, *flags)
+    assert done.returncode != 0
+    steps = sorted(p.name for p in out.iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_2"]
+    assert (out / "step_2" / "sharded").is_dir()
+    done = _torchrun(out, corpus, {}, *flags, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not [p.name for p in out.iterdir() if p.name.startswith((".tmp", ".old"))]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    transformers.AutoModelForCausalLM.from_pretrained(out / "step_4")
