@@ -237,7 +237,7 @@ def peak_bytes(step: Callable[[], Any], device: torch.device) -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    from compiletune.memory_internals import cpu_allocation_peak
+    from compiletune.estimate.memory_internals import cpu_allocation_peak
 
     return cpu_allocation_peak(step)
 

@@ -85,9 +85,9 @@ def child(a: argparse.Namespace) -> None:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from compiletune.data import Batches
-    from compiletune.token_cache import cached_store
-    from compiletune.token_store import PackedData
+    from compiletune.data.rows import Batches
+    from compiletune.data.token_cache import cached_store
+    from compiletune.data.token_store import PackedData
 
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
     before = peak_rss_mib()

@@ -32,9 +32,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from common import bench_out, result_header, write_result  # noqa: E402
 
-from compiletune import estimate  # noqa: E402
 from compiletune.config import resolve  # noqa: E402
 from compiletune.distributed import close_group  # noqa: E402
+from compiletune.estimate import estimator as estimate  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "plain loss": {"loss": "plain"},

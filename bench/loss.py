@@ -123,7 +123,7 @@ def peak_bytes(fn, h, w, t, device: str) -> int:
         step(fn, h, w, t)
         sync(device)
         return torch.cuda.max_memory_allocated() - base
-    from compiletune.memory_internals import cpu_allocation_peak
+    from compiletune.estimate.memory_internals import cpu_allocation_peak
 
     return cpu_allocation_peak(lambda: step(fn, h, w, t))
 

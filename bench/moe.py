@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_name, peak_bytes, result_header, write_result  # noqa: E402
 
-from compiletune.backend import CompiletuneBackend  # noqa: E402
+from compiletune.compiler.backend import CompiletuneBackend  # noqa: E402
 from compiletune.models.moe import MoE  # noqa: E402
 from compiletune.ops.grouped_mm import uses_native  # noqa: E402
 

@@ -38,13 +38,13 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from compiletune.models import build_model, from_name  # noqa: E402
-from compiletune.objectives import (  # noqa: E402
+from compiletune.loss.objectives import (  # noqa: E402
     PreferenceOptions,
     distillation_loss,
     preference_loss,
     sequence_sums,
 )
+from compiletune.models import build_model, from_name  # noqa: E402
 from compiletune.ops.fused_logprobs import token_divergence, token_logprobs  # noqa: E402
 
 IGNORE = -100

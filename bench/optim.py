@@ -61,7 +61,7 @@ def sync(device: torch.device) -> None:
 
 def run_variant(a: argparse.Namespace) -> dict:
     """One variant in this process: returns its measurements."""
-    from compiletune.loss import LossHead
+    from compiletune.loss.head import LossHead
     from compiletune.models import build_model, from_name
     from compiletune.optim import Optimizer
 

@@ -19,7 +19,7 @@ trainer does):
 
 compiletune rows: `eager` (the ladder's baseline rung) and its full stack (the ladder's highest
 rung the trainer supports, see bench/ladder.py). Both sides train on the same batches (the
-embedded pydocs corpus, byte tokens, packed by compiletune.data with seed 0) and are measured
+embedded pydocs corpus, byte tokens, packed by compiletune.data.rows with seed 0) and are measured
 the same way: tokens/s is the median of the steps after the first; peak memory is
 torch.cuda.max_memory_allocated on a GPU and the process's peak resident set on CPU, read after
 the last step (compiletune.metrics.peak_memory_gib in both). With --repeats N (default 2 on CPU)
@@ -81,10 +81,10 @@ def hf_train(peer: str, a: argparse.Namespace) -> dict[str, Any]:
     """Train the preset with transformers for a.steps steps in this process (the child)."""
     import transformers
 
-    from compiletune.data import Batches, load_examples, pack
+    from compiletune.data.rows import Batches, load_examples, pack
+    from compiletune.data.tokenizer import byte_tokenizer
     from compiletune.metrics import peak_memory_gib
     from compiletune.models import hf_config_from_args
-    from compiletune.tokenizer import byte_tokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]

@@ -144,7 +144,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import json
 
-    from compiletune import estimate as est_
+    from compiletune.estimate import estimator as est_
 
     own = ("command", "config", "gpus", "device_memory", "host_memory", "ladder", "json")
     flags = {k: v for k, v in vars(ns).items() if k not in own}
@@ -239,7 +239,7 @@ def _cmd_configs(ns: argparse.Namespace) -> int:
 def _cmd_cache(ns: argparse.Namespace) -> int:
     import json
 
-    from compiletune import token_cache
+    from compiletune.data import token_cache
 
     root = token_cache.cache_root(ns.cache_dir)
     if ns.action == "clear":
@@ -283,7 +283,7 @@ def _cmd_cache(ns: argparse.Namespace) -> int:
 def _cmd_convert(ns: argparse.Namespace) -> int:
     import time
 
-    from compiletune.checkpoint import convert_to_hf
+    from compiletune.checkpoint.steps import convert_to_hf
 
     t0 = time.perf_counter()
     out = convert_to_hf(ns.checkpoint, ns.output, ns.dtype)

@@ -208,15 +208,15 @@ class DataConfig:
         if self.data_workers is not None and self.data_workers < 0:
             raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
         if self.data_columns is not None:
-            from compiletune.sources import parse_columns
+            from compiletune.data.sources import parse_columns
 
             parse_columns(self.data_columns)  # a malformed mapping fails before the model loads
         if self.data_roles is not None:
-            from compiletune.sources import parse_roles
+            from compiletune.data.sources import parse_roles
 
             parse_roles(self.data_roles)
         if not recipes.is_placeholder(self.source):  # a recipe's <...> is refused by train
-            from compiletune.data import parse_sources
+            from compiletune.data.rows import parse_sources
 
             parse_sources(self.source)  # a malformed mixture fails before the model loads
         if self.eval_every < 0:
@@ -340,7 +340,7 @@ class TechniquesConfig:
     )
 
     def check(self, cfg: TrainConfig) -> None:
-        from compiletune.activation import parse_ac
+        from compiletune.compiler.activation import parse_ac
 
         policy = parse_ac(self.ac, self.ac_every)
         if policy.kind == "budget" and not self.compile:

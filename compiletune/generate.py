@@ -116,7 +116,7 @@ def adapter_base(folder: Path) -> tuple[Path | None, dict[str, Any]]:
     run's seed; the run's saved config, {} when there is no trainer_state.pt). The base is
     adapter_config.json's base_model_name_or_path: a folder (or a hub id in the local HF
     cache, see `resolve_model_path`), else a preset that the run's config reproduces."""
-    from compiletune import adapter_io
+    from compiletune.checkpoint import adapter_io
     from compiletune.models import PRESETS, resolve_model_path
 
     config_file = folder / adapter_io.ADAPTER_CONFIG
@@ -124,7 +124,7 @@ def adapter_base(folder: Path) -> tuple[Path | None, dict[str, Any]]:
     base = json.loads(config_file.read_text()).get("base_model_name_or_path")
     saved: dict[str, Any] = {}
     if (folder / "trainer_state.pt").is_file():
-        from compiletune.checkpoint import load_train_state
+        from compiletune.checkpoint.steps import load_train_state
 
         saved = load_train_state(folder).get("config") or {}
     if not isinstance(base, str) or not base:
@@ -159,7 +159,7 @@ def load_lora_checkpoint(
     """A LoRA checkpoint (adapter folder) as a model: its base, loaded or drawn again from the
     run's seed (a preset base matches the run's when drawn on the same kind of device), with
     the adapters on top. `base`: what `adapter_base(folder)` gives, if already known."""
-    from compiletune import adapter_io
+    from compiletune.checkpoint import adapter_io
     from compiletune.models import build_model
     from compiletune.models.lora import apply_lora, block_adapter
     from compiletune.train.build import pick_dtype, resolve_model_args
@@ -262,7 +262,7 @@ def run_generate(
     log: Callable[[str], None] | None = None,
 ) -> list[str]:
     """The `compiletune generate` command; returns the replies (for tests)."""
-    from compiletune.tokenizer import load_tokenizer
+    from compiletune.data.tokenizer import load_tokenizer
     from compiletune.train.build import pick_device, pick_dtype
 
     out = out or sys.stdout
@@ -277,7 +277,7 @@ def run_generate(
         raise UserError("--top-p chooses among sampled tokens; add --temperature > 0 (e.g. 0.7)")
     if prompt is None and not chat:
         raise UserError("pass --prompt TEXT, or --chat for a conversation")
-    from compiletune import adapter_io
+    from compiletune.checkpoint import adapter_io
     from compiletune.models import resolve_model_path
 
     folder = resolve_model_path(model_dir)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import compiletune.ops.fused_logprobs  # noqa: F401  (registers compiletune::token_logprobs)
-from compiletune.graph_dump import node_value
+from compiletune.compiler.graph_dump import node_value
 from compiletune.passes.fuse_linear_cross_entropy import walk_back_to_linear
 
 IGNORE_INDEX = -100  # never a valid gather index, so no picked value is zeroed

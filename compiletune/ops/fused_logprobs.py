@@ -1,7 +1,7 @@
 """Per-token log-probabilities and teacher-student divergences from hidden states and a head,
 a chunk of tokens at a time: the `[tokens, vocab]` logits of the whole batch never exist.
 
-These are the pieces preference tuning and distillation need (compiletune/objectives.py):
+These are the pieces preference tuning and distillation need (compiletune/loss/objectives.py):
 
     compiletune::token_logprobs(h [N, d], weight [V, d], targets [N])  -> [N] fp32
         log softmax(h W^T)[t, target_t], 0 where target_t == ignore_index (DPO/IPO/SimPO sum

@@ -264,7 +264,7 @@ def _select_rows(targets: Tensor, ignore_index: int) -> _Rows:
 def _checked_targets(tv: Tensor, vocab: int, ignore_index: int) -> Tensor:
     """The targets of the counted tokens, contiguous; a clear error for one outside [0, V)
     where host reads are free (on an accelerator the trainer checks each batch on the host
-    before copying it: `compiletune.data.check_targets`)."""
+    before copying it: `compiletune.data.rows.check_targets`)."""
     if host_reads_free(tv.device):
         bad = (tv < 0) | (tv >= vocab)
         if bad.any():

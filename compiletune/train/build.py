@@ -13,6 +13,7 @@ fake-tensor scope (`fake=True`), or on real tensors to check the estimate (`fake
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,23 +22,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from compiletune import adapter_io, hardware
-from compiletune import checkpoint as ckpt
 from compiletune import distributed as dist_
-from compiletune.activation import apply_eager_checkpointing, parse_ac
-from compiletune.compile import CompiledRegions, CompileOptions, compile_regions
+from compiletune import hardware
+from compiletune.checkpoint import adapter_io
+from compiletune.checkpoint import steps as ckpt
+from compiletune.compiler.activation import apply_eager_checkpointing, parse_ac
+from compiletune.compiler.regions import CompiledRegions, CompileOptions, compile_regions
 from compiletune.config import RunFacts, TrainConfig, fill_defaults
-from compiletune.data import (
+from compiletune.data.rows import (
     Batches,
     Mixture,
     PackedData,
-    check_rows,
-    pack_store,
-    parse_sources,
-    split_indices,
 )
+from compiletune.data.tokenizer import byte_tokenizer, load_tokenizer
 from compiletune.errors import UserError
-from compiletune.loss import LossHead, head_kind
+from compiletune.loss.head import LossHead, head_kind
 from compiletune.models import (
     ModelArgs,
     Transformer,
@@ -52,9 +51,7 @@ from compiletune.models.attention import attention_backend
 from compiletune.models.hf import brief
 from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
 from compiletune.optim import Optimizer
-from compiletune.token_cache import cached_store, check_vocabulary
-from compiletune.token_store import ExampleRows, MemoryStore, Store
-from compiletune.tokenizer import byte_tokenizer, load_tokenizer
+from compiletune.train.inputs import build_data, build_pairs
 
 # Fields that make two architectures different models (head_dim is compared resolved).
 _ARCH_FIELDS = (
@@ -222,84 +219,6 @@ def _check_shapes(cfg: TrainConfig, args: ModelArgs, tokenizer: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-
-
-def build_data(
-    cfg: TrainConfig, tokenizer: Any, say: Any = print, vocab: int | None = None
-) -> tuple[list[PackedData], list[float], PackedData | None]:
-    """The training rows of each --data source (with its mixture weight), and the held-out rows
-    (--val-split or --eval-data) if any. Sources are read from the token cache, tokenised
-    first if needed (token_cache.py); an entry holding a token id outside the model's `vocab`
-    is refused."""
-    d = cfg.data
-    opts = {
-        "fmt": d.data_format,
-        "columns": d.data_columns,
-        "split": d.data_split,
-        "roles": d.data_roles,
-        "cache_dir": d.cache_dir,
-        "workers": d.data_workers,
-        "say": say,
-    }
-    sources = parse_sources(d.source)
-    stores: list[Store] = [cached_store(src, tokenizer, **opts) for src, _ in sources]
-    if vocab is not None:
-        for store in stores:
-            check_vocabulary(store, vocab)
-    held: Store | None = None
-    held_name = None
-    if d.val_split > 0:
-        # Whole documents are held out before packing, so none is on both sides.
-        docs = []
-        for i, store in enumerate(stores):
-            train, out = split_indices(store.n_docs, d.val_split, cfg.run.seed)
-            docs += [store.document(int(j)) for j in out]
-            stores[i] = store.subset(train)
-        held = MemoryStore.from_documents(docs)
-        held_name = f"the --val-split {d.val_split} held-out examples"
-    elif d.eval_data is not None:
-        evals = [cached_store(src, tokenizer, **opts) for src, _ in parse_sources(d.eval_data)]
-        for store in evals if vocab is not None else []:
-            check_vocabulary(store, vocab)
-        held = (
-            evals[0]
-            if len(evals) == 1
-            else MemoryStore.from_documents([e.document(j) for e in evals for j in range(e.n_docs)])
-        )
-        held_name = f"--eval-data {d.eval_data}"
-    datas = [
-        check_rows(pack_store(store, d.seq_len, d.packing, d.truncation), src)
-        for store, (src, _) in zip(stores, sources, strict=True)
-    ]
-    for data, (src, _) in zip(datas, sources, strict=True):
-        if isinstance(data, ExampleRows):
-            say(f"{src}: {data.summary()}")
-    eval_set = None
-    if held is not None:
-        eval_set = pack_store(held, d.seq_len, d.packing, d.truncation, keep_tail=True)
-        eval_set = check_rows(eval_set, held_name)
-    return datas, [w for _, w in sources], eval_set
-
-
-def build_pairs(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[list, list, Any]:
-    """The rows of preference pairs (pairs.py) for training and, with --val-split or
-    --eval-data, for evaluation."""
-    from compiletune.pairs import PairRows, read_pairs
-
-    d = cfg.data
-    pairs = read_pairs(d.source, tokenizer, d.data_columns, d.data_split, say, d.data_roles)
-    held = None
-    if d.val_split > 0:
-        train, out = split_indices(len(pairs), d.val_split, cfg.run.seed)
-        pairs, held = [pairs[i] for i in train], [pairs[i] for i in out]
-    elif d.eval_data is not None:
-        held = read_pairs(d.eval_data, tokenizer, d.data_columns, d.data_split, say, d.data_roles)
-    rows = PairRows(pairs, d.seq_len)
-    say(f"preference pairs: {rows.n_pairs} in {rows.rows} rows of {d.seq_len} tokens")
-    return [rows], [1.0], None if held is None else PairRows(held, d.seq_len)
-
-
-# ----------------------------------------------------------------------------- model
 
 
 def _model_name(cfg: TrainConfig) -> str:
@@ -573,8 +492,6 @@ def build_run(
     )
     frozen: tuple[Any, Any] = (None, None)  # the objective's reference and teacher
     if cfg.objective.objective != "sft":
-        from compiletune.train.objective import build_frozen
-
         # one process's policy as it starts: the reference is a copy (not read again)
         start = model if resume_from is None and probe is None and env is None else None
         frozen = build_frozen(cfg, env, args, spec, lora_kw, device, probe is not None, start)
@@ -636,11 +553,97 @@ def build_run(
             run.batches = Mixture(inputs.data, inputs.weights, global_batch, cfg.run.seed)
     if inputs.state is not None:
         _load_train_state(run, inputs.state)
-    if cfg.objective.precompute_ref and probe is None:
-        from compiletune.train.objective import precompute_reference
-
-        precompute_reference(run, print if run.is_main else (lambda line: None))
     return run
+
+
+# ----------------------------------------------------------------------------- frozen models
+
+
+def teacher_args(cfg: TrainConfig, student: ModelArgs) -> ModelArgs:
+    """The teacher's ModelArgs, from --teacher-dir's config.json (any depth and width; the
+    student's vocabulary, else exit 2 naming both sizes)."""
+    args = args_from_hf_config(load_hf_config(cfg.objective.teacher_dir))
+    if args.vocab_size != student.vocab_size:
+        raise UserError(
+            f"--teacher-dir {cfg.objective.teacher_dir} has a vocabulary of "
+            f"{args.vocab_size} tokens and the student {student.vocab_size}; distillation "
+            "compares their distributions token by token: use a teacher with the student's "
+            "tokenizer"
+        )
+    return args
+
+
+@dataclass
+class Frozen:
+    """A model that runs without gradients beside the policy: the DPO/IPO reference or the KD
+    teacher. One process: loaded with its weights. FSDP, or the memory estimate: on the meta
+    device (sharded like the policy under FSDP) until `materialise` gives it storage, with rank
+    0 reading the full state dict to fill the shards from."""
+
+    model: Any
+    # FSDP rank 0: reads the full state dict when the shards are filled, after the policy's
+    # own is freed (rank 0's host holds one model at a time)
+    full_sd: Callable[[], dict[str, Tensor]] | None = None
+    pending: bool = False  # still on the meta device
+
+
+def build_frozen(
+    cfg: TrainConfig,
+    env: dist_.DistEnv | None,
+    args: ModelArgs,
+    spec: LoRASpec | None,
+    lora_kw: dict[str, Any],
+    device: torch.device,
+    probe: bool,
+    start: Any = None,
+) -> tuple[Frozen | None, Frozen | None]:
+    """(reference, teacher) of the run, each None where the objective has none: the reference
+    is a frozen copy of the starting weights for DPO/IPO without LoRA (with LoRA the policy
+    with its adapters off serves; the estimate counts none with --precompute-ref, which drops
+    it before the first step), the teacher is --teacher-dir's model. `start`: one process's
+    policy as it starts (None when resuming), copied for the reference rather than read
+    again."""
+    o = cfg.objective
+    dtype = lora_kw["dtype"]
+    reference = teacher = None
+    if o.objective in ("dpo", "ipo") and spec is None and not (probe and o.precompute_ref):
+        # the starting weights, also when resuming (the checkpoint is the policy, not them)
+        def load_reference(where: Any) -> Any:
+            if isinstance(start, torch.nn.Module):
+                return copy.deepcopy(start)
+            return build_model_weights(cfg, args, None, lora_kw, where, None)
+
+        reference = _frozen(load_reference, args, dtype, cfg, env, device, probe)
+    if o.objective == "kd":
+
+        def load_teacher(where: Any) -> Any:
+            return from_hf(o.teacher_dir, dtype=dtype, device=where)
+
+        teacher = _frozen(load_teacher, teacher_args(cfg, args), dtype, cfg, env, device, probe)
+    return reference, teacher
+
+
+def _frozen(
+    load: Any,
+    args: ModelArgs,
+    dtype: torch.dtype,
+    cfg: TrainConfig,
+    env: dist_.DistEnv | None,
+    device: torch.device,
+    probe: bool,
+) -> Frozen:
+    if not probe and env is None:
+        return Frozen(load(device).requires_grad_(False).eval())
+
+    def read() -> dict[str, Tensor]:
+        return load("cpu").state_dict()
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to(dtype).requires_grad_(False).eval()
+    if env is not None:
+        shard_model(model, cfg, env, frozen=True)
+    return Frozen(model, read if not probe and env.is_main else None, pending=True)
 
 
 def build_optimizer(

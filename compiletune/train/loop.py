@@ -18,15 +18,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from compiletune import adapter_io, faults, recipes, torch_internals
-from compiletune import checkpoint as ckpt
 from compiletune import distributed as dist_
+from compiletune import faults, recipes, torch_internals
+from compiletune.checkpoint import adapter_io
+from compiletune.checkpoint import steps as ckpt
 from compiletune.config import TrainConfig
 from compiletune.errors import UserError
 from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
-from compiletune.train import run_dir
+from compiletune.train import objective, run_dir
 from compiletune.train.build import Run, build_run, pick_device
 from compiletune.train.step import (
     RouterStep,
@@ -81,7 +82,7 @@ def preflight_check(cfg: TrainConfig) -> float | None:
     process group exists, since the estimate simulates its own. An estimator failure (a torch
     version without one of its private APIs, say) warns and lets the run go on. Returns the
     estimated peak in GiB (None when the estimate failed)."""
-    from compiletune import estimate
+    from compiletune.estimate import estimator as estimate
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     capacity = estimate.Capacity(torch.cuda.mem_get_info(local)[1], estimate.machine_host_bytes())
@@ -114,6 +115,8 @@ class Trainer:
         self.log_names = parse_loggers(cfg.run.log)
         check_available(self.log_names)
         self.run: Run = build_run(cfg, env)
+        if cfg.objective.precompute_ref:
+            objective.precompute_reference(self.run, self.say)
         if self.run.resume_from is not None:
             run_dir.check_length(cfg.run.max_steps, self.run.start_step)
         if self.main:

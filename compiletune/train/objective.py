@@ -14,25 +14,27 @@ under FSDP.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from compiletune.loss import IGNORE_INDEX, LossHead
-from compiletune.models.lora import adapters_disabled
-from compiletune.objectives import (
+from compiletune.config import TrainConfig
+from compiletune.data.pairs import PairRows, batch_sequence_ids, row_values
+from compiletune.data.rows import eval_batches
+from compiletune.loss.head import IGNORE_INDEX, LossHead
+from compiletune.loss.objectives import (
     PreferenceOptions,
     distillation_loss,
     preference_loss,
     sequence_sums,
 )
+from compiletune.models.lora import adapters_disabled
 from compiletune.ops.fused_logprobs import token_divergence
-from compiletune.pairs import PairRows, batch_sequence_ids, row_values
+from compiletune.train.build import Run
+from compiletune.train.forward import forward_hidden
 
 PREFERENCE = ("dpo", "ipo", "simpo")
 # per-pair values summed in a step, reported as means over its pairs
@@ -43,7 +45,7 @@ def count_pairs(batch: dict[str, Tensor]) -> int:
     return int(batch["pairs"].sum())
 
 
-def _options(cfg: Any) -> PreferenceOptions:
+def _options(cfg: TrainConfig) -> PreferenceOptions:
     o = cfg.objective
     return PreferenceOptions(o.objective, o.beta, o.label_smoothing, o.simpo_gamma)
 
@@ -63,10 +65,8 @@ def _frozen_eager() -> Iterator[None]:
         yield
 
 
-def reference_sums(run: Any, mb: dict[str, Tensor], ids: Tensor, n_seq: int) -> Tensor:
+def reference_sums(run: Run, mb: dict[str, Tensor], ids: Tensor, n_seq: int) -> Tensor:
     """The reference model's summed response log-probabilities [n_seq]."""
-    from compiletune.train.step import forward_hidden
-
     with _frozen_eager():
         if run.reference is not None:
             model, off = run.reference, contextlib.nullcontext()
@@ -81,7 +81,7 @@ def reference_sums(run: Any, mb: dict[str, Tensor], ids: Tensor, n_seq: int) -> 
 
 
 def preference_micro(
-    run: Any, mb: dict[str, Tensor], hidden: Tensor, pairs: list[int]
+    run: Run, mb: dict[str, Tensor], hidden: Tensor, pairs: list[int]
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(per-pair losses [P], per-pair rewards) of a micro-batch of pair rows; `pairs`: its
     rows' pair counts, known on the host (sizes without a device sync)."""
@@ -109,11 +109,9 @@ def preference_micro(
 
 
 def distillation_micro(
-    run: Any, mb: dict[str, Tensor], hidden: Tensor, doc_mask: bool
+    run: Run, mb: dict[str, Tensor], hidden: Tensor, doc_mask: bool
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(summed per-token KD loss [], summed divergence and CE) of a micro-batch."""
-    from compiletune.train.step import forward_hidden
-
     o = run.cfg.objective
     with _frozen_eager():
         teacher_hidden = forward_hidden(run.teacher, mb, doc_mask)
@@ -136,11 +134,8 @@ def distillation_micro(
     return per_token.sum(), {"kd_divergence": div.sum().detach(), "kd_ce": ce.sum().detach()}
 
 
-def evaluate_pairs(run: Any, batch_size: int) -> dict[str, float]:
+def evaluate_pairs(run: Run, batch_size: int) -> dict[str, float]:
     """Mean loss and rewards over every held-out pair (the policy in eval mode, eagerly)."""
-    from compiletune.data import eval_batches
-    from compiletune.train.step import forward_hidden
-
     sums = dict.fromkeys(("eval_loss", *(f"eval_{k}" for k in REWARDS)), 0.0)
     n = 0
     run.model.eval()
@@ -159,7 +154,7 @@ def evaluate_pairs(run: Any, batch_size: int) -> dict[str, float]:
     return {**{k: v / n for k, v in sums.items()}, "eval_pairs": n}
 
 
-def precompute_reference(run: Any, say: Any = print) -> None:
+def precompute_reference(run: Run, say: Callable[[str], None] = print) -> None:
     """--precompute-ref: every training (and held-out) pair scored once under the reference,
     stored with the rows; the reference copy is then dropped, so steps run the policy only."""
     import time
@@ -180,102 +175,6 @@ def precompute_reference(run: Any, say: Any = print) -> None:
     run.reference = None
     n = sum(r.n_pairs for r in sets)
     say(f"reference scores of {n} pairs precomputed in {time.perf_counter() - t0:.1f}s")
-
-
-def teacher_args(cfg: Any, student: Any) -> Any:
-    """The teacher's ModelArgs, from --teacher-dir's config.json (any depth and width; the
-    student's vocabulary, else exit 2 naming both sizes)."""
-    from compiletune.errors import UserError
-    from compiletune.models import args_from_hf_config, load_hf_config
-
-    args = args_from_hf_config(load_hf_config(cfg.objective.teacher_dir))
-    if args.vocab_size != student.vocab_size:
-        raise UserError(
-            f"--teacher-dir {cfg.objective.teacher_dir} has a vocabulary of "
-            f"{args.vocab_size} tokens and the student {student.vocab_size}; distillation "
-            "compares their distributions token by token: use a teacher with the student's "
-            "tokenizer"
-        )
-    return args
-
-
-@dataclass
-class Frozen:
-    """A model that runs without gradients beside the policy: the DPO/IPO reference or the KD
-    teacher. One process: loaded with its weights. FSDP, or the memory estimate: on the meta
-    device (sharded like the policy under FSDP) until `materialise` gives it storage, with rank
-    0 reading the full state dict to fill the shards from."""
-
-    model: Any
-    # FSDP rank 0: reads the full state dict when the shards are filled, after the policy's
-    # own is freed (rank 0's host holds one model at a time)
-    full_sd: Callable[[], dict[str, Tensor]] | None = None
-    pending: bool = False  # still on the meta device
-
-
-def build_frozen(
-    cfg: Any,
-    env: Any,
-    args: Any,
-    spec: Any,
-    lora_kw: dict[str, Any],
-    device: torch.device,
-    probe: bool,
-    start: Any = None,
-) -> tuple[Frozen | None, Frozen | None]:
-    """(reference, teacher) of the run, each None where the objective has none: the reference
-    is a frozen copy of the starting weights for DPO/IPO without LoRA (with LoRA the policy
-    with its adapters off serves; the estimate counts none with --precompute-ref, which drops
-    it before the first step), the teacher is --teacher-dir's model. `start`: one process's
-    policy as it starts (None when resuming), copied for the reference rather than read
-    again."""
-    from compiletune.models import from_hf
-    from compiletune.train.build import build_model_weights
-
-    o = cfg.objective
-    dtype = lora_kw["dtype"]
-    reference = teacher = None
-    if o.objective in ("dpo", "ipo") and spec is None and not (probe and o.precompute_ref):
-        # the starting weights, also when resuming (the checkpoint is the policy, not them)
-        def load_reference(where: Any) -> Any:
-            if isinstance(start, torch.nn.Module):
-                return copy.deepcopy(start)
-            return build_model_weights(cfg, args, None, lora_kw, where, None)
-
-        reference = _frozen(load_reference, args, dtype, cfg, env, device, probe)
-    if o.objective == "kd":
-
-        def load_teacher(where: Any) -> Any:
-            return from_hf(o.teacher_dir, dtype=dtype, device=where)
-
-        teacher = _frozen(load_teacher, teacher_args(cfg, args), dtype, cfg, env, device, probe)
-    return reference, teacher
-
-
-def _frozen(
-    load: Any,
-    args: Any,
-    dtype: torch.dtype,
-    cfg: Any,
-    env: Any,
-    device: torch.device,
-    probe: bool,
-) -> Frozen:
-    from compiletune.models import Transformer
-    from compiletune.train.build import shard_model
-
-    if not probe and env is None:
-        return Frozen(load(device).requires_grad_(False).eval())
-
-    def read() -> dict[str, Tensor]:
-        return load("cpu").state_dict()
-
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to(dtype).requires_grad_(False).eval()
-    if env is not None:
-        shard_model(model, cfg, env, frozen=True)
-    return Frozen(model, read if not probe and env.is_main else None, pending=True)
 
 
 def reshard_frozen(model: Any) -> None:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compiletune import adapter_io
-from compiletune import checkpoint as ckpt
-from compiletune.atomic import make_folder, recover
+from compiletune.checkpoint import adapter_io
+from compiletune.checkpoint import steps as ckpt
+from compiletune.checkpoint.atomic import make_folder, recover
 from compiletune.config import (
     SAVED_CONFIG,
     TrainConfig,

@@ -16,13 +16,13 @@ from torch import Tensor
 
 from compiletune import distributed as dist_
 from compiletune.config import TrainConfig
-from compiletune.data import PackedData, check_targets, count_targets, eval_batches
-from compiletune.loss import IGNORE_INDEX, LossHead
+from compiletune.data.rows import PackedData, check_targets, count_targets, eval_batches
+from compiletune.loss.head import IGNORE_INDEX, LossHead
 from compiletune.metrics import perplexity
 from compiletune.models.moe import router_losses
+from compiletune.train import objective
 from compiletune.train.build import Run
-
-Batch = dict[str, Tensor]
+from compiletune.train.forward import Batch, forward_hidden
 
 
 @dataclass
@@ -136,22 +136,6 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def forward_hidden(
-    model: torch.nn.Module,
-    batch: Batch,
-    doc_mask: bool,
-    router_stats: list[Tensor] | None = None,
-) -> Tensor:
-    """Hidden states [b, s, d] of a batch; with `doc_mask` every packed example attends only to
-    itself, with its positions restarting at 0 (as if it were alone in the row). MoE layers'
-    router statistics go to `router_stats` when given."""
-    if doc_mask:
-        return model.hidden_states(
-            batch["inputs"], batch["positions"], batch["doc_ids"], router_stats=router_stats
-        )
-    return model.hidden_states(batch["inputs"], router_stats=router_stats)
-
-
 def train_step(
     run: Run, batch: StepBatch, lr: float | None = None, accept: Accept | None = None
 ) -> StepResult:
@@ -247,8 +231,6 @@ def _micro_loss(
     kind = run.cfg.objective.objective
     if kind == "sft":
         return run.head(hidden, mb["targets"])
-    from compiletune.train import objective
-
     if kind == "kd":
         loss, values = objective.distillation_micro(run, mb, hidden, bool(run.cfg.data.doc_mask))
     else:

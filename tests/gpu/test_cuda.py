@@ -86,9 +86,9 @@ def test_flex_is_the_cuda_default():
 def test_flex_under_checkpointing_with_grads(monkeypatch, ac):
     """A compiled block under each policy runs FlexAttention (bf16, documents masked) and its
     loss and gradients follow the segment op's eager block (Inductor's Triton kernels)."""
-    from compiletune.activation import parse_ac
-    from compiletune.compile import CompileOptions, compile_regions
-    from compiletune.loss import LossHead
+    from compiletune.compiler.activation import parse_ac
+    from compiletune.compiler.regions import CompileOptions, compile_regions
+    from compiletune.loss.head import LossHead
     from compiletune.models import build_model, from_name
 
     args = from_name("debug")

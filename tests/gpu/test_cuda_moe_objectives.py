@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_name, save_hf
 from compiletune.ops.fused_logprobs import token_divergence, token_logprobs
 from compiletune.ops.grouped_mm import grouped_mm, uses_native
-from compiletune.tokenizer import byte_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gloo import free_port  # noqa: E402

@@ -14,9 +14,9 @@ import torch
 from tiny_run import tiny_run
 
 from compiletune.cli import main
-from compiletune.compile import CompileOptions, compile_regions
-from compiletune.data import Example, pack, split_examples
-from compiletune.loss import IGNORE_INDEX, LossHead
+from compiletune.compiler.regions import CompileOptions, compile_regions
+from compiletune.data.rows import Example, pack, split_examples
+from compiletune.loss.head import IGNORE_INDEX, LossHead
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_name
 from compiletune.train import evaluate
@@ -70,8 +70,8 @@ def test_eval_data_only_at_the_end_by_default(tmp_path, corpus):
 
 
 def test_evaluate_is_the_mean_target_loss_and_compiles_nothing(corpus):
-    from compiletune.data import load_examples
-    from compiletune.tokenizer import byte_tokenizer
+    from compiletune.data.rows import load_examples
+    from compiletune.data.tokenizer import byte_tokenizer
 
     examples = load_examples(corpus, byte_tokenizer())[:30]
     data = pack(examples, 64, keep_tail=True)  # as the trainer packs held-out data
@@ -109,8 +109,8 @@ def _short_eval(tmp_path: Path) -> str:
 def test_eval_data_shorter_than_a_row_is_evaluated_whole(tmp_path, corpus):
     """Held-out data is packed with its tail padded into a last row, so a file shorter than
     --seq-len still counts every one of its targets."""
-    from compiletune.data import load_examples
-    from compiletune.tokenizer import byte_tokenizer
+    from compiletune.data.rows import load_examples
+    from compiletune.data.tokenizer import byte_tokenizer
 
     short = _short_eval(tmp_path)
     want = sum(sum(e.is_target[1:]) for e in load_examples(short, byte_tokenizer()))

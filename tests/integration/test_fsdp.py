@@ -23,14 +23,14 @@ import transformers
 from gloo import free_port, run_in_gloo
 from safetensors.torch import load_file
 
-from compiletune.checkpoint import check_resumable, convert_to_hf
+from compiletune.checkpoint.steps import check_resumable, convert_to_hf
 from compiletune.cli import main
 from compiletune.config import resolve
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.distributed import mesh_shape
 from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_name, save_hf
-from compiletune.tokenizer import byte_tokenizer
 from compiletune.train.loop import train
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")

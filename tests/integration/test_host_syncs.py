@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 import torch
 
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.hardware import HOST_READS_ENV
 from compiletune.models import build_model, from_name
 from compiletune.models.hf import save_hf
-from compiletune.tokenizer import byte_tokenizer
 from compiletune.train import loop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

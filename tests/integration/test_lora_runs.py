@@ -14,12 +14,12 @@ from lora_cases import load_hf, rel_err, tiny_args, tokens
 from safetensors.torch import load_file
 from tiny_run import tiny_run
 
-from compiletune import adapter_io
+from compiletune.checkpoint import adapter_io
 from compiletune.cli import main
 from compiletune.config import resolve
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, save_hf
-from compiletune.tokenizer import byte_tokenizer
 from compiletune.train.loop import train
 
 peft = pytest.importorskip("peft")

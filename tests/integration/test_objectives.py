@@ -12,13 +12,13 @@ from pair_data import WORDS, write_pairs
 from tiny_run import tiny_run
 
 from compiletune.cli import main
+from compiletune.data.pairs import PairRows, batch_sequence_ids, read_pairs, truncate
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.errors import UserError
+from compiletune.loss.objectives import sequence_sums
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_hf, from_name, save_hf
-from compiletune.objectives import sequence_sums
 from compiletune.ops.fused_logprobs import token_divergence, token_logprobs
-from compiletune.pairs import PairRows, batch_sequence_ids, read_pairs, truncate
-from compiletune.tokenizer import byte_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -86,7 +86,7 @@ def test_packed_pairs_score_as_if_alone(pairs_file):
 
 
 def test_truncation_keeps_the_prompt_end_and_fits_a_row():
-    from compiletune.pairs import Pair
+    from compiletune.data.pairs import Pair
 
     pair = Pair(list(range(100)), list(range(200, 260)), list(range(300, 340)))
     cut = truncate(pair, 64)
@@ -195,8 +195,8 @@ def _held_out_kl(student_dir: Path, teacher, rows) -> float:
 
 @pytest.mark.slow
 def test_kd_lowers_the_students_kl_to_the_teacher_on_held_out_text(tmp_path):
-    from compiletune.data import encode, pack
-    from compiletune.sources import RawExample
+    from compiletune.data.rows import encode, pack
+    from compiletune.data.sources import RawExample
 
     teacher_args = from_name("debug")
     teacher_args.n_layers = 3
@@ -260,9 +260,9 @@ def test_compiled_head_logprobs_are_fused_and_equal_the_op(tmp_path, loss, softc
     """--compile: the policy's log-probabilities are plain code in the loss head, which the
     fuse_linear_logprobs pass turns into the chunked op (--loss chunked: the op itself); no
     [tokens, vocab] tensor either way; values and gradients equal the eager op's."""
-    from compiletune.compile import CompileOptions, compile_regions
-    from compiletune.graph_dump import write_dump
-    from compiletune.loss import IGNORE_INDEX, LossHead, head_kind
+    from compiletune.compiler.graph_dump import write_dump
+    from compiletune.compiler.regions import CompileOptions, compile_regions
+    from compiletune.loss.head import IGNORE_INDEX, LossHead, head_kind
 
     args = from_name("debug")
     args.n_layers = 1

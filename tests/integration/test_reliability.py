@@ -17,7 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from compiletune import checkpoint as ckpt
+from compiletune.checkpoint import steps as ckpt
 from compiletune.cli import main
 from compiletune.metrics import read_metrics
 from compiletune.train import loop, run_dir
@@ -305,7 +305,7 @@ def test_kill_9_between_the_renames_of_a_resave_is_recovered(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     code = (
-        "import sys; from pathlib import Path; from compiletune.atomic import "
+        "import sys; from pathlib import Path; from compiletune.checkpoint.atomic import "
         "write_folder_atomically as w\n"
         "for v in ('first', 'second'):\n"
         "    w(Path(sys.argv[1]) / 'step_2', lambda t, v=v: (t.mkdir(), (t / 'v').write_text(v)))"

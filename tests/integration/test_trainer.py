@@ -20,10 +20,10 @@ from tiny_run import tiny_run
 
 from compiletune.cli import main
 from compiletune.config import resolve
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_name, save_hf
-from compiletune.tokenizer import byte_tokenizer
 from compiletune.train.loop import train
 
 TEXT = "\n".join(

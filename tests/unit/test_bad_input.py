@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from compiletune.cli import main
+from compiletune.data.tokenizer import byte_tokenizer, load_tokenizer
 from compiletune.errors import UserError
 from compiletune.models import from_hf, load_hf_config, resolve_model_path
-from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
 CASES = settings(
     max_examples=20,

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from compiletune.backend import CompiletuneBackend, Pass
-from compiletune.compile import CompileOptions, compile_regions
+from compiletune.compiler.backend import CompiletuneBackend, Pass
+from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.config import resolve
-from compiletune.loss import LossHead
+from compiletune.loss.head import LossHead
 from compiletune.models import build_model, from_name
 from compiletune.train.loop import train
 

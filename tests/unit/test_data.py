@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from compiletune.corpus import pydoc_corpus
-from compiletune.data import (
+from compiletune.data.corpus import pydoc_corpus
+from compiletune.data.rows import (
     IGNORE_INDEX,
     Batches,
     Example,
@@ -17,8 +17,8 @@ from compiletune.data import (
     load_examples,
     pack,
 )
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.errors import UserError
-from compiletune.tokenizer import byte_tokenizer
 
 BOS, EOS = 256, 257
 
@@ -169,7 +169,7 @@ def test_pydocs_corpus_size_and_determinism():
     # Same corpus in a fresh interpreter (different import state, different hash seed).
     digest = hashlib.sha256("\0".join(docs).encode()).hexdigest()
     code = (
-        "import hashlib; from compiletune.corpus import pydoc_corpus; "
+        "import hashlib; from compiletune.data.corpus import pydoc_corpus; "
         "print(hashlib.sha256('\\0'.join(pydoc_corpus()).encode()).hexdigest())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

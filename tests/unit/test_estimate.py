@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gloo import free_port, run_in_gloo
 
-from compiletune import estimate
 from compiletune.cli import main
 from compiletune.config import resolve
 from compiletune.errors import UserError
+from compiletune.estimate import estimator as estimate
 
 SMALL = {"model": "debug", "n_layers": 2, "seq_len": 128, "batch_size": 4, "dtype": "fp32"}
 TOLERANCE = 0.10

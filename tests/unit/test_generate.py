@@ -11,6 +11,7 @@ import transformers
 from tiny_run import tiny_run
 
 from compiletune.cli import main
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.generate import (
     Sampling,
     encode_prompt,
@@ -20,7 +21,6 @@ from compiletune.generate import (
 )
 from compiletune.models import from_hf
 from compiletune.models.decoder import KVCache
-from compiletune.tokenizer import byte_tokenizer
 
 VOCAB = 260  # the byte tokenizer's 259 tokens, and one spare
 

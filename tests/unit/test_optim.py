@@ -18,9 +18,10 @@ from gloo import free_port, run_in_gloo
 from torch.overrides import TorchFunctionMode
 
 from compiletune.config import resolve
-from compiletune.data import Batches, load_examples, pack
+from compiletune.data.rows import Batches, load_examples, pack
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.errors import UserError
-from compiletune.loss import IGNORE_INDEX, LossHead
+from compiletune.loss.head import IGNORE_INDEX, LossHead
 from compiletune.models import ModelArgs, Transformer, build_model, from_name
 from compiletune.optim import (
     BLOCK,
@@ -33,7 +34,6 @@ from compiletune.optim import (
     quantize_exp_avg,
     quantize_exp_avg_sq,
 )
-from compiletune.tokenizer import byte_tokenizer
 
 CPU = torch.device("cpu")
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from compiletune.data import check_rows, load_examples, pack_store
+from compiletune.data.rows import check_rows, load_examples, pack_store
+from compiletune.data.token_store import ExampleRows, MemoryStore
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.errors import UserError
-from compiletune.loss import IGNORE_INDEX
+from compiletune.loss.head import IGNORE_INDEX
 from compiletune.models import build_model, from_name
 from compiletune.models.hf import save_hf
-from compiletune.token_store import ExampleRows, MemoryStore
-from compiletune.tokenizer import byte_tokenizer
 from compiletune.train import evaluate
 
 CHATML = (

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from compiletune import estimate, recipes
+from compiletune import recipes
 from compiletune.cli import main
 from compiletune.config import load_yaml, resolve
+from compiletune.estimate import estimator as estimate
 
 RECIPES = recipes.all_recipes()
 

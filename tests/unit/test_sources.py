@@ -1,4 +1,4 @@
-"""--data sources (containers) and layouts: compiletune/sources.py, through load_examples."""
+"""--data sources (containers) and layouts: compiletune/data/sources.py, through load_examples."""
 
 import json
 import sys
@@ -10,10 +10,11 @@ import pyarrow.csv as pacsv  # noqa: E402
 import pyarrow.ipc as ipc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from compiletune import data, sources  # noqa: E402
-from compiletune.data import load_examples  # noqa: E402
+from compiletune.data import rows as data  # noqa: E402
+from compiletune.data import sources  # noqa: E402
+from compiletune.data.rows import load_examples  # noqa: E402
+from compiletune.data.tokenizer import byte_tokenizer  # noqa: E402
 from compiletune.errors import UserError  # noqa: E402
-from compiletune.tokenizer import byte_tokenizer  # noqa: E402
 
 BOS, EOS = 256, 257
 

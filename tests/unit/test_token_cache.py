@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from compiletune import data as data_mod
 from compiletune.cli import main
-from compiletune.data import Batches, Mixture, PackedData, load_examples, pack, parse_sources
+from compiletune.data import rows as data_mod
+from compiletune.data.rows import Batches, Mixture, PackedData, load_examples, pack, parse_sources
+from compiletune.data.token_cache import cached_store
+from compiletune.data.token_store import META, MemoryStore
+from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
-from compiletune.token_cache import cached_store
-from compiletune.token_store import META, MemoryStore
-from compiletune.tokenizer import byte_tokenizer
 
 CHAT = {
     "messages": [
@@ -98,8 +98,8 @@ def test_a_killed_build_is_never_used(tmp_path):
     src = _text_file(tmp_path / "t.jsonl", 3000, "word")
     cache = tmp_path / "c"
     code = (
-        "import sys; from compiletune.token_cache import cached_store; "
-        "from compiletune.tokenizer import byte_tokenizer; "
+        "import sys; from compiletune.data.token_cache import cached_store; "
+        "from compiletune.data.tokenizer import byte_tokenizer; "
         "cached_store(sys.argv[1], byte_tokenizer(), cache_dir=sys.argv[2], workers=0)"
     )
     env = {**os.environ, "COMPILETUNE_KILL_AT": "cache:2"}
@@ -236,7 +236,7 @@ DAMAGE = [
 
 @pytest.mark.parametrize("name, spoil, reason", DAMAGE, ids=[d[2] for d in DAMAGE])
 def test_a_damaged_entry_is_rebuilt_with_one_line(tmp_path, name, spoil, reason):
-    from compiletune import token_cache
+    from compiletune.data import token_cache
 
     src, cache, entry, rows = _entry(tmp_path)
     spoil(entry / name)
@@ -251,7 +251,7 @@ def test_a_damaged_entry_is_rebuilt_with_one_line(tmp_path, name, spoil, reason)
 
 
 def test_sizes_are_checked_at_every_open_and_hashes_once_per_process(tmp_path):
-    from compiletune import token_cache
+    from compiletune.data import token_cache
 
     src, cache, entry, _ = _entry(tmp_path)
     _ids_changed_in_place(entry / "ids.i32")  # same size: only a hash sees it
@@ -262,7 +262,7 @@ def test_sizes_are_checked_at_every_open_and_hashes_once_per_process(tmp_path):
 
 
 def test_token_ids_outside_the_models_vocabulary_are_refused(tmp_path):
-    from compiletune.token_cache import check_vocabulary
+    from compiletune.data.token_cache import check_vocabulary
 
     src, cache, entry, _ = _entry(tmp_path)
     store = cached_store(src, byte_tokenizer(), cache_dir=cache, say=lambda s: None)

@@ -1,8 +1,8 @@
 import pytest
 from transformers import AutoTokenizer
 
+from compiletune.data.tokenizer import byte_tokenizer, load_tokenizer
 from compiletune.errors import UserError
-from compiletune.tokenizer import byte_tokenizer, load_tokenizer
 
 TEXTS = [
     "hello world",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from tiny_run import tiny_run
 
-from compiletune.activation import parse_ac
 from compiletune.cli import main
-from compiletune.compile import CompileOptions, compile_regions
-from compiletune.loss import LossHead
+from compiletune.compiler.activation import parse_ac
+from compiletune.compiler.regions import CompileOptions, compile_regions
+from compiletune.loss.head import LossHead
 from compiletune.models import PRESETS, build_model, from_name
 from compiletune.models.attention import doc_segments
 

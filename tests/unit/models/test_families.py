@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from compiletune import adapter_io
+from compiletune.checkpoint import adapter_io
 from compiletune.cli import main
-from compiletune.compile import CompileOptions, compile_regions
+from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.errors import UserError
 from compiletune.generate import generate_ids
-from compiletune.loss import LossHead
+from compiletune.loss.head import LossHead
 from compiletune.models import args_from_hf_config, from_hf, save_hf
 from compiletune.models.lora import LoRASpec, apply_lora
 

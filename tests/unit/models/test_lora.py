@@ -13,9 +13,9 @@ from gloo import free_port, run_in_gloo
 from lora_cases import hf_base, load_hf, randomize_adapters, rel_err, tiny_args, tokens
 from safetensors.torch import load_file
 
-from compiletune import adapter_io
-from compiletune.compile import CompileOptions, compile_regions
-from compiletune.loss import LossHead
+from compiletune.checkpoint import adapter_io
+from compiletune.compiler.regions import CompileOptions, compile_regions
+from compiletune.loss.head import LossHead
 from compiletune.models import build_model, from_hf, save_hf
 from compiletune.models.lora import (
     FrozenLinear,

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 
-from compiletune.compile import CompileOptions, compile_regions
+from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.errors import UserError
-from compiletune.loss import LossHead
+from compiletune.loss.head import LossHead
 from compiletune.models import args_from_hf_config, from_hf, save_hf
 from compiletune.models.moe import MoE, router_losses
 from compiletune.ops.grouped_mm import grouped_mm
@@ -218,7 +218,7 @@ def test_moe_block_compiles_once_across_routings_and_equals_eager():
     loads = {tuple(stats[:8].tolist()) for _, stats, _ in eager}
     assert len(loads) == 5  # five different routings
     assert min(eager[3][1][:8]) == 0  # and some experts got no token at all
-    from compiletune.backend import CompiletuneBackend
+    from compiletune.compiler.backend import CompiletuneBackend
 
     backend = CompiletuneBackend("block", [], mode="inductor")
     compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=False)
@@ -298,7 +298,7 @@ def test_moe_config_errors_name_the_field():
     ],
 )
 def test_lora_on_experts_loads_in_peft_and_merges(case, targets, tmp_path):
-    from compiletune import adapter_io
+    from compiletune.checkpoint import adapter_io
     from compiletune.models.lora import LoRASpec, apply_lora
 
     peft = pytest.importorskip("peft")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiletune.objectives import (
+from compiletune.loss.objectives import (
     PreferenceOptions,
     distillation_loss,
     preference_loss,

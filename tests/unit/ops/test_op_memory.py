@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import compiletune.estimate  # noqa: F401  (imports the step, so every op module)
+import compiletune.estimate.estimator  # noqa: F401  (imports the step, so every op module)
 import compiletune.ops.fused_logprobs  # noqa: F401
 import compiletune.ops.fused_loss  # noqa: F401
 import compiletune.ops.grouped_mm  # noqa: F401

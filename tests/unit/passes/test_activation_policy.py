@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from compiletune.activation import apply_eager_checkpointing, parse_ac
-from compiletune.compile import CompileOptions, compile_regions
+from compiletune.compiler.activation import apply_eager_checkpointing, parse_ac
+from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.config import resolve
 from compiletune.errors import UserError
-from compiletune.loss import LossHead
+from compiletune.loss.head import LossHead
 from compiletune.models import build_model, from_name
 from compiletune.passes.activation_policy import SAVE_OPS, forward_nodes, tag_activation_policy
 
@@ -100,7 +100,7 @@ def test_eager_checkpointing_keeps_loss_and_grads_and_names(ac):
 
 
 def test_eager_checkpointing_saves_less(monkeypatch):
-    import compiletune.activation as activation
+    import compiletune.compiler.activation as activation
 
     decisions = []
     original = activation._selective_policy

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from graph_capture import capture
 
-from compiletune.compile import CompileOptions, compile_regions
+from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.config import resolve
-from compiletune.loss import LossHead
+from compiletune.loss.head import LossHead
 from compiletune.models import build_model, from_name
 from compiletune.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
 from compiletune.train.loop import train

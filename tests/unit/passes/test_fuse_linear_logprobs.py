@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from graph_capture import capture
 from torch import nn
 
-from compiletune.backend import CompiletuneBackend
-from compiletune.compile import CompileOptions, head_logits_shape, head_passes
-from compiletune.graph_dump import write_dump
+from compiletune.compiler.backend import CompiletuneBackend
+from compiletune.compiler.graph_dump import write_dump
+from compiletune.compiler.regions import CompileOptions, head_logits_shape, head_passes
 from compiletune.passes.fuse_linear_logprobs import fuse_linear_logprobs
 
 V, D, B, S = 97, 24, 2, 11  # a vocab that is no multiple of anything; 22 tokens

@@ -44,9 +44,10 @@ import numpy as np
 from tqdm import tqdm
 
 from compiletune import faults
-from compiletune.atomic import make_folder, write_folder_atomically
+from compiletune.checkpoint.atomic import make_folder, write_folder_atomically
+from compiletune.data.sources import fingerprint, read_examples, source_files
+from compiletune.data.token_store import DOCS, FLAGS, IDS, META, FileStore
 from compiletune.errors import UserError
-from compiletune.token_store import DOCS, FLAGS, IDS, META, FileStore
 
 FORMAT = 2  # bump when the entry layout or the tokenisation rules change (2: checksums)
 _CHUNK = 512  # raw examples per tokenisation task
@@ -89,8 +90,6 @@ def cache_key(
     split: str | None,
     roles: str | None = None,
 ) -> str:
-    from compiletune.sources import fingerprint
-
     parts = {
         "format": FORMAT,
         "data": fingerprint(source, split),
@@ -241,8 +240,6 @@ def clear(cache_dir: str | None = None, keys: list[str] | None = None) -> list[P
 def _workers(source: str, split: str | None, asked: int | None) -> int:
     if asked is not None:
         return asked
-    from compiletune.sources import source_files
-
     size = sum(f.stat().st_size for f in source_files(source, split))
     if size < _IN_PROCESS_BYTES:
         return 0  # a process pool costs more than it saves on small data
@@ -258,6 +255,37 @@ def _init_worker(tokenizer: Any) -> None:
     _TOKENIZER = tokenizer
 
 
+_TOKENIZE_CHUNK = 256  # texts per tokenizer call
+
+
+def tokenize_pieces(
+    texts: list[str], tokenizer, wheres: list[str] | None = None
+) -> list[list[int]]:
+    """Token ids of each text, no special tokens added; a progress bar when there are many.
+    A text the tokenizer fails on is a UserError naming its `wheres` entry (FILE:LINE)."""
+    out: list[list[int]] = []
+    with tqdm(total=len(texts), desc="tokenizing", unit="doc", disable=len(texts) < 2000) as bar:
+        for start in range(0, len(texts), _TOKENIZE_CHUNK):
+            chunk = texts[start : start + _TOKENIZE_CHUNK]
+            try:
+                # verbose=False: documents longer than model_max_length are fine here, rows
+                # are cut by pack(), so the "sequence too long" warning would only mislead.
+                out.extend(tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"])
+            except Exception:  # find the text it fails on, one by one
+                for i, text in enumerate(chunk, start=start):
+                    try:
+                        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+                    except Exception as e:
+                        where = wheres[i] if wheres else "the data"
+                        why = " ".join(str(e).split())[:200] or type(e).__name__
+                        raise UserError(
+                            f"{where}: the tokenizer cannot encode this text ({why}); fix or "
+                            "remove it"
+                        ) from e
+            bar.update(len(chunk))
+    return out
+
+
 def _encode_chunk(raw: list, tokenizer: Any = None) -> tuple[bytes, bytes, list[int]]:
     """A chunk's token ids (int32 bytes), target flags (uint8 bytes) and lengths."""
     ids, flags, lengths = encode_arrays(raw, tokenizer if tokenizer is not None else _TOKENIZER)
@@ -268,11 +296,9 @@ def encode_arrays(raw: list, tok: Any) -> tuple[np.ndarray, np.ndarray, list[int
     """Raw examples to token ids (int32), target flags (uint8) and lengths, with array
     operations (no Python step per token): bos first unless there, eos last unless there (a
     target unless a chat ends on a non-assistant turn). `data.encode` gives the same as lists."""
-    from compiletune.data import _tokenize_pieces
-
     texts = [text for example in raw for text, _ in example.pieces]
     wheres = [example.where for example in raw for _ in example.pieces]
-    pieces = _tokenize_pieces(texts, tok, wheres)
+    pieces = tokenize_pieces(texts, tok, wheres)
     bos, eos = tok.bos_token_id, tok.eos_token_id
     ids_out, flags_out, lengths = [], [], []
     k = 0
@@ -308,8 +334,6 @@ def _build(
     say: Callable[[str], None],
     roles: str | None = None,
 ) -> None:
-    from compiletune.sources import read_examples
-
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
     raw = read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split, roles=roles)

@@ -27,7 +27,7 @@ import torch
 
 from compiletune import torch_internals as ti
 from compiletune.choices import CompileBackend, choices
-from compiletune.graph_dump import RegionRecord, logits_like_tensors, saved_for_backward
+from compiletune.compiler.graph_dump import RegionRecord, logits_like_tensors, saved_for_backward
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from compiletune.activation import ActivationPolicy
-from compiletune.backend import CompiletuneBackend, Pass
 from compiletune.choices import CompileBackend, choices
-from compiletune.graph_dump import node_value, write_dump
-from compiletune.loss import LossHead
+from compiletune.compiler.activation import ActivationPolicy
+from compiletune.compiler.backend import CompiletuneBackend, Pass
+from compiletune.compiler.graph_dump import node_value, write_dump
+from compiletune.loss.head import LossHead
 
 BACKENDS = choices(CompileBackend)
 

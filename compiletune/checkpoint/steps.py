@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from compiletune import faults
-from compiletune.atomic import fsync_tree, publish, write_folder_atomically
+from compiletune.checkpoint.atomic import fsync_tree, publish, write_folder_atomically
 from compiletune.errors import UserError
 
 STATE_FILE = "trainer_state.pt"
@@ -85,7 +85,7 @@ def save_checkpoint(
 
     def write(tmp: Path) -> None:
         if is_lora(model):
-            from compiletune.adapter_io import save_adapter
+            from compiletune.checkpoint.adapter_io import save_adapter
 
             save_adapter(model, tmp, tokenizer=tokenizer)
         else:
@@ -166,7 +166,7 @@ def save_sharded_checkpoint(
     training state and the rename), and the ranks agree after each (`distributed.agree`): a
     failure on any rank (a full disk, described by `describe`) is raised on every rank as the
     same one line at that point, and the half-written folder is removed."""
-    from compiletune.adapter_io import save_adapter
+    from compiletune.checkpoint.adapter_io import save_adapter
     from compiletune.distributed import SHARDED_DIR, agree, attempt, save_sharded
     from compiletune.models import hf_config_from_args, save_hf
     from compiletune.models.lora import is_lora

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from compiletune.data.sources import read_examples
+from compiletune.data.token_cache import encode_arrays
+from compiletune.data.token_store import IGNORE_INDEX, ExampleRows, MemoryStore, PackedData, Store
 from compiletune.errors import UserError
-from compiletune.token_store import IGNORE_INDEX, ExampleRows, MemoryStore, PackedData, Store
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 # Tokenise this many strings per tokenizer call: big enough for the Rust batch path to pay
 # off, small enough for the progress bar to move.
-_TOKENIZE_CHUNK = 256
 
 # A piece of an example: text and whether its tokens are targets.
 Piece = tuple[str, bool]
@@ -67,45 +67,15 @@ def _read_source(
     split: str | None = None,
     roles: str | None = None,
 ) -> list[_RawExample]:
-    """The examples of `source` (see `compiletune.sources`): any container (files, folders,
+    """The examples of `source` (see `compiletune.data.sources`): any container (files, folders,
     save_to_disk folders, the HF cache) and layout, `fmt` (--data-format), `columns`
     (--data-columns) and `split` (--data-split). `sources.read_examples` gives them lazily."""
-    from compiletune.sources import read_examples
-
     return list(
         read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split, roles=roles)
     )
 
 
 # ----------------------------------------------------------------------------- tokenising
-
-
-def _tokenize_pieces(
-    texts: list[str], tokenizer, wheres: list[str] | None = None
-) -> list[list[int]]:
-    """Token ids of each text, no special tokens added; a progress bar when there are many.
-    A text the tokenizer fails on is a UserError naming its `wheres` entry (FILE:LINE)."""
-    out: list[list[int]] = []
-    with tqdm(total=len(texts), desc="tokenizing", unit="doc", disable=len(texts) < 2000) as bar:
-        for start in range(0, len(texts), _TOKENIZE_CHUNK):
-            chunk = texts[start : start + _TOKENIZE_CHUNK]
-            try:
-                # verbose=False: documents longer than model_max_length are fine here, rows
-                # are cut by pack(), so the "sequence too long" warning would only mislead.
-                out.extend(tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"])
-            except Exception:  # find the text it fails on, one by one
-                for i, text in enumerate(chunk, start=start):
-                    try:
-                        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-                    except Exception as e:
-                        where = wheres[i] if wheres else "the data"
-                        why = " ".join(str(e).split())[:200] or type(e).__name__
-                        raise UserError(
-                            f"{where}: the tokenizer cannot encode this text ({why}); fix or "
-                            "remove it"
-                        ) from e
-            bar.update(len(chunk))
-    return out
 
 
 def load_examples(
@@ -116,7 +86,7 @@ def load_examples(
     split: str | None = None,
     roles: str | None = None,
 ) -> list[Example]:
-    """Read `source` (see `compiletune.sources`) and tokenise it into examples, in memory (the
+    """Read `source` (see `compiletune.data.sources`) and tokenise it into examples, in memory (the
     trainer goes through the token cache instead, token_cache.py)."""
     raw = _read_source(source, tokenizer, fmt=fmt, columns=columns, split=split, roles=roles)
     if not raw:
@@ -130,8 +100,6 @@ def encode(
     """Tokenise raw examples (text pieces with target flags): each example starts with bos (if
     the tokenizer has one; not a target) and ends with eos (a target, except after a chat whose
     last message is not the assistant's). The token cache's encoding, as lists."""
-    from compiletune.token_cache import encode_arrays
-
     for example in raw:
         example.where = example.where or source
     ids, flags, lengths = encode_arrays(raw, tokenizer)

@@ -51,12 +51,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from compiletune import distributed as dist_
-from compiletune import memory_internals as mi
 from compiletune import recipes
-from compiletune.activation import parse_ac
+from compiletune.compiler.activation import parse_ac
 from compiletune.config import RunFacts, TrainConfig, fill_defaults
 from compiletune.errors import UserError
-from compiletune.loss import IGNORE_INDEX
+from compiletune.estimate import memory_internals as mi
+from compiletune.loss.head import IGNORE_INDEX
 from compiletune.models import num_params
 from compiletune.ops import op_memory
 from compiletune.optim import _local

@@ -30,10 +30,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from compiletune.data import encode
+from compiletune.data.rows import encode
+from compiletune.data.sources import (
+    RawExample,
+    check_roles,
+    iter_records,
+    parse_columns,
+    parse_roles,
+)
 from compiletune.errors import UserError
-from compiletune.loss import IGNORE_INDEX
-from compiletune.sources import RawExample, check_roles, iter_records, parse_columns, parse_roles
+from compiletune.loss.head import IGNORE_INDEX
 
 
 @dataclass

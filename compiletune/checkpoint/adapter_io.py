@@ -390,7 +390,7 @@ def save_merged(
     (each merged weight is built from its gathered base and adapters); only the rank with
     `writer=True` writes."""
     from compiletune import faults
-    from compiletune.atomic import write_folder_atomically
+    from compiletune.checkpoint.atomic import write_folder_atomically
     from compiletune.models import save_hf
 
     path = Path(path)

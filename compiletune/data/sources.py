@@ -2,7 +2,7 @@
 
 Containers (`--data SOURCE`):
 
-- `pydocs`: the embedded corpus of standard-library docstrings (`compiletune.corpus`).
+- `pydocs`: the embedded corpus of standard-library docstrings (`compiletune.data.corpus`).
 - `FILE.txt`: plain text; documents are separated by two or more consecutive empty lines.
 - `FILE.jsonl`: one JSON object per line (empty lines skipped); messages name `FILE:LINE`.
 - `FILE.json`: a JSON array of objects, or an object holding one such array (JSON lines, as
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compiletune.data.corpus import pydoc_corpus
 from compiletune.errors import UserError
 
 if TYPE_CHECKING:
@@ -581,8 +582,6 @@ def fingerprint(source: str, split: str | None = None) -> str:
     (for pydocs, its docstrings). Any change to the data changes it; renaming files does not."""
     h = hashlib.sha256()
     if source == "pydocs":
-        from compiletune.corpus import pydoc_corpus
-
         h.update(b"pydocs\0")
         for doc in pydoc_corpus():
             data = doc.encode("utf-8", "surrogatepass")
@@ -963,8 +962,6 @@ def read_examples(
     layouts = _Layouts(fmt, col)
     count = 0
     if source == "pydocs":
-        from compiletune.corpus import pydoc_corpus
-
         docs = pydoc_corpus()
         if not docs:
             raise UserError(

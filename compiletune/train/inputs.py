@@ -1,0 +1,88 @@
+"""The run's data from its config: the training rows of each --data source with its mixture
+weight, and the held-out rows (`build_run` calls these; a probe reads no data)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compiletune.config import TrainConfig
+from compiletune.data.pairs import PairRows, read_pairs
+from compiletune.data.rows import PackedData, check_rows, pack_store, parse_sources, split_indices
+from compiletune.data.token_cache import cached_store, check_vocabulary
+from compiletune.data.token_store import ExampleRows, MemoryStore, Store
+
+
+def build_data(
+    cfg: TrainConfig, tokenizer: Any, say: Any = print, vocab: int | None = None
+) -> tuple[list[PackedData], list[float], PackedData | None]:
+    """The training rows of each --data source (with its mixture weight), and the held-out rows
+    (--val-split or --eval-data) if any. Sources are read from the token cache, tokenised
+    first if needed (token_cache.py); an entry holding a token id outside the model's `vocab`
+    is refused."""
+    d = cfg.data
+    opts = {
+        "fmt": d.data_format,
+        "columns": d.data_columns,
+        "split": d.data_split,
+        "roles": d.data_roles,
+        "cache_dir": d.cache_dir,
+        "workers": d.data_workers,
+        "say": say,
+    }
+    sources = parse_sources(d.source)
+    stores: list[Store] = [cached_store(src, tokenizer, **opts) for src, _ in sources]
+    if vocab is not None:
+        for store in stores:
+            check_vocabulary(store, vocab)
+    held: Store | None = None
+    held_name = None
+    if d.val_split > 0:
+        # Whole documents are held out before packing, so none is on both sides.
+        docs = []
+        for i, store in enumerate(stores):
+            train, out = split_indices(store.n_docs, d.val_split, cfg.run.seed)
+            docs += [store.document(int(j)) for j in out]
+            stores[i] = store.subset(train)
+        held = MemoryStore.from_documents(docs)
+        held_name = f"the --val-split {d.val_split} held-out examples"
+    elif d.eval_data is not None:
+        evals = [cached_store(src, tokenizer, **opts) for src, _ in parse_sources(d.eval_data)]
+        for store in evals if vocab is not None else []:
+            check_vocabulary(store, vocab)
+        held = (
+            evals[0]
+            if len(evals) == 1
+            else MemoryStore.from_documents([e.document(j) for e in evals for j in range(e.n_docs)])
+        )
+        held_name = f"--eval-data {d.eval_data}"
+    datas = [
+        check_rows(pack_store(store, d.seq_len, d.packing, d.truncation), src)
+        for store, (src, _) in zip(stores, sources, strict=True)
+    ]
+    for data, (src, _) in zip(datas, sources, strict=True):
+        if isinstance(data, ExampleRows):
+            say(f"{src}: {data.summary()}")
+    eval_set = None
+    if held is not None:
+        eval_set = pack_store(held, d.seq_len, d.packing, d.truncation, keep_tail=True)
+        eval_set = check_rows(eval_set, held_name)
+    return datas, [w for _, w in sources], eval_set
+
+
+def build_pairs(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[list, list, Any]:
+    """The rows of preference pairs (pairs.py) for training and, with --val-split or
+    --eval-data, for evaluation."""
+    d = cfg.data
+    pairs = read_pairs(d.source, tokenizer, d.data_columns, d.data_split, say, d.data_roles)
+    held = None
+    if d.val_split > 0:
+        train, out = split_indices(len(pairs), d.val_split, cfg.run.seed)
+        pairs, held = [pairs[i] for i in train], [pairs[i] for i in out]
+    elif d.eval_data is not None:
+        held = read_pairs(d.eval_data, tokenizer, d.data_columns, d.data_split, say, d.data_roles)
+    rows = PairRows(pairs, d.seq_len)
+    say(f"preference pairs: {rows.n_pairs} in {rows.rows} rows of {d.seq_len} tokens")
+    return [rows], [1.0], None if held is None else PairRows(held, d.seq_len)
+
+
+# ----------------------------------------------------------------------------- model
