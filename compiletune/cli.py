@@ -112,7 +112,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from compiletune.generate import Sampling, run_generate
+    from compiletune.generate import Sampling, run_generate  # lazy: a subcommand's cost
 
     run_generate(
         ns.model_dir,
@@ -128,13 +128,13 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 def _resolve(ns: argparse.Namespace, flags: dict) -> TrainConfig:
     """--config (a YAML file, or the name of a shipped recipe) under the flags typed."""
-    from compiletune.config import load_yaml, resolve
+    from compiletune.config import load_yaml, resolve  # lazy: a subcommand's cost
 
     return resolve(load_yaml(ns.config) if ns.config else {}, flags)
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from compiletune.train.loop import train
+    from compiletune.train.loop import train  # lazy: a subcommand's cost
 
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
     summary = train(_resolve(ns, flags))
@@ -144,7 +144,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import json
 
-    from compiletune.estimate import estimator as est_
+    from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
 
     own = ("command", "config", "gpus", "device_memory", "host_memory", "ladder", "json")
     flags = {k: v for k, v in vars(ns).items() if k not in own}
@@ -190,7 +190,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_models(ns: argparse.Namespace) -> int:
-    from compiletune.models import PRESETS, num_params
+    from compiletune.models import PRESETS, num_params  # lazy: a subcommand's cost
 
     print(
         f"{'preset':<16} {'params':>10}  {'layers':>6} {'dim':>6} {'heads':>5} {'kv':>3} {'vocab':>7}"
@@ -206,7 +206,7 @@ def _cmd_models(ns: argparse.Namespace) -> int:
 
 
 def _cmd_configs(ns: argparse.Namespace) -> int:
-    from compiletune import recipes
+    from compiletune import recipes  # lazy: a subcommand's cost
 
     if ns.action == "list":
         if ns.name:
@@ -239,7 +239,7 @@ def _cmd_configs(ns: argparse.Namespace) -> int:
 def _cmd_cache(ns: argparse.Namespace) -> int:
     import json
 
-    from compiletune.data import token_cache
+    from compiletune.data import token_cache  # lazy: a subcommand's cost
 
     root = token_cache.cache_root(ns.cache_dir)
     if ns.action == "clear":
@@ -283,7 +283,7 @@ def _cmd_cache(ns: argparse.Namespace) -> int:
 def _cmd_convert(ns: argparse.Namespace) -> int:
     import time
 
-    from compiletune.checkpoint.steps import convert_to_hf
+    from compiletune.checkpoint.steps import convert_to_hf  # lazy: a subcommand's cost
 
     t0 = time.perf_counter()
     out = convert_to_hf(ns.checkpoint, ns.output, ns.dtype)
@@ -311,7 +311,7 @@ def huge_page_tensors() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # the program itself (not a caller in Python): Ctrl-C ends start-up at once
-        from compiletune.interrupt import exit_on_interrupt
+        from compiletune.interrupt import exit_on_interrupt  # lazy: before any heavy import
 
         exit_on_interrupt()
     huge_page_tensors()

@@ -45,7 +45,14 @@ from compiletune.choices import (
     Sharding,
     Truncation,
 )
+from compiletune.compiler.activation import parse_ac
+from compiletune.data.rows import parse_sources
+from compiletune.data.sources import parse_columns, parse_roles
+from compiletune.distributed import launched_world_size
 from compiletune.errors import UserError
+from compiletune.loggers import parse_loggers
+from compiletune.models.lora import parse_targets
+from compiletune.optim import check_optimizer_flags
 
 
 def opt(
@@ -208,16 +215,10 @@ class DataConfig:
         if self.data_workers is not None and self.data_workers < 0:
             raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
         if self.data_columns is not None:
-            from compiletune.data.sources import parse_columns
-
             parse_columns(self.data_columns)  # a malformed mapping fails before the model loads
         if self.data_roles is not None:
-            from compiletune.data.sources import parse_roles
-
             parse_roles(self.data_roles)
         if not recipes.is_placeholder(self.source):  # a recipe's <...> is refused by train
-            from compiletune.data.rows import parse_sources
-
             parse_sources(self.source)  # a malformed mixture fails before the model loads
         if self.eval_every < 0:
             raise UserError(
@@ -275,7 +276,6 @@ class OptimConfig:
     router_z_coef: float = opt(0.0, "weight of the MoE router z-loss", estimate=False)
 
     def check(self, cfg: TrainConfig) -> None:
-        from compiletune.optim import check_optimizer_flags
 
         if self.lr is not None and not self.lr > 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
@@ -340,7 +340,6 @@ class TechniquesConfig:
     )
 
     def check(self, cfg: TrainConfig) -> None:
-        from compiletune.compiler.activation import parse_ac
 
         policy = parse_ac(self.ac, self.ac_every)
         if policy.kind == "budget" and not self.compile:
@@ -376,7 +375,6 @@ class ParallelConfig:
     )
 
     def check(self, cfg: TrainConfig) -> None:
-        from compiletune.distributed import launched_world_size
 
         world = launched_world_size()
         if world > 1 and not self.fsdp:
@@ -436,7 +434,6 @@ class LoRAConfig:
     )
 
     def check(self, cfg: TrainConfig) -> None:
-        from compiletune.models.lora import parse_targets
 
         if self.rank < 0:
             raise UserError(f"--lora-rank must be positive (0 = full fine-tuning), got {self.rank}")
@@ -540,7 +537,6 @@ class RunConfig:
             raise UserError(
                 f"--save-every must be 0 (only at the end) or positive, got {self.save_every}"
             )
-        from compiletune.loggers import parse_loggers
 
         parse_loggers(self.log)
         if self.resume and self.overwrite:

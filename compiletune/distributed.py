@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from compiletune import torch_internals
+from compiletune import faults, torch_internals
 from compiletune.choices import Sharding, choices
 from compiletune.errors import UserError
 from compiletune.torch_internals import fsdp_completes_partial_groups
@@ -298,8 +298,6 @@ def save_sharded(folder: Path, model: nn.Module | None, optimizer_sd: dict[str, 
 @functools.cache
 def _shard_writer_class() -> type:
     from torch.distributed.checkpoint import FileSystemWriter
-
-    from compiletune import faults
 
     class ShardWriter(FileSystemWriter):
         """DCP's own file writer (its defaults: what `checkpoint_id=folder` gives), with the

@@ -20,10 +20,15 @@ from typing import Any, TextIO
 
 import torch
 
+from compiletune.checkpoint import adapter_io
+from compiletune.checkpoint.steps import load_train_state
+from compiletune.data.tokenizer import load_tokenizer
 from compiletune.errors import UserError
-from compiletune.models import Transformer, from_hf
+from compiletune.models import PRESETS, Transformer, build_model, from_hf, resolve_model_path
 from compiletune.models.decoder import KVCache
 from compiletune.models.hf import read_json
+from compiletune.models.lora import apply_lora, block_adapter
+from compiletune.train.build import pick_device, pick_dtype, resolve_model_args
 
 
 @dataclass
@@ -116,16 +121,12 @@ def adapter_base(folder: Path) -> tuple[Path | None, dict[str, Any]]:
     run's seed; the run's saved config, {} when there is no trainer_state.pt). The base is
     adapter_config.json's base_model_name_or_path: a folder (or a hub id in the local HF
     cache, see `resolve_model_path`), else a preset that the run's config reproduces."""
-    from compiletune.checkpoint import adapter_io
-    from compiletune.models import PRESETS, resolve_model_path
 
     config_file = folder / adapter_io.ADAPTER_CONFIG
     adapter_io.read_adapter_spec(folder)  # the config and weights are a LoRA adapter
     base = json.loads(config_file.read_text()).get("base_model_name_or_path")
     saved: dict[str, Any] = {}
     if (folder / "trainer_state.pt").is_file():
-        from compiletune.checkpoint.steps import load_train_state
-
         saved = load_train_state(folder).get("config") or {}
     if not isinstance(base, str) or not base:
         raise UserError(
@@ -159,10 +160,6 @@ def load_lora_checkpoint(
     """A LoRA checkpoint (adapter folder) as a model: its base, loaded or drawn again from the
     run's seed (a preset base matches the run's when drawn on the same kind of device), with
     the adapters on top. `base`: what `adapter_base(folder)` gives, if already known."""
-    from compiletune.checkpoint import adapter_io
-    from compiletune.models import build_model
-    from compiletune.models.lora import apply_lora, block_adapter
-    from compiletune.train.build import pick_dtype, resolve_model_args
 
     base_dir, saved = base or adapter_base(folder)
     spec = adapter_io.read_adapter_spec(folder)
@@ -262,8 +259,6 @@ def run_generate(
     log: Callable[[str], None] | None = None,
 ) -> list[str]:
     """The `compiletune generate` command; returns the replies (for tests)."""
-    from compiletune.data.tokenizer import load_tokenizer
-    from compiletune.train.build import pick_device, pick_dtype
 
     out = out or sys.stdout
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -277,8 +272,6 @@ def run_generate(
         raise UserError("--top-p chooses among sampled tokens; add --temperature > 0 (e.g. 0.7)")
     if prompt is None and not chat:
         raise UserError("pass --prompt TEXT, or --chat for a conversation")
-    from compiletune.checkpoint import adapter_io
-    from compiletune.models import resolve_model_path
 
     folder = resolve_model_path(model_dir)
     lora = adapter_io.is_adapter_folder(folder) and not (folder / "config.json").is_file()

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from compiletune import faults
+from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 
 from .decoder import ROPE_TYPES, ModelArgs, RopeScaling, Transformer, TransformerBlock
@@ -1211,7 +1212,6 @@ def save_hf(
     tensor is gathered, a collective), and only the rank with `writer=True` keeps the CPU copy
     and writes files, so no device ever holds more than one whole tensor of the model.
     """
-    from compiletune.distributed import full_tensor
 
     if dtype is None:
         dtype = model.tok_embeddings.weight.dtype

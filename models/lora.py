@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiletune.choices import Quantize, choices
+from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 from compiletune.ops.grouped_mm import grouped_mm
 
@@ -202,7 +203,6 @@ def _whole(t: Tensor) -> Tensor:
     """A parameter's whole tensor: gathered if FSDP2 sharded it (a collective), else itself."""
     if not hasattr(t, "full_tensor"):
         return t
-    from compiletune.distributed import full_tensor
 
     return full_tensor(t)
 

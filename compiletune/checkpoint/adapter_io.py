@@ -31,7 +31,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from compiletune import faults
+from compiletune.checkpoint.atomic import write_folder_atomically
+from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
+from compiletune.models import save_hf
 from compiletune.models.hf import brief, read_json, to_hf_name, to_native_name
 from compiletune.models.lora import (
     FUSED_PARTS,
@@ -161,7 +165,6 @@ def save_adapter(
 
     A sharded (FSDP2) model: every rank calls this (each adapter is gathered whole, a
     collective) and only the rank with `writer=True` writes, the same files as one process."""
-    from compiletune.distributed import full_tensor
 
     spec: LoRASpec = model.lora_spec
     if base_model is None:
@@ -389,9 +392,6 @@ def save_merged(
     A sharded (FSDP2) model: every rank calls this and joins the gathers, one tensor at a time
     (each merged weight is built from its gathered base and adapters); only the rank with
     `writer=True` writes."""
-    from compiletune import faults
-    from compiletune.checkpoint.atomic import write_folder_atomically
-    from compiletune.models import save_hf
 
     path = Path(path)
 

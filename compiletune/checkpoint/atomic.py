@@ -12,12 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from compiletune import faults
+from compiletune.errors import UserError
 
 
 def make_folder(path: Path, flag: str) -> None:
     """Create the user-given folder `path` (and its parents); failure is one line naming
     `flag`."""
-    from compiletune.errors import UserError
 
     try:
         path.mkdir(parents=True, exist_ok=True)

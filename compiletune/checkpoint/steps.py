@@ -33,8 +33,28 @@ from typing import Any
 import torch
 
 from compiletune import faults
+from compiletune.checkpoint.adapter_io import save_adapter
 from compiletune.checkpoint.atomic import fsync_tree, publish, write_folder_atomically
+from compiletune.distributed import (
+    SHARDED_DIR,
+    agree,
+    attempt,
+    read_sharded_tensor,
+    save_sharded,
+    sharded_model_tensors,
+)
 from compiletune.errors import UserError
+from compiletune.models import (
+    Transformer,
+    args_from_hf_config,
+    hf_config_from_args,
+    load_hf_config,
+    save_hf,
+    to_hf_name,
+    write_hf_folder,
+)
+from compiletune.models.hf import brief
+from compiletune.models.lora import is_lora
 
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -80,13 +100,9 @@ def save_checkpoint(
 ) -> Path:
     """Write `output_dir/step_{step}` atomically and return its path. A LoRA model's checkpoint
     holds its adapter folder (compiletune/lora.py) instead of the weights."""
-    from compiletune.models import save_hf
-    from compiletune.models.lora import is_lora
 
     def write(tmp: Path) -> None:
         if is_lora(model):
-            from compiletune.checkpoint.adapter_io import save_adapter
-
             save_adapter(model, tmp, tokenizer=tokenizer)
         else:
             save_hf(model, tmp, tokenizer=tokenizer)
@@ -97,7 +113,6 @@ def save_checkpoint(
 
 
 def is_sharded(ckpt: Path) -> bool:
-    from compiletune.distributed import SHARDED_DIR
 
     return (ckpt / SHARDED_DIR).is_dir()
 
@@ -166,10 +181,6 @@ def save_sharded_checkpoint(
     training state and the rename), and the ranks agree after each (`distributed.agree`): a
     failure on any rank (a full disk, described by `describe`) is raised on every rank as the
     same one line at that point, and the half-written folder is removed."""
-    from compiletune.checkpoint.adapter_io import save_adapter
-    from compiletune.distributed import SHARDED_DIR, agree, attempt, save_sharded
-    from compiletune.models import hf_config_from_args, save_hf
-    from compiletune.models.lora import is_lora
 
     describe = describe or _plain(step)
     final = output_dir / f"step_{step}"
@@ -216,7 +227,6 @@ def save_sharded_checkpoint(
 
 
 def load_train_state(ckpt: Path) -> dict[str, Any]:
-    from compiletune.models.hf import brief
 
     path = ckpt / STATE_FILE
     try:
@@ -247,15 +257,6 @@ def load_train_state(ckpt: Path) -> dict[str, Any]:
 def convert_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None) -> Path:
     """Turn a sharded (FSDP) checkpoint folder into an HF folder, one tensor at a time (no
     process group, no GPU; host memory: one safetensors shard)."""
-    from compiletune.distributed import SHARDED_DIR, read_sharded_tensor, sharded_model_tensors
-    from compiletune.models import (
-        Transformer,
-        args_from_hf_config,
-        hf_config_from_args,
-        load_hf_config,
-        to_hf_name,
-        write_hf_folder,
-    )
 
     src, dst = Path(src), Path(dst)
     if not is_sharded(src):

@@ -25,6 +25,10 @@ from compiletune.compiler.activation import ActivationPolicy
 from compiletune.compiler.backend import CompiletuneBackend, Pass
 from compiletune.compiler.graph_dump import node_value, write_dump
 from compiletune.loss.head import LossHead
+from compiletune.passes.activation_policy import tag_activation_policy
+from compiletune.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
+from compiletune.passes.fuse_linear_logprobs import fuse_linear_logprobs
+from compiletune.passes.offload_activations import offload_activations
 
 BACKENDS = choices(CompileBackend)
 
@@ -43,13 +47,9 @@ def block_passes(opts: CompileOptions, with_policy: bool) -> list[Pass]:
     """The pipeline of a transformer block (`with_policy`: a block the --ac policy applies to)."""
     passes = []
     if with_policy and opts.ac.kind in ("full", "selective"):
-        from compiletune.passes.activation_policy import tag_activation_policy
-
         tag = functools.partial(tag_activation_policy, policy=opts.ac.kind)
         passes.append(Pass(f"activation_policy.{opts.ac.kind}", "joint", tag))
     if opts.offload:
-        from compiletune.passes.offload_activations import offload_activations
-
         passes.append(Pass("offload_activations", "partitioned", offload_activations))
     return passes
 
@@ -58,9 +58,6 @@ def head_passes(opts: CompileOptions) -> list[Pass]:
     """The pipeline of the loss head."""
     passes = []
     if opts.loss == "fused":
-        from compiletune.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
-        from compiletune.passes.fuse_linear_logprobs import fuse_linear_logprobs
-
         fuse = functools.partial(fuse_linear_cross_entropy, chunk_size=opts.loss_chunk_size)
         passes.append(Pass("fuse_linear_cross_entropy", "pre_grad", fuse))
         logprobs = functools.partial(fuse_linear_logprobs, chunk_size=opts.loss_chunk_size)

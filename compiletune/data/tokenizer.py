@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from compiletune.errors import UserError
+from compiletune.models.hf import brief, resolve_model_path
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -111,7 +112,6 @@ def load_tokenizer(path: str | Path, flag: str = "--model-dir") -> PreTrainedTok
     A folder that loads but has no vocabulary (tokenizer_config.json without tokenizer.json
     gives a tokenizer of its special tokens only) is refused: it would encode every text to
     nothing and a run would train on special tokens alone."""
-    from compiletune.models.hf import brief, resolve_model_path
 
     folder = resolve_model_path(path, flag)
     if not folder.is_dir():
@@ -151,8 +151,6 @@ def check_vocabulary(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
         ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
         size = len(tokenizer)
     except Exception as e:  # a tokenizer broken enough to fail on plain text
-        from compiletune.models.hf import brief
-
         raise UserError(
             f"the tokenizer in {folder} cannot encode plain text ({brief(e)}); check that the "
             "folder is a complete HF tokenizer"

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiletune.choices import Loss, choices
+from compiletune.ops.fused_logprobs import token_logprobs
+from compiletune.ops.fused_loss import chunked_cross_entropy, linear_cross_entropy
 
 IGNORE_INDEX = -100
 LOSS_KINDS = choices(Loss)
@@ -50,8 +52,6 @@ class LossHead(nn.Module):
         w, b = self.output.weight, self.output.bias
         if logprobs:
             return self._logprobs(h, w, b, targets)
-        if self.kind != "plain":
-            from compiletune.ops.fused_loss import chunked_cross_entropy, linear_cross_entropy
         if self.kind == "fused":
             return linear_cross_entropy(
                 h,
@@ -90,8 +90,6 @@ class LossHead(nn.Module):
         if b is not None:
             raise ValueError("--objective heads take an output projection without a bias")
         if self.kind != "plain" or not torch.compiler.is_compiling():  # the chunked op
-            from compiletune.ops.fused_logprobs import token_logprobs
-
             return token_logprobs(
                 h.flatten(0, 1),
                 w,

@@ -158,7 +158,7 @@ def _row_ops(device: torch.device) -> tuple[Callable, Callable]:
     """(forward, backward) row-wise functions for tensors on `device`."""
     if device.type == "cuda" or _FORCE_TRITON:
         try:
-            from compiletune.ops import triton_ce
+            from compiletune.ops import triton_ce  # needs triton, an optional dependency on CPU
         except ImportError:
             pass
         else:

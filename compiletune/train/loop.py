@@ -24,11 +24,13 @@ from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.config import TrainConfig
 from compiletune.errors import UserError
+from compiletune.estimate import estimator as estimate
 from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
 from compiletune.train import objective, run_dir
 from compiletune.train.build import Run, build_run, pick_device
+from compiletune.train.objective import evaluate_pairs
 from compiletune.train.step import (
     RouterStep,
     StepResult,
@@ -82,7 +84,6 @@ def preflight_check(cfg: TrainConfig) -> float | None:
     process group exists, since the estimate simulates its own. An estimator failure (a torch
     version without one of its private APIs, say) warns and lets the run go on. Returns the
     estimated peak in GiB (None when the estimate failed)."""
-    from compiletune.estimate import estimator as estimate
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     capacity = estimate.Capacity(torch.cuda.mem_get_info(local)[1], estimate.machine_host_bytes())
@@ -297,8 +298,6 @@ class Trainer:
         t0 = time.perf_counter()
         cfg, run = self.cfg, self.run
         if cfg.objective.objective in ("dpo", "ipo", "simpo"):
-            from compiletune.train.objective import evaluate_pairs
-
             self.last_eval = evaluate_pairs(run, cfg.data.batch_size)
         else:
             self.last_eval = evaluate(

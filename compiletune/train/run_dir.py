@@ -36,6 +36,7 @@ from compiletune.config import (
 from compiletune.errors import UserError
 from compiletune.loggers import WANDB_RUN_ID
 from compiletune.metrics import strict_json
+from compiletune.train.step import lr_factor
 
 LOCK_FILE = ".compiletune.lock"
 
@@ -232,7 +233,6 @@ def check_length(max_steps: int, at_step: int) -> None:
 
 
 def _lr_at(cfg: TrainConfig, step: int, max_steps: int) -> float:
-    from compiletune.train.step import lr_factor
 
     return cfg.optim.lr * lr_factor(step, cfg.replace(max_steps=max_steps, epochs=None))
 
