@@ -23,6 +23,8 @@ KdLoss = Literal["forward_kl", "jsd"]
 DataFormat = Literal["auto", "text", "prompt-completion", "messages", "sharegpt", "alpaca"]
 Packing = Literal["whole", "stream"]
 Truncation = Literal["right", "left"]
+# the named --ac policies (besides budget=F); full and selective are graph passes
+AcKind = Literal["none", "full", "selective"]
 
 
 def choices(literal: object) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from compiletune import __version__
+from compiletune.choices import BaseDtype, choices
 from compiletune.config import TrainConfig, add_flags
 from compiletune.errors import UserError
 from compiletune.interrupt import EXIT_INTERRUPTED
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("checkpoint", help="a step_N folder of an --fsdp run")
     convert.add_argument("output", help="new folder for the HF checkpoint")
     convert.add_argument(
-        "--dtype", choices=("fp32", "bf16"), default=None, help="default: as saved"
+        "--dtype", choices=choices(BaseDtype), default=None, help="default: as saved"
     )
     return parser
 
@@ -108,7 +109,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model-dir)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on GPU")
+    p.add_argument("--dtype", choices=choices(BaseDtype), default=None, help="default: bf16 on GPU")
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -336,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         # Ctrl-C before the training loop takes over signals, or a second one during it:
-        # whatever was being written is only ever published whole (atomic.py).
+        # whatever was being written is only ever published whole (checkpoint/atomic.py).
         sys.stderr.write("compiletune: interrupted\n")
         return EXIT_INTERRUPTED
     except BrokenPipeError:

@@ -54,6 +54,18 @@ from compiletune.loggers import parse_loggers
 from compiletune.models.lora import parse_targets
 from compiletune.optim import check_optimizer_flags
 
+# Defaults that depend on other choices: `fill_defaults` applies these, and --help shows them
+# from the same values.
+LR_RANDOM_INIT, LR_FINE_TUNE, LR_LORA = 1e-3, 2e-5, 2e-4
+WARMUP_FRACTION = 0.05  # of the run's steps
+DEFAULT_MAX_STEPS = 100
+MAX_GRAD_NORM = 1.0  # 0 (off) with --optimizer-in-backward
+LORA_ALPHA_PER_RANK = 2.0
+
+
+def _sci(x: float) -> str:
+    return f"{x:.0e}".replace("e-0", "e-")
+
 
 def opt(
     default: Any,
@@ -253,19 +265,20 @@ class OptimConfig:
     lr: float | None = opt(
         None,
         "peak learning rate",
-        shows="1e-3 from random init; 2e-5 fine-tuning --model-dir, 2e-4 with LoRA",
+        shows=f"{_sci(LR_RANDOM_INIT)} from random init; {_sci(LR_FINE_TUNE)} fine-tuning "
+        f"--model-dir, {_sci(LR_LORA)} with LoRA",
         estimate=False,
     )
     weight_decay: float = opt(0.0, "AdamW weight decay", estimate=False)
     warmup_steps: int | None = opt(
-        None, "linear warmup steps", shows="5% of the steps", estimate=False
+        None, "linear warmup steps", shows=f"{WARMUP_FRACTION:.0%} of the steps", estimate=False
     )
     schedule: Schedule = opt("cosine", "decay after warmup", estimate=False)
     min_lr_ratio: float = opt(0.1, "final lr / peak lr", estimate=False)
     max_grad_norm: float | None = opt(
         None,
         "clip gradients to this global norm (0 = off)",
-        shows="1.0; 0 with --optimizer-in-backward",
+        shows=f"{MAX_GRAD_NORM}; 0 with --optimizer-in-backward",
     )
     router_aux_coef: float | None = opt(
         None,
@@ -399,7 +412,7 @@ class ParallelConfig:
 
 @dataclass
 class LoRAConfig:
-    """LoRA / QLoRA adapters (`models/lora.py`; adapter files in `adapter_io.py`)."""
+    """LoRA / QLoRA adapters (`models/lora.py`; adapter files in `checkpoint/adapter_io.py`)."""
 
     TITLE = "LoRA / QLoRA"
     rank: int = opt(
@@ -412,7 +425,7 @@ class LoRAConfig:
         None,
         "adapter scale: the update is scaled by alpha / R",
         key="lora_alpha",
-        shows="2R",
+        shows=f"{LORA_ALPHA_PER_RANK:g}R",
         on_resume="fixed",
     )
     dropout: float = opt(0.0, "dropout on the adapters' input", key="lora_dropout", estimate=False)
@@ -467,7 +480,7 @@ class RunConfig:
 
     TITLE = "run length and output"
     max_steps: int | None = opt(
-        None, "optimizer steps", shows="100", estimate=False, on_resume="length"
+        None, "optimizer steps", shows=str(DEFAULT_MAX_STEPS), estimate=False, on_resume="length"
     )
     epochs: int | None = opt(
         None,
@@ -677,6 +690,18 @@ _BY_KEY = {_key(f): (section, f.name) for section, cls in _SECTIONS.items() for 
 FIELD_NAMES = set(_BY_KEY)
 
 
+def flag_text(key: str, value: Any) -> str:
+    """The command-line form of `key = value` ("--ac full", "--fsdp"; "" for an unset or false
+    switch), with the flag name the config derives for that key."""
+    section, attr = _BY_KEY[key]
+    flag = _flag(next(f for f in fields(_SECTIONS[section]) if f.name == attr))
+    if value is True:
+        return flag
+    if value is False or value is None:
+        return ""
+    return f"{flag} {value}"
+
+
 def _at_least_one(key: str, value: int) -> None:
     if value < 1:
         raise UserError(f"--{key.replace('_', '-')} must be at least 1, got {value}")
@@ -840,12 +865,12 @@ def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfi
         cfg.data.packing = "stream" if cfg.data.source == "pydocs" else "whole"
     if o.lr is None:
         # Adapters start at zero and are few: LoRA wants a ~10x larger lr than full fine-tuning.
-        o.lr = (2e-4 if lora.rank else 2e-5) if cfg.model.model_dir else 1e-3
+        o.lr = (LR_LORA if lora.rank else LR_FINE_TUNE) if cfg.model.model_dir else LR_RANDOM_INIT
     if o.router_aux_coef is None and facts.router_aux_coef is not None:
         o.router_aux_coef = facts.router_aux_coef
     if o.max_grad_norm is None:
         # In-backward never holds all gradients at once, so there is no global norm to clip.
-        o.max_grad_norm = 0.0 if o.optimizer_in_backward else 1.0
+        o.max_grad_norm = 0.0 if o.optimizer_in_backward else MAX_GRAD_NORM
     bf16 = facts.bf16_params
     if bf16 is None and cfg.model.dtype is not None:  # else the device decides, in the build
         bf16 = cfg.model.dtype == "bf16"
@@ -855,19 +880,19 @@ def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfi
         # keeps the expected update and costs no memory, so pure bf16 learns like fp32.
         o.bf16_compensation = "stochastic" if bf16 else "none"
     if lora.rank and lora.alpha is None:
-        lora.alpha = 2.0 * lora.rank
+        lora.alpha = LORA_ALPHA_PER_RANK * lora.rank
     if run.output_dir is None:
         name = cfg.model.preset or (
             Path(cfg.model.model_dir).name if cfg.model.model_dir else "debug"
         )
         run.output_dir = str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if run.max_steps is None and run.epochs is None:
-        run.max_steps = 100
+        run.max_steps = DEFAULT_MAX_STEPS
     if run.max_steps is None and facts.rows is not None:
         rows_per_step = cfg.data.batch_size * cfg.data.grad_accum * facts.world
         run.max_steps = max(1, run.epochs * -(-facts.rows // rows_per_step))
     if o.warmup_steps is None and run.max_steps is not None:
-        o.warmup_steps = max(1, round(0.05 * run.max_steps)) if run.max_steps > 1 else 0
+        o.warmup_steps = max(1, round(WARMUP_FRACTION * run.max_steps)) if run.max_steps > 1 else 0
     if cfg.techniques.loss is None and facts.vocab_size is not None:
         # The fused head pays off once logits are large; a tiny vocabulary gains nothing from it.
         big = cfg.techniques.compile or facts.vocab_size >= 32000

@@ -4,7 +4,7 @@ A KeyboardInterrupt raised inside an import (torch and numpy take seconds to imp
 a half-imported module in `sys.modules` that later fails with an unrelated error, or escape
 before `cli.main` can catch it. So the `compiletune` program replaces Python's SIGINT handler
 first thing with one that prints one line and exits: nothing has been published then, and
-whatever a build writes is only ever published whole (atomic.py). The training loop takes
+whatever a build writes is only ever published whole (checkpoint/atomic.py). The training loop takes
 SIGINT over while it runs (run_dir.StopSignal: finish the step, checkpoint, return) and hands
 this handler back after. Imports nothing of compiletune's, so it can run before everything.
 """

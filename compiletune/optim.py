@@ -318,6 +318,9 @@ def _pad_block(t: Tensor | None) -> Tensor | None:
     return torch.nn.functional.pad(t, (0, BLOCK - t.numel())).view(1, BLOCK)
 
 
+ADAMW_BETAS = (0.9, 0.95)  # the trainer's AdamW betas (Llama's; a fine-tuning norm)
+
+
 class _MaybeCompiled:
     """`fn` through `torch.compile` (from the second parameter size on, one dynamic-shape graph
     serves all sizes), falling back to eager for good, with a warning, if compiling fails."""
@@ -416,7 +419,7 @@ class Optimizer:
         *,
         kind: str = "adamw",
         lr: float,
-        betas: tuple[float, float] = (0.9, 0.95),
+        betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         in_backward: bool = False,

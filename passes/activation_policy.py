@@ -31,10 +31,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compiletune.choices import AcKind, choices
 from compiletune.models.attention import attention_op
 from compiletune.ops.grouped_mm import grouped_mm_op
 
-POLICIES = ("full", "selective")
+POLICIES = tuple(k for k in choices(AcKind) if k != "none")  # full, selective
 
 aten = torch.ops.aten
 # Expensive to recompute: FLOP-heavy. Looked up by name so a missing overload on some build is

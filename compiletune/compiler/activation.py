@@ -18,6 +18,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from compiletune.choices import AcKind, choices
 from compiletune.errors import UserError
 from compiletune.passes.activation_policy import SAVE_OPS
 
@@ -36,7 +37,7 @@ def parse_ac(text: str, every: int = 1) -> ActivationPolicy:
     """'none' | 'full' | 'selective' | 'budget=F' (0 <= F <= 1) -> ActivationPolicy."""
     if every < 1:
         raise UserError(f"--ac-every must be at least 1, got {every}")
-    if text in ("none", "full", "selective"):
+    if text in choices(AcKind):
         return ActivationPolicy(text, None, every)
     if text.startswith("budget="):
         try:
@@ -46,7 +47,8 @@ def parse_ac(text: str, every: int = 1) -> ActivationPolicy:
         if not 0.0 <= budget <= 1.0:
             raise UserError(f"--ac {text}: the budget must be a number in [0, 1], e.g. budget=0.5")
         return ActivationPolicy("budget", budget, every)
-    raise UserError(f"--ac must be none, full, selective or budget=F, got {text!r}")
+    named = ", ".join(choices(AcKind))
+    raise UserError(f"--ac must be {named} or budget=F, got {text!r}")
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

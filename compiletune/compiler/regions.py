@@ -25,7 +25,7 @@ from compiletune.compiler.activation import ActivationPolicy
 from compiletune.compiler.backend import CompiletuneBackend, Pass
 from compiletune.compiler.graph_dump import node_value, write_dump
 from compiletune.loss.head import LossHead
-from compiletune.passes.activation_policy import tag_activation_policy
+from compiletune.passes.activation_policy import POLICIES, tag_activation_policy
 from compiletune.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
 from compiletune.passes.fuse_linear_logprobs import fuse_linear_logprobs
 from compiletune.passes.offload_activations import offload_activations
@@ -46,7 +46,7 @@ class CompileOptions:
 def block_passes(opts: CompileOptions, with_policy: bool) -> list[Pass]:
     """The pipeline of a transformer block (`with_policy`: a block the --ac policy applies to)."""
     passes = []
-    if with_policy and opts.ac.kind in ("full", "selective"):
+    if with_policy and opts.ac.kind in POLICIES:
         tag = functools.partial(tag_activation_policy, policy=opts.ac.kind)
         passes.append(Pass(f"activation_policy.{opts.ac.kind}", "joint", tag))
     if opts.offload:

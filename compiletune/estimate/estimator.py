@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 from compiletune import distributed as dist_
 from compiletune import recipes
 from compiletune.compiler.activation import parse_ac
-from compiletune.config import RunFacts, TrainConfig, fill_defaults
+from compiletune.config import RunFacts, TrainConfig, fill_defaults, flag_text
 from compiletune.errors import UserError
 from compiletune.estimate import memory_internals as mi
 from compiletune.loss.head import IGNORE_INDEX
@@ -625,18 +625,9 @@ LORA_RUNGS: list[tuple[str, dict[str, Any]]] = [
     ("+ LoRA r16 (adapters only)", {"lora_rank": 16, "lora_alpha": 32.0}),
     ("+ QLoRA (NF4 base)", {"quantize_base": "nf4"}),
 ]
-_FLAG_TEXT = {
-    "lora_rank": lambda v: f"--lora-rank {v}",
-    "lora_alpha": lambda v: "",
-    "quantize_base": lambda v: f"--quantize-base {v}",
-    "ac": lambda v: f"--ac {v}",
-    "fsdp": lambda v: "--fsdp",
-    "cpu_offload": lambda v: "--cpu-offload",
-    "loss": lambda v: f"--loss {v}",
-    "optimizer_in_backward": lambda v: "--optimizer-in-backward",
-    "max_grad_norm": lambda v: "",
-    "optimizer": lambda v: f"--optimizer {v}",
-}
+# Keys a rung sets along with another flag, not shown on their own (LoRA's alpha follows its
+# rank; in-backward steps imply no clipping).
+_IMPLIED = {"lora_alpha", "max_grad_norm"}
 
 
 @dataclass
@@ -648,7 +639,7 @@ class Rung:
 
 
 def flags_text(changes: dict[str, Any]) -> str:
-    return " ".join(t for k, v in changes.items() if (t := _FLAG_TEXT[k](v)))
+    return " ".join(t for k, v in changes.items() if k not in _IMPLIED and (t := flag_text(k, v)))
 
 
 def _todo(cfg: TrainConfig, changes: dict[str, Any]) -> dict[str, Any]:

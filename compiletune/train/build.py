@@ -50,7 +50,7 @@ from compiletune.models import (
 from compiletune.models.attention import attention_backend
 from compiletune.models.hf import brief
 from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
-from compiletune.optim import Optimizer
+from compiletune.optim import ADAMW_BETAS, Optimizer
 from compiletune.train.inputs import build_data, build_pairs
 
 # Fields that make two architectures different models (head_dim is compared resolved).
@@ -469,7 +469,7 @@ def build_run(
         world = env.world if env is not None else 1
         facts = RunFacts(
             args.vocab_size,
-            # pair rows hold two sequences each (estimate.py's random pairs): masked as in a run
+            # pair rows hold two sequences each (estimate/estimator.py's random pairs): masked as in a run
             packs_documents=cfg.objective.objective in ("dpo", "ipo", "simpo"),
             world=world,
             router_aux_coef=args.router_aux_coef,
@@ -660,7 +660,7 @@ def build_optimizer(
         named,
         kind=o.optimizer,
         lr=o.lr,
-        betas=(0.9, 0.95),
+        betas=ADAMW_BETAS,
         weight_decay=o.weight_decay,
         in_backward=o.optimizer_in_backward,
         bf16_compensation=o.bf16_compensation,

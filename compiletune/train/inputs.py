@@ -17,7 +17,7 @@ def build_data(
 ) -> tuple[list[PackedData], list[float], PackedData | None]:
     """The training rows of each --data source (with its mixture weight), and the held-out rows
     (--val-split or --eval-data) if any. Sources are read from the token cache, tokenised
-    first if needed (token_cache.py); an entry holding a token id outside the model's `vocab`
+    first if needed (data/token_cache.py); an entry holding a token id outside the model's `vocab`
     is refused."""
     d = cfg.data
     opts = {
@@ -70,7 +70,7 @@ def build_data(
 
 
 def build_pairs(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[list, list, Any]:
-    """The rows of preference pairs (pairs.py) for training and, with --val-split or
+    """The rows of preference pairs (data/pairs.py) for training and, with --val-split or
     --eval-data, for evaluation."""
     d = cfg.data
     pairs = read_pairs(d.source, tokenizer, d.data_columns, d.data_split, say, d.data_roles)

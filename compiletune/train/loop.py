@@ -80,7 +80,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 def preflight_check(cfg: TrainConfig) -> float | None:
     """Before anything is allocated: refuse a step that cannot fit this GPU, naming flags that
-    would make it fit (estimate.py, fake tensors; seconds for an 8B model). Runs before the
+    would make it fit (estimate/estimator.py, fake tensors; seconds for an 8B model). Runs before the
     process group exists, since the estimate simulates its own. An estimator failure (a torch
     version without one of its private APIs, say) warns and lets the run go on. Returns the
     estimated peak in GiB (None when the estimate failed)."""

@@ -286,7 +286,7 @@ def space_warning(out: Path, need: int) -> str | None:
 
 def disk_full_error(out: Path, step: int, exc: BaseException, need: int) -> UserError | None:
     """The one line for a checkpoint that failed for want of disk space (None: another cause).
-    The half-written folder is gone by now (atomic.py), the previous checkpoint intact."""
+    The half-written folder is gone by now (checkpoint/atomic.py), the previous checkpoint intact."""
     full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
     free = shutil.disk_usage(out).free if out.is_dir() else 0
     # torch.save reports a full disk as a RuntimeError of its zip writer, without the errno

@@ -31,6 +31,7 @@ from compiletune.distributed import mesh_shape
 from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import build_model, from_name, save_hf
+from compiletune.optim import ADAMW_BETAS
 from compiletune.train.loop import train
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
@@ -178,7 +179,7 @@ def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> Non
     # lr_t * max |m_hat / sqrt(v_hat)| (by Cauchy-Schwarz, below), and each whole tensor's
     # difference (its L2 norm) no larger than that one element's. A shard left unstepped, stale
     # or misplaced differs by ~lr in every element, hundreds of times this.
-    beta1, beta2 = 0.9, 0.95  # the trainer's AdamW (train/build.py)
+    beta1, beta2 = ADAMW_BETAS  # the trainer's AdamW
     steps, lr = flags["max_steps"], flags["lr"]  # the schedule never exceeds the peak lr
     step_ratio = max(
         (1 - beta1)
