@@ -45,14 +45,7 @@ from compiletune.choices import (
     Sharding,
     Truncation,
 )
-from compiletune.compiler.activation import parse_ac
-from compiletune.data.rows import parse_sources
-from compiletune.data.sources import parse_columns, parse_roles
-from compiletune.distributed import launched_world_size
 from compiletune.errors import UserError
-from compiletune.loggers import parse_loggers
-from compiletune.models.lora import parse_targets
-from compiletune.optim import check_optimizer_flags
 
 # Defaults that depend on other choices: `fill_defaults` applies these, and --help shows them
 # from the same values.
@@ -227,10 +220,22 @@ class DataConfig:
         if self.data_workers is not None and self.data_workers < 0:
             raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
         if self.data_columns is not None:
+            from compiletune.data.sources import (
+                parse_columns,  # lazy: the CLI imports config before torch
+            )
+
             parse_columns(self.data_columns)  # a malformed mapping fails before the model loads
         if self.data_roles is not None:
+            from compiletune.data.sources import (
+                parse_roles,  # lazy: the CLI imports config before torch
+            )
+
             parse_roles(self.data_roles)
         if not recipes.is_placeholder(self.source):  # a recipe's <...> is refused by train
+            from compiletune.data.rows import (
+                parse_sources,  # lazy: the CLI imports config before torch
+            )
+
             parse_sources(self.source)  # a malformed mixture fails before the model loads
         if self.eval_every < 0:
             raise UserError(
@@ -301,6 +306,10 @@ class OptimConfig:
         for flag, value in (("aux", self.router_aux_coef), ("z", self.router_z_coef)):
             if value is not None and value < 0:
                 raise UserError(f"--router-{flag}-coef must be >= 0 (0 = off), got {value}")
+        from compiletune.optim import (
+            check_optimizer_flags,  # lazy: the CLI imports config before torch
+        )
+
         check_optimizer_flags(
             self.optimizer,
             self.optimizer_in_backward,
@@ -354,6 +363,10 @@ class TechniquesConfig:
 
     def check(self, cfg: TrainConfig) -> None:
 
+        from compiletune.compiler.activation import (
+            parse_ac,  # lazy: the CLI imports config before torch
+        )
+
         policy = parse_ac(self.ac, self.ac_every)
         if policy.kind == "budget" and not self.compile:
             raise UserError(
@@ -388,6 +401,10 @@ class ParallelConfig:
     )
 
     def check(self, cfg: TrainConfig) -> None:
+
+        from compiletune.distributed import (
+            launched_world_size,  # lazy: the CLI imports config before torch
+        )
 
         world = launched_world_size()
         if world > 1 and not self.fsdp:
@@ -463,6 +480,10 @@ class LoRAConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
         try:
+            from compiletune.models.lora import (
+                parse_targets,  # lazy: the CLI imports config before torch
+            )
+
             parse_targets(self.targets)
         except ValueError as e:
             raise UserError(f"--lora-targets {self.targets}: {e}") from e
@@ -550,6 +571,8 @@ class RunConfig:
             raise UserError(
                 f"--save-every must be 0 (only at the end) or positive, got {self.save_every}"
             )
+
+        from compiletune.loggers import parse_loggers  # lazy: the CLI imports config before torch
 
         parse_loggers(self.log)
         if self.resume and self.overwrite:
