@@ -26,7 +26,7 @@ from compiletune.data.tokenizer import load_tokenizer
 from compiletune.errors import UserError
 from compiletune.models import PRESETS, Transformer, build_model, from_hf, resolve_model_path
 from compiletune.models.decoder import KVCache
-from compiletune.models.hf import read_json
+from compiletune.models.hf_config import read_json
 from compiletune.models.lora import apply_lora, block_adapter
 from compiletune.train.build import pick_device, pick_dtype, resolve_model_args
 

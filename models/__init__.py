@@ -1,15 +1,12 @@
 """Native decoder models, presets and HF checkpoint mapping."""
 
 from .decoder import ModelArgs, RopeScaling, Transformer, build_model
-from .hf import (
+from .hf import from_hf, save_hf, to_hf_name, write_hf_folder
+from .hf_config import (
     args_from_hf_config,
-    from_hf,
     hf_config_from_args,
     load_hf_config,
     resolve_model_path,
-    save_hf,
-    to_hf_name,
-    write_hf_folder,
 )
 from .presets import PRESETS, from_name, num_params
 

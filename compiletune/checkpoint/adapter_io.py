@@ -36,7 +36,8 @@ from compiletune.checkpoint.atomic import write_folder_atomically
 from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 from compiletune.models import save_hf
-from compiletune.models.hf import brief, read_json, to_hf_name, to_native_name
+from compiletune.models.hf import to_hf_name, to_native_name
+from compiletune.models.hf_config import brief, read_json
 from compiletune.models.lora import (
     FUSED_PARTS,
     SPEC_TARGETS,

@@ -53,7 +53,7 @@ from compiletune.models import (
     to_hf_name,
     write_hf_folder,
 )
-from compiletune.models.hf import brief
+from compiletune.models.hf_config import brief
 from compiletune.models.lora import is_lora
 
 STATE_FILE = "trainer_state.pt"

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from compiletune.errors import UserError
-from compiletune.models.hf import brief, resolve_model_path
+from compiletune.models.hf_config import brief, resolve_model_path
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"

@@ -48,7 +48,7 @@ from compiletune.models import (
     resolve_model_path,
 )
 from compiletune.models.attention import attention_backend
-from compiletune.models.hf import brief
+from compiletune.models.hf_config import brief
 from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
 from compiletune.optim import ADAMW_BETAS, Optimizer
 from compiletune.train.inputs import build_data, build_pairs
@@ -438,6 +438,33 @@ def _build_model(
     return model, full_sd
 
 
+def _device_and_dtype(
+    cfg: TrainConfig, env: dist_.DistEnv | None, probe: Probe | None
+) -> tuple[torch.device, torch.dtype]:
+    if env is not None:
+        device = env.device
+    else:
+        device = torch.device(probe.device) if probe is not None else pick_device()
+    dtype = pick_dtype(cfg.model.dtype, device) if probe is None else probe_dtype(cfg)
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError("--dtype bf16: this GPU has no bf16 support; pass --dtype fp32")
+    if dtype == torch.bfloat16 and device.type == "cpu" and probe is None:
+        hardware.warn_slow_bf16()
+    return device, dtype
+
+
+def _probe_inputs(cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs) -> _Inputs:
+    """A probe reads no data: the facts its defaults depend on, as a run would have them."""
+    facts = RunFacts(
+        args.vocab_size,
+        # pair rows hold two sequences each (the estimator's random pairs): masked as in a run
+        packs_documents=cfg.objective.objective in ("dpo", "ipo", "simpo"),
+        world=env.world if env is not None else 1,
+        router_aux_coef=args.router_aux_coef,
+    )
+    return _Inputs(facts)
+
+
 def build_run(
     cfg: TrainConfig, env: dist_.DistEnv | None, *, fake: bool = False, probe: Probe | None = None
 ) -> Run:
@@ -450,31 +477,12 @@ def build_run(
     if fake and probe is None:
         raise ValueError("a fake build is the memory estimate's: pass its Probe")
     torch.manual_seed(cfg.run.seed)
-    if env is not None:
-        device = env.device
-    else:
-        device = torch.device(probe.device) if probe is not None else pick_device()
-    dtype = pick_dtype(cfg.model.dtype, device) if probe is None else probe_dtype(cfg)
-    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError("--dtype bf16: this GPU has no bf16 support; pass --dtype fp32")
-    if dtype == torch.bfloat16 and device.type == "cpu" and probe is None:
-        hardware.warn_slow_bf16()
+    device, dtype = _device_and_dtype(cfg, env, probe)
     args = resolve_model_args(cfg)
     spec = lora_spec(cfg)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
-    if probe is None:
-        inputs = _read_inputs(cfg, env, args, spec)
-    else:
-        world = env.world if env is not None else 1
-        facts = RunFacts(
-            args.vocab_size,
-            # pair rows hold two sequences each (estimate/estimator.py's random pairs): masked as in a run
-            packs_documents=cfg.objective.objective in ("dpo", "ipo", "simpo"),
-            world=world,
-            router_aux_coef=args.router_aux_coef,
-        )
-        inputs = _Inputs(facts)
+    inputs = _read_inputs(cfg, env, args, spec) if probe is None else _probe_inputs(cfg, env, args)
     inputs.facts.bf16_params = dtype == torch.bfloat16
     comp = cfg.optim.bf16_compensation
     if comp not in (None, "none") and dtype != torch.bfloat16:

@@ -1,0 +1,288 @@
+"""The HF architectures compiletune reads and writes, one `Family` entry each.
+
+A family is data: which HF architecture and `model_type` it is, what transformers assumes when a
+config key is absent, and the switches by which its decoder differs from Llama's (each one a
+`ModelArgs` field or a config key written on save). `models/hf.py` reads and writes every
+family through these entries, so a new family is one new entry (with a hook where its config
+has fields no other family has) plus its tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from compiletune.errors import UserError
+
+from .decoder import ModelArgs
+
+Get = Callable[..., Any]  # get(key, default=None, required=False): a config value or its default
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # config.json "architectures"[0]
+    defaults: dict[str, Any]  # what transformers assumes when a key is absent
+    qkv_bias: bool = False  # q/k/v projections with a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each q and k head
+    gemma: bool = False  # (1 + w) norms, sqrt(d) embedding scale, sandwich norms, GeGLU,
+    #   query_pre_attn_scalar and soft-caps, every layer's kind listed
+    windows: bool = False  # reads sliding_window (and layer kinds) from the config
+    qwen_window_flag: bool = False  # use_sliding_window (refused when true) and max_window_layers
+    local_rope: bool = False  # a rope base of its own on sliding layers (Gemma 3)
+    fused_projections: bool = False  # qkv_proj / gate_up_proj (Phi-3)
+    writes_attention_bias: bool = False  # its config has attention_bias: false written out
+    writes_mlp_bias: bool = False  # ... and mlp_bias: false
+    # the default layer kinds when the config lists none (Gemma's patterns)
+    layer_kinds: Callable[[dict, int], tuple[str, ...]] | None = None
+    # mixture of experts: the ModelArgs fields from the config, and the config keys from them
+    read_moe: Callable[[dict, int, Get], dict[str, Any]] | None = None
+    write_moe: Callable[[ModelArgs, dict], None] | None = None
+    write_extra: Callable[[ModelArgs, dict], None] | None = None  # other keys of its own
+
+    @property
+    def moe(self) -> bool:
+        return self.read_moe is not None
+
+
+# --- hooks of the families that have fields of their own -----------------------------------
+
+
+def _gemma2_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
+    return tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers))
+
+
+def _gemma3_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
+
+
+def _top_k(get: Get, n_experts: int) -> int:
+    top_k = get("num_experts_per_tok")
+    if not 0 < top_k <= n_experts:
+        raise UserError(
+            f"config.json num_experts_per_tok {top_k} must be between 1 and the expert count "
+            f"{n_experts}"
+        )
+    return top_k
+
+
+def _read_qwen3_moe(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    # the hub's configs say num_experts; transformers 5 saves num_local_experts
+    n_experts = cfg.get("num_experts") or get("num_local_experts") or get("num_experts")
+    step = int(get("decoder_sparse_step") or 1)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(
+        isinstance(i, int) and 0 <= i < n_layers for i in only
+    ):
+        raise UserError(f"config.json mlp_only_layers must list layer indices in 0..{n_layers - 1}")
+    return dict(
+        n_experts=n_experts,
+        top_k=_top_k(get, n_experts),
+        moe_ffn_dim=get("moe_intermediate_size"),
+        norm_topk=bool(get("norm_topk_prob")),
+        dense_layers=tuple(i for i in range(n_layers) if i in only or (i + 1) % step),
+        router_aux_coef=float(get("router_aux_loss_coef")),
+    )
+
+
+def _write_qwen3_moe(args: ModelArgs, cfg: dict) -> None:
+    cfg.update(
+        num_experts=args.n_experts,
+        num_local_experts=args.n_experts,  # transformers 5's name; both read either
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_ffn_dim,
+        norm_topk_prob=args.norm_topk,
+        decoder_sparse_step=1,
+        mlp_only_layers=list(args.dense_layers),
+        router_aux_loss_coef=args.router_aux_coef,
+    )
+
+
+def _read_mixtral(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    if get("router_jitter_noise", 0.0):
+        raise UserError(
+            f"config.json sets router_jitter_noise: {cfg['router_jitter_noise']}, which is "
+            "not supported; set it 0 (Mixtral checkpoints ship with 0)"
+        )
+    n_experts = get("num_local_experts")
+    return dict(
+        n_experts=n_experts,
+        top_k=_top_k(get, n_experts),
+        moe_ffn_dim=get("intermediate_size"),
+        norm_topk=True,
+        dense_layers=(),
+        router_aux_coef=float(get("router_aux_loss_coef")),
+    )
+
+
+def _write_mixtral(args: ModelArgs, cfg: dict) -> None:
+    if not args.norm_topk or args.dense_layers or args.moe_ffn_dim != args.ffn_dim:
+        raise UserError(
+            "a Mixtral model renormalises its top-k weights, has no dense layers and one "
+            "MLP width; these args have no Mixtral checkpoint"
+        )
+    cfg.update(
+        num_local_experts=args.n_experts,
+        num_experts_per_tok=args.top_k,
+        router_aux_loss_coef=args.router_aux_coef,
+        router_jitter_noise=0.0,
+    )
+
+
+def _write_phi3(args: ModelArgs, cfg: dict) -> None:
+    rs = args.rope_scaling
+    cfg["original_max_position_embeddings"] = (
+        rs.original_max_position_embeddings if rs is not None else args.max_seq_len
+    )
+    if rs is not None and rs.rope_type == "longrope" and rs.attention_factor is None:
+        # the only form transformers 4.x's Phi-3 validation accepts
+        cfg["rope_scaling"] = {
+            "type": "longrope",
+            "short_factor": list(rs.short_factor),
+            "long_factor": list(rs.long_factor),
+        }
+
+
+# --- the table -------------------------------------------------------------------------------
+
+# What transformers' Gemma 2 and Gemma 3 configs both assume when a key is absent.
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+_QWEN_DEFAULTS: dict[str, Any] = {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family(
+            "llama",
+            "LlamaForCausalLM",
+            {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+            writes_attention_bias=True,
+            writes_mlp_bias=True,
+        ),
+        Family(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            {**_QWEN_DEFAULTS, "num_key_value_heads": 32},
+            qkv_bias=True,
+            qwen_window_flag=True,
+        ),
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            {**_QWEN_DEFAULTS, "num_key_value_heads": 32, "head_dim": 128},
+            qk_norm=True,
+            qwen_window_flag=True,
+            writes_attention_bias=True,
+        ),
+        Family(
+            "mistral",
+            "MistralForCausalLM",
+            {
+                "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 4096 * 32,
+                "num_key_value_heads": 8,
+                "sliding_window": 4096,
+            },
+            windows=True,
+        ),
+        Family(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            {
+                **_GEMMA_DEFAULTS,
+                "vocab_size": 256000,
+                "max_position_embeddings": 8192,
+                "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0,
+            },
+            gemma=True,
+            windows=True,
+            writes_attention_bias=True,
+            layer_kinds=_gemma2_kinds,
+        ),
+        Family(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            {
+                **_GEMMA_DEFAULTS,
+                "vocab_size": 262208,
+                "max_position_embeddings": 131072,
+                "rope_theta": 1000000.0,
+                "rope_local_base_freq": 10000.0,
+                "sliding_window_pattern": 6,
+            },
+            qk_norm=True,
+            gemma=True,
+            windows=True,
+            local_rope=True,
+            writes_attention_bias=True,
+            layer_kinds=_gemma3_kinds,
+        ),
+        Family(
+            "phi3",
+            "Phi3ForCausalLM",
+            {
+                "vocab_size": 32064,
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 4096,
+                "tie_word_embeddings": False,
+            },
+            windows=True,
+            fused_projections=True,
+            write_extra=_write_phi3,
+        ),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            {
+                **_QWEN_DEFAULTS,
+                "num_key_value_heads": 4,
+                "num_experts": 128,
+                "num_local_experts": 128,
+                "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768,
+                "norm_topk_prob": False,
+                "decoder_sparse_step": 1,
+                "router_aux_loss_coef": 0.001,
+            },
+            qk_norm=True,
+            qwen_window_flag=True,
+            writes_attention_bias=True,
+            read_moe=_read_qwen3_moe,
+            write_moe=_write_qwen3_moe,
+        ),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            {
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 131072,
+                "num_key_value_heads": 8,
+                "rope_theta": 1000000.0,
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.001,
+            },
+            windows=True,
+            read_moe=_read_mixtral,
+            write_moe=_write_mixtral,
+        ),
+    )
+}
+BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
+MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)
