@@ -15,7 +15,7 @@ from pathlib import Path
 from compiletune import __version__
 from compiletune.choices import BaseDtype, choices
 from compiletune.config import TrainConfig, add_flags
-from compiletune.errors import UserError
+from compiletune.errors import UserError, show
 from compiletune.interrupt import EXIT_INTERRUPTED
 
 EXIT_BAD_INPUT = 2
@@ -332,8 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_cache(ns)
         return _cmd_models(ns)
     except UserError as e:
-        message = " ".join(str(e).split())  # one line, whatever a message quotes
-        sys.stderr.write(f"compiletune: error: {message}\n")
+        show(e)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         # Ctrl-C before the training loop takes over signals, or a second one during it:

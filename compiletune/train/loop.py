@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from compiletune import faults, recipes, torch_internals
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.config import TrainConfig
-from compiletune.errors import UserError
+from compiletune.errors import UserError, show
 from compiletune.estimate import estimator as estimate
 from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
@@ -68,14 +69,32 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if refusal is not None:
             raise refusal
         try:
-            trainer = Trainer(cfg, env, lock)
-            trainer.estimate_peak_gib = estimate_gib  # the pre-flight's, beside the measured
-            return trainer.train()
+            return _train_locked(cfg, env, lock, estimate_gib)
         finally:
             lock.release()
+    except BaseException as e:
+        if env is not None:
+            # Every rank prints its line before the group closes: torchrun stops the other
+            # ranks as soon as one exits. And the frames that hold the model are cleared, so it
+            # is freed while the group lives (destroying gloo under live FSDP state aborts).
+            if isinstance(e, UserError):
+                show(e)
+            traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         if env is not None:
             dist_.shutdown(env)
+
+
+def _train_locked(
+    cfg: TrainConfig,
+    env: dist_.DistEnv | None,
+    lock: run_dir.OutputLock,
+    estimate_gib: float | None,
+) -> dict[str, Any]:
+    trainer = Trainer(cfg, env, lock)
+    trainer.estimate_peak_gib = estimate_gib  # the pre-flight's, beside the measured
+    return trainer.train()
 
 
 def preflight_check(cfg: TrainConfig) -> float | None:
