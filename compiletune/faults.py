@@ -22,29 +22,20 @@ _reached: Counter[str] = Counter()
 _failed: Counter[str] = Counter()
 
 
+def _due(env: str, name: str, counter: Counter[str]) -> bool:
+    """Whether `env`'s spec NAME[:K][@RANK] names this point, its K-th time, in this rank."""
+    spec, _, rank = os.environ.get(env, "").partition("@")
+    target, _, nth = spec.partition(":")
+    if not spec or target != name or (rank and os.environ.get("RANK", "0") != rank):
+        return False
+    counter[name] += 1
+    return counter[name] == int(nth or 1)
+
+
 def point(name: str) -> None:
     """Die here with SIGKILL if the environment names this point (and this is its K-th time);
     raise ENOSPC if COMPILETUNE_FAIL_AT names it."""
-    _fail(name)
-    spec = os.environ.get(ENV)
-    if not spec:
-        return
-    target, _, nth = spec.partition(":")
-    if target != name:
-        return
-    _reached[name] += 1
-    if _reached[name] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _fail(name: str) -> None:
-    spec = os.environ.get(FAIL_ENV)
-    if not spec:
-        return
-    spec, _, rank = spec.partition("@")
-    target, _, nth = spec.partition(":")
-    if target != name or (rank and os.environ.get("RANK", "0") != rank):
-        return
-    _failed[name] += 1
-    if _failed[name] == int(nth or 1):
+    if _due(FAIL_ENV, name, _failed):
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
+    if _due(ENV, name, _reached):
+        os.kill(os.getpid(), signal.SIGKILL)

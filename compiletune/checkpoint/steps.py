@@ -154,14 +154,6 @@ def check_resumable(
         )
 
 
-def _plain(step: int) -> Callable[[BaseException], str]:
-    def describe(e: BaseException) -> str:
-        why = " ".join(str(e).split())[:300] or type(e).__name__
-        return f"step_{step} could not be written ({type(e).__name__}: {why})"
-
-    return describe
-
-
 def save_sharded_checkpoint(
     output_dir: Path,
     step: int,
@@ -172,7 +164,7 @@ def save_sharded_checkpoint(
     *,
     is_main: bool,
     export_hf: bool,
-    describe: Callable[[BaseException], str] | None = None,
+    describe: Callable[[BaseException], str],
 ) -> Path:
     """Every rank calls this. Writes `output_dir/step_{step}` atomically (rank 0 renames it once
     all ranks are done); `export_hf` also writes the HF weights, gathered tensor by tensor.
@@ -182,7 +174,6 @@ def save_sharded_checkpoint(
     failure on any rank (a full disk, described by `describe`) is raised on every rank as the
     same one line at that point, and the half-written folder is removed."""
 
-    describe = describe or _plain(step)
     final = output_dir / f"step_{step}"
     tmp = output_dir / f".tmp-step_{step}"
     lora = is_lora(model)

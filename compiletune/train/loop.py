@@ -29,6 +29,7 @@ from compiletune.estimate import estimator as estimate
 from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
+from compiletune.models.hf_config import brief
 from compiletune.train import objective, run_dir
 from compiletune.train.build import Run, build_run, pick_device
 from compiletune.train.objective import evaluate_pairs
@@ -417,8 +418,7 @@ class Trainer:
         full = run_dir.disk_full_error(self.out, self.step, e, self.checkpoint_bytes)
         if full is not None:
             return str(full)
-        why = " ".join(str(e).split())[:300] or type(e).__name__
-        return f"step_{self.step} could not be written ({type(e).__name__}: {why})"
+        return f"step_{self.step} could not be written ({type(e).__name__}: {brief(e, 300)})"
 
     def finish(self) -> Path | None:
         """The final checkpoint, and with --merge the merged model; returns the merged folder."""
@@ -442,10 +442,9 @@ class Trainer:
         return path
 
     def _merge_error(self, e: BaseException) -> str:
-        why = " ".join(str(e).split())[:300] or type(e).__name__
         return (
             f"{self.out / adapter_io.MERGED_DIR} could not be written ({type(e).__name__}: "
-            f"{why}); the last checkpoint, {self.last_saved}, is complete (an adapter folder "
+            f"{brief(e, 300)}); the last checkpoint, {self.last_saved}, is complete (an adapter folder "
             "that peft loads on the base model)"
         )
 
