@@ -146,6 +146,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     import json
 
     from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
+    from compiletune.estimate import fit  # lazy: a subcommand's cost
 
     own = ("command", "config", "gpus", "device_memory", "host_memory", "ladder", "json")
     flags = {k: v for k, v in vars(ns).items() if k not in own}
@@ -160,10 +161,10 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         raise UserError("--host-memory is judged with --device-memory; pass both")
     capacity = None
     if ns.device_memory:
-        host = ns.host_memory * 2**30 if ns.host_memory else est_.machine_host_bytes()
-        capacity = est_.Capacity(est_.parse_device_memory(ns.device_memory), int(host))
+        host = ns.host_memory * 2**30 if ns.host_memory else fit.machine_host_bytes()
+        capacity = fit.Capacity(fit.parse_device_memory(ns.device_memory), int(host))
     if ns.ladder:
-        rows = est_.ladder(cfg, ns.gpus)
+        rows = fit.ladder(cfg, ns.gpus)
         if ns.json:
             out = [
                 {"rung": r.name, "flags": r.flags, **(r.est.to_dict() if r.est else {"why": r.why})}
@@ -171,22 +172,22 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
             ]
             print(json.dumps(out, indent=2))
         else:
-            print(est_.format_ladder(rows, capacity))
+            print(fit.format_ladder(rows, capacity))
         return 0
     est = est_.estimate_memory(cfg, ns.gpus)
     fix = None
-    if capacity is not None and not est_.fits(est, capacity):
+    if capacity is not None and not fit.fits(est, capacity):
         print(
             "does not fit; estimating the ladder's rungs for the cheapest fix...", file=sys.stderr
         )
-        fix = est_.advice(cfg, ns.gpus, capacity)
+        fix = fit.advice(cfg, ns.gpus, capacity)
     if ns.json:
         out = est.to_dict()
         if capacity is not None:
             out.update(fits=fix is None, to_fit=fix)
         print(json.dumps(out, indent=2))
     else:
-        print(est_.format_estimate(est, capacity, fix))
+        print(fit.format_estimate(est, capacity, fix))
     return 0
 
 

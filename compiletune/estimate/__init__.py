@@ -1,7 +1,10 @@
 """estimate-memory: a training step's peak memory, predicted on the CPU.
 
-estimator.py         the estimate itself (the run built on fake tensors, one step replayed
-                     through the memory model) and the advice search
-memory_internals.py  the PyTorch internals the memory model reads (allocator rounding,
-                     the fake-tensor mode), behind one module
+estimator.py         the estimate itself: the run built on fake tensors, one step run under
+                     the memory model
+tracker.py           the memory model: storages by category, the step's segments and peaks
+depth.py             a deep model of repeating blocks from two short ones, exactly
+fit.py               whether it fits: capacity, the ladder, the advice, train's pre-flight
+memory_internals.py  the PyTorch internals the memory model reads (fake tensors, the fake
+                     process group, storage resizes), behind one module
 """

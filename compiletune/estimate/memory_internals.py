@@ -1,4 +1,4 @@
-"""The private PyTorch APIs the memory estimator (`estimate.py`) needs, in one place.
+"""The private PyTorch APIs the memory estimator (`estimate/`) needs, in one place.
 
 Checked on torch 2.13 (CPU); each exists since torch 2.4 or earlier. A torch upgrade that moves
 one of them touches this file only, and a missing one is reported as a `UserError` naming it.

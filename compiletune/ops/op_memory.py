@@ -1,6 +1,6 @@
 """What each of compiletune's custom ops allocates inside itself: one declaration per op.
 
-A custom op is opaque to fake tensors: the memory estimate (estimate/estimator.py) sees its outputs but
+A custom op is opaque to fake tensors: the memory estimate (estimate/tracker.py) sees its outputs but
 not the chunks, accumulators and temporaries its kernel holds while it runs. So every op states
 them beside its definition:
 

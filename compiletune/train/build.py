@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,7 @@ class Probe:
     scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     observe: Callable[[str, list[nn.Parameter]], None] = lambda phase, params: None
     device: str = "cpu"
+    depth: int | None = None  # build the model's first `depth` blocks only (a shorter model)
 
 
 @dataclass
@@ -479,6 +481,9 @@ def build_run(
     torch.manual_seed(cfg.run.seed)
     device, dtype = _device_and_dtype(cfg, env, probe)
     args = resolve_model_args(cfg)
+    if probe is not None and probe.depth is not None:  # the first `depth` blocks only
+        types = args.layer_types[: probe.depth] if args.layer_types else None
+        args = dataclasses.replace(args, n_layers=probe.depth, layer_types=types)
     spec = lora_spec(cfg)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")

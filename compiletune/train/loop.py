@@ -25,7 +25,7 @@ from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.config import TrainConfig
 from compiletune.errors import UserError, show
-from compiletune.estimate import estimator as estimate
+from compiletune.estimate import fit
 from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
@@ -100,16 +100,16 @@ def _train_locked(
 
 def preflight_check(cfg: TrainConfig) -> float | None:
     """Before anything is allocated: refuse a step that cannot fit this GPU, naming flags that
-    would make it fit (estimate/estimator.py, fake tensors; seconds for an 8B model). Runs before the
+    would make it fit (estimate/fit.py, fake tensors; seconds for an 8B model). Runs before the
     process group exists, since the estimate simulates its own. An estimator failure (a torch
     version without one of its private APIs, say) warns and lets the run go on. Returns the
     estimated peak in GiB (None when the estimate failed)."""
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    capacity = estimate.Capacity(torch.cuda.mem_get_info(local)[1], estimate.machine_host_bytes())
+    capacity = fit.Capacity(torch.cuda.mem_get_info(local)[1], fit.machine_host_bytes())
     world = dist_.launched_world_size() if cfg.parallel.fsdp else 1
     try:
-        return estimate.preflight(cfg, world, capacity).peak_bytes / 2**30
+        return fit.preflight(cfg, world, capacity).peak_bytes / 2**30
     except UserError:
         raise
     except Exception as e:  # the estimate is advice; never block a run on its own bug

@@ -22,7 +22,9 @@ from gloo import free_port, run_in_gloo
 from compiletune.cli import main
 from compiletune.config import resolve
 from compiletune.errors import UserError
+from compiletune.estimate import depth, fit, tracker
 from compiletune.estimate import estimator as estimate
+from compiletune.train.build import resolve_model_args
 
 SMALL = {"model": "debug", "n_layers": 2, "seq_len": 128, "batch_size": 4, "dtype": "fp32"}
 TOLERANCE = 0.10
@@ -119,21 +121,21 @@ def test_fake_world_of_two_matches_gloo_world_of_two() -> None:
 def test_preflight_refuses_a_step_that_cannot_fit_and_names_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    Capacity = estimate.Capacity
+    Capacity = fit.Capacity
     cfg = _cfg(loss="plain", seq_len=512)  # activations dominate: --ac full saves the most
     peak = estimate.estimate_memory(cfg).peak_bytes
-    roomy = Capacity(peak + estimate.RESERVE_BYTES + 2**20)
-    assert estimate.preflight(cfg, 1, roomy).peak_bytes == peak
+    roomy = Capacity(peak + fit.RESERVE_BYTES + 2**20)
+    assert fit.preflight(cfg, 1, roomy).peak_bytes == peak
     ac = estimate.estimate_memory(cfg.replace(ac="full")).peak_bytes
     cheap = estimate.estimate_memory(cfg.replace(optimizer="adamw8bit", loss="fused")).peak_bytes
     assert ac < cheap
-    tight = Capacity(ac + estimate.RESERVE_BYTES)
+    tight = Capacity(ac + fit.RESERVE_BYTES)
     # The cheaper rungs (fused loss, 8-bit states) are tried first and do not fit; with --ac
     # full the step fits, and then the cheaper rungs are dropped again: --ac full alone is enough.
     with pytest.raises(UserError, match=r"but the GPU has .*; add --ac full \(then about .*"):
-        estimate.preflight(cfg, 1, tight)
+        fit.preflight(cfg, 1, tight)
     with pytest.raises(UserError, match="use more GPUs"):
-        estimate.preflight(cfg, 1, Capacity(estimate.RESERVE_BYTES + 2**20))
+        fit.preflight(cfg, 1, Capacity(fit.RESERVE_BYTES + 2**20))
     # The trainer's check reads the GPU's capacity; here a fake one.
     from compiletune.train import loop
 
@@ -151,12 +153,12 @@ def test_advice_is_the_cheapest_fit_and_judges_host_memory() -> None:
         cfg.replace(ac="full", optimizer="adamw8bit", loss="fused", fsdp=True, cpu_offload=True)
     )
     assert offloaded.host_bytes > 0 and offloaded.peak_bytes < full.peak_bytes
-    device = offloaded.peak_bytes + estimate.RESERVE_BYTES + 2**20  # in-backward rounds up
-    flags, est = estimate.suggest(cfg, 1, estimate.Capacity(device))
+    device = offloaded.peak_bytes + fit.RESERVE_BYTES + 2**20  # in-backward rounds up
+    flags, est = fit.suggest(cfg, 1, fit.Capacity(device))
     assert "--cpu-offload" in flags and est.peak_bytes <= offloaded.peak_bytes
-    short_host = estimate.Capacity(device, host_bytes=offloaded.host_bytes // 2)
-    assert estimate.suggest(cfg, 1, short_host) is None
-    line = estimate.verdict(offloaded, short_host)
+    short_host = fit.Capacity(device, host_bytes=offloaded.host_bytes // 2)
+    assert fit.suggest(cfg, 1, short_host) is None
+    line = fit.verdict(offloaded, short_host)
     assert "fits in" in line and "host memory" in line and "does NOT fit" in line
 
 
@@ -170,12 +172,12 @@ def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert table.startswith("| rung |") and "+ 8-bit states" in table
     assert "--optimizer-in-backward" in table
     assert "--lora-rank 16" in table and "--quantize-base nf4" in table
-    rows = {r.name: r for r in estimate.ladder(_cfg(seq_len=64, batch_size=2), 1)}
+    rows = {r.name: r for r in fit.ladder(_cfg(seq_len=64, batch_size=2), 1)}
     # The ladder starts from what train runs: a small vocabulary trains with the plain head...
     assert rows["as configured"].est.setup["loss"] == "plain" and rows["+ fused loss"].est
     # ...a large one with the fused head, which is then on from the start.
-    big = estimate.as_trained(_cfg(model="debug_128k"), 1)
-    assert big.techniques.loss == "fused" and not estimate._todo(big, {"loss": "fused"})
+    big = fit.as_trained(_cfg(model="debug_128k"), 1)
+    assert big.techniques.loss == "fused" and not fit._todo(big, {"loss": "fused"})
     peak = {name: r.est.peak_bytes for name, r in rows.items() if r.est is not None}
     assert peak["+ QLoRA (NF4 base)"] < peak["+ LoRA r16 (adapters only)"] < peak["+ 8-bit states"]
     assert peak["+ activation checkpointing"] < peak["as configured"]
@@ -226,7 +228,7 @@ def test_fused_head_never_costs_more_than_plain_or_chunked(gpus: int, seq_len: i
     base = {"model": "llama3_150m", "n_layers": 1, "seq_len": seq_len, "batch_size": 1}
     base |= {"dtype": "bf16", "fsdp": gpus > 1}
     flags: dict = {}
-    for name, changes in [("start", {})] + [r for r in estimate.LADDER if r[0] != "+ fused loss"]:
+    for name, changes in [("start", {})] + [r for r in fit.LADDER if r[0] != "+ fused loss"]:
         if gpus == 1 and changes.get("fsdp"):
             continue
         flags |= changes
@@ -310,3 +312,69 @@ def test_a_gpu_runs_estimate_of_document_masked_rows_runs_on_the_cpu(
     monkeypatch.setattr(build, "pick_device", lambda: torch.device("cuda"))
     est = estimate.estimate_memory(_cfg(objective="simpo", lora_rank=4))
     assert est.peak_bytes > 0
+
+
+DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype": "fp32"}
+
+
+@pytest.mark.parametrize(
+    "flags, gpus",
+    [
+        ({"grad_accum": 2}, 1),
+        ({"ac": "full", "loss": "plain"}, 2),
+        ({"lora_rank": 8, "quantize_base": "nf4", "ac": "full", "grad_accum": 2}, 2),
+        ({"ac": "full", "offload_activations": True, "compile": True, "optimizer": "adamw8bit"}, 1),
+        ({"cpu_offload": True, "optimizer_in_backward": True}, 4),
+        ({"objective": "dpo", "ac": "selective"}, 1),
+        ({"model": "debug_gemma3", "n_layers": 60}, 2),
+        ({"n_layers": 32, "ac": "full", "ac_every": 2}, 1),
+    ],
+    ids=[
+        "accum",
+        "fsdp-ac",
+        "qlora-fsdp",
+        "offload-8bit",
+        "cpu-offload",
+        "dpo",
+        "gemma3",
+        "ac-every",
+    ],
+)
+def test_depth_shortcut_gives_the_whole_models_bytes(
+    flags: dict, gpus: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deep model of repeating blocks is estimated from two short ones (each stretch of the
+    step extended to the full depth): every number equals running the whole model."""
+    cfg = resolve({}, {**DEEP, **flags, **({"fsdp": True} if gpus > 1 else {})})
+    short = estimate.estimate_memory(cfg, gpus).to_dict()
+    assert any("blocks repeating every" in n for n in short["notes"]), short["notes"]
+    monkeypatch.setattr(depth, "shortcut_depths", lambda cfg, args: None)
+    whole = estimate.estimate_memory(cfg, gpus).to_dict()
+    for d in (short, whole):
+        d.pop("seconds"), d.pop("notes")
+    assert short == whole
+
+
+def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
+    """Two short runs that do not follow one step per block (a middle block off by a byte, a
+    stretch missing) give no extension; MoE layers mixed with dense ones have no period."""
+    seg = tracker.Segment
+
+    def run(depth: int, odd: int = -1) -> list:
+        out = [(("setup", 0, "start", -1), seg(100, {}, -1, {}))]
+        for i in range(depth):
+            extra = 1 if i == odd else 0
+            out.append((("forward", 1, "block", i), seg(200 + 10 * i + depth + extra, {}, -1, {})))
+        return out
+
+    depths = (5, 6, 1)
+    good = depth.extend([run(5), run(6)], depths, 12)
+    assert good is not None
+    assert [s.peak for _, s in good] == [100, *(212 + 10 * i for i in range(12))]
+    assert depth.extend([run(5), run(6, odd=3)], depths, 12) is None
+    assert depth.extend([run(5), run(6)[:-1]], depths, 12) is None
+    cfg = resolve({}, {"model": "debug", "n_layers": 16})
+    args = resolve_model_args(cfg)
+    assert depth.shortcut_depths(cfg, args) == (5, 6, 1)
+    moe = resolve({}, {"model": "debug_moe", "n_layers": 16})  # a dense MLP in layer 1 only
+    assert depth.shortcut_depths(moe, resolve_model_args(moe)) is None

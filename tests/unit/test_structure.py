@@ -96,7 +96,6 @@ def test_deferred_imports_of_our_modules_say_why():
 LONG_MODULES = {
     "compiletune/config.py": "the option schema of eight sections, their checks and resume rules",
     "compiletune/data/sources.py": "every container and layout reader with its checks",
-    "compiletune/estimate/estimator.py": "the estimate, its report and the advice search",
     "compiletune/ops/fused_loss.py": "one custom op: forward, backward, chunking and its memory",
 }
 

@@ -1,0 +1,316 @@
+"""Whether a step fits: the GPU's and the machine's capacity, the ladder of techniques, the
+cheapest flags that make a step fit, the pre-flight check of `train`, and the printed tables."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compiletune.config import RunFacts, TrainConfig, fill_defaults, flag_text
+from compiletune.errors import UserError
+from compiletune.estimate.estimator import (
+    GPUS_PER_NODE,
+    MemoryEstimate,
+    estimate_memory,
+    shapes_only,
+)
+from compiletune.estimate.tracker import CATEGORIES
+from compiletune.train.build import probe_dtype, resolve_model_args
+
+# What a GPU needs beyond the tensors of the step: CUDA context, cuBLAS/NCCL workspaces,
+# fragmentation. The pre-flight check keeps this much free.
+RESERVE_BYTES = 2 * 2**30
+
+# Device memory of common GPUs in GiB (the capacity the driver reports is slightly less).
+GPU_MEMORY_GIB = {
+    "a10g": 24,
+    "l4": 24,
+    "4090": 24,
+    "a100-40": 40,
+    "l40s": 48,
+    "a6000": 48,
+    "a100": 80,
+    "a100-80": 80,
+    "h100": 80,
+    "h200": 141,
+    "b200": 180,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The ladder and the pre-flight check.
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a run must fit in: each GPU's memory, and (optionally) one machine's host memory,
+    shared by the ranks that run on it (up to GPUS_PER_NODE)."""
+
+    device_bytes: int
+    host_bytes: int | None = None
+
+
+def machine_host_bytes() -> int:
+    """This machine's physical memory (the default of --host-memory)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_needed(est: MemoryEstimate) -> int:
+    """Host memory the step's offloaded tensors need on one machine: each rank's share times the
+    ranks on that machine."""
+    return est.host_bytes * min(est.gpus, GPUS_PER_NODE)
+
+
+def _device_fits(est: MemoryEstimate, capacity: Capacity) -> bool:
+    """The step's peak plus the reserve for what the estimate cannot see fits each GPU."""
+    return est.peak_bytes + RESERVE_BYTES <= capacity.device_bytes
+
+
+def _host_fits(est: MemoryEstimate, capacity: Capacity) -> bool:
+    """What the step offloads fits the machine's host memory (unchecked without one)."""
+    return capacity.host_bytes is None or host_needed(est) <= capacity.host_bytes
+
+
+def fits(est: MemoryEstimate, capacity: Capacity) -> bool:
+    return _device_fits(est, capacity) and _host_fits(est, capacity)
+
+
+# The ladder: each rung adds flags to the ones before, cheapest first, by what a rung costs.
+# Fused loss: nothing (it is also faster). 8-bit states: optimizer-state precision. Full
+# activation checkpointing: about a third more compute. Optimizer in backward: no gradient
+# clipping and no accumulation. CPU offload: parameters, gradients and states cross PCIe every
+# step (the slowest). The ladder starts from the run as `train` would run it.
+LADDER: list[tuple[str, dict[str, Any]]] = [
+    ("+ fused loss", {"loss": "fused"}),
+    ("+ 8-bit states", {"optimizer": "adamw8bit"}),
+    ("+ activation checkpointing", {"ac": "full"}),
+    ("+ optimizer in backward", {"optimizer_in_backward": True, "max_grad_norm": 0.0}),
+    ("+ CPU offload", {"fsdp": True, "cpu_offload": True}),
+]
+# Rungs that change what is trained (only the adapters): shown by --ladder, never suggested,
+# which keeps the run a full fine-tune.
+LORA_RUNGS: list[tuple[str, dict[str, Any]]] = [
+    ("+ LoRA r16 (adapters only)", {"lora_rank": 16, "lora_alpha": 32.0}),
+    ("+ QLoRA (NF4 base)", {"quantize_base": "nf4"}),
+]
+# Keys a rung sets along with another flag, not shown on their own (LoRA's alpha follows its
+# rank; in-backward steps imply no clipping).
+_IMPLIED = {"lora_alpha", "max_grad_norm"}
+
+
+@dataclass
+class Rung:
+    name: str
+    flags: str  # the flags this rung adds ("" for the start)
+    est: MemoryEstimate | None  # None: not estimated (see `why`)
+    why: str = ""  # "already on", or why the rung does not apply
+
+
+def flags_text(changes: dict[str, Any]) -> str:
+    return " ".join(t for k, v in changes.items() if k not in _IMPLIED and (t := flag_text(k, v)))
+
+
+def _todo(cfg: TrainConfig, changes: dict[str, Any]) -> dict[str, Any]:
+    """The part of a rung's flags that `cfg` does not already have (any --ac policy counts as
+    activation checkpointing being on)."""
+    if "ac" in changes and cfg.techniques.ac != "none":
+        return {}
+    return {k: v for k, v in changes.items() if cfg.get(k) != v}
+
+
+def _not_applicable(cfg: TrainConfig, changes: dict[str, Any]) -> str:
+    """Why a rung's flags are invalid for this run ("" when they are valid)."""
+    if changes.get("lora_rank") and cfg.model.dtype == "bf16-mixed":
+        return "n/a (LoRA takes --dtype bf16, not bf16-mixed)"
+    if changes.get("optimizer_in_backward") and cfg.data.grad_accum > 1:
+        return "n/a (needs --grad-accum 1)"
+    return ""
+
+
+def as_trained(cfg: TrainConfig, gpus: int) -> TrainConfig:
+    """`cfg` with the defaults `train` derives from the model filled in (the loss head, say), so
+    the ladder and the advice start from the run `train` would run."""
+    cfg = shapes_only(cfg)
+    vocab = resolve_model_args(cfg).vocab_size
+    facts = RunFacts(vocab, packs_documents=False, world=gpus)
+    facts.bf16_params = probe_dtype(cfg) == torch.bfloat16
+    return fill_defaults(cfg.replace(), facts)
+
+
+def ladder(cfg: TrainConfig, gpus: int) -> list[Rung]:
+    """The run as `train` would run it, then each rung's flags added to those before."""
+    current = as_trained(cfg, gpus)
+    rows = [Rung("as configured", "", estimate_memory(current, gpus))]
+    for name, changes in LADDER + LORA_RUNGS:
+        todo = _todo(current, changes)
+        if not todo:
+            rows.append(Rung(name, flags_text(changes), None, "already on"))
+            continue
+        if why := _not_applicable(current, todo):
+            rows.append(Rung(name, flags_text(todo), None, why))
+            continue
+        candidate = current.replace(**todo)
+        try:
+            est = estimate_memory(candidate, gpus)
+        except UserError as e:  # e.g. NF4 blocks that do not divide this model's rows
+            rows.append(Rung(name, flags_text(todo), None, f"n/a ({e})"))
+            continue
+        current = candidate
+        rows.append(Rung(name, flags_text(todo), est))
+    return rows
+
+
+def suggest(cfg: TrainConfig, gpus: int, capacity: Capacity) -> tuple[str, MemoryEstimate] | None:
+    """The cheapest flags that make `cfg`'s step fit, with their estimate; None when even every
+    rung of the ladder does not. Rungs are added cheapest first until the step fits, then each
+    earlier rung is dropped again where the step still fits without it (so `--ac full` alone is
+    the answer when it is enough, not `--ac full` plus the cheaper rungs tried on the way)."""
+    cfg = as_trained(cfg, gpus)
+    current, added = cfg, []
+    est = None
+    for _, changes in LADDER:
+        todo = _todo(current, changes)
+        if not todo or _not_applicable(current, todo):
+            continue
+        current = current.replace(**todo)
+        added.append(todo)
+        est = estimate_memory(current, gpus)
+        if fits(est, capacity):
+            break
+    else:
+        return None
+    for todo in list(reversed(added[:-1])):
+        keep = [t for t in added if t is not todo]
+        trial = cfg.replace(**{k: v for t in keep for k, v in t.items()})
+        trial_est = estimate_memory(trial, gpus)
+        if fits(trial_est, capacity):
+            added, est = keep, trial_est
+    assert est is not None
+    return flags_text({k: v for t in added for k, v in t.items()}), est
+
+
+def verdict(est: MemoryEstimate, capacity: Capacity) -> str:
+    """One line: whether the step fits each GPU and, when it offloads, the machine's host memory."""
+    gib = 2**30
+    line = (
+        f"{'fits' if _device_fits(est, capacity) else 'does NOT fit'} in {capacity.device_bytes / gib:.0f} GiB "
+        f"per GPU (with {RESERVE_BYTES / gib:.0f} GiB kept for the CUDA context, workspaces and "
+        "fragmentation)"
+    )
+    if est.host_bytes and capacity.host_bytes is not None:
+        ranks = min(est.gpus, GPUS_PER_NODE)
+        line += (
+            f"; host memory: {host_needed(est) / gib:.1f} GiB for {ranks} rank(s) on one machine "
+            f"{'fits' if _host_fits(est, capacity) else 'does NOT fit'} in {capacity.host_bytes / gib:.0f} GiB "
+            "(--host-memory)"
+        )
+    return line
+
+
+def advice(cfg: TrainConfig, gpus: int, capacity: Capacity) -> str:
+    """What to do about a step that does not fit: the cheapest flags that fit, or more GPUs."""
+    found = suggest(cfg, gpus, capacity)
+    if found is None:
+        return "no technique flag makes it fit: use more GPUs (--fsdp), a shorter --seq-len or --batch-size"
+    flags, est = found
+    return f"add {flags} (then about {est.peak_bytes / 2**30:.1f} GiB per GPU)"
+
+
+def preflight(cfg: TrainConfig, gpus: int, capacity: Capacity) -> MemoryEstimate:
+    """Refuse (UserError) a run whose step will not fit, naming the flags that would make it fit;
+    returns the estimate when it fits."""
+    est = estimate_memory(cfg, gpus)
+    if fits(est, capacity):
+        return est
+    gib = 2**30
+    why = []
+    if not _device_fits(est, capacity):
+        why.append(
+            f"the step needs about {est.peak_bytes / gib:.1f} GiB per GPU (+"
+            f"{RESERVE_BYTES / gib:.0f} GiB reserve) but the GPU has "
+            f"{capacity.device_bytes / gib:.1f} GiB"
+        )
+    if not _host_fits(est, capacity):
+        why.append(
+            f"what the step offloads needs {host_needed(est) / gib:.1f} GiB of host memory but "
+            f"the machine has {capacity.host_bytes / gib:.1f} GiB"
+        )
+    raise UserError(
+        f"{' and '.join(why)}; {advice(cfg, gpus, capacity)} "
+        "(`compiletune estimate-memory --ladder` shows each technique; --no-preflight skips "
+        "this check)"
+    )
+
+
+def parse_device_memory(text: str) -> int:
+    """'80' (GiB) or a GPU name from GPU_MEMORY_GIB ('h100', 'a100-40') -> bytes."""
+    key = text.strip().lower()
+    if key in GPU_MEMORY_GIB:
+        return GPU_MEMORY_GIB[key] * 2**30
+    try:
+        gib = float(key.removesuffix("gib").removesuffix("g"))
+    except ValueError:
+        gib = -1.0
+    if not gib > 0 or math.isinf(gib):
+        names = ", ".join(GPU_MEMORY_GIB)
+        raise UserError(f"--device-memory {text!r}: pass GiB (e.g. 80) or a GPU name ({names})")
+    return int(gib * 2**30)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+
+def format_estimate(
+    est: MemoryEstimate, capacity: Capacity | None = None, fix: str | None = None
+) -> str:
+    gib = 2**30
+    s = est.setup
+    lines = [
+        f"{s['model']} ({s['params'] / 1e9:.2f}B parameters), {est.gpus} GPU(s)"
+        + (f", FSDP2 {s['sharding']}" if s["fsdp"] else "")
+        + (" + CPU offload" if s["cpu_offload"] else "")
+        + f"; {s['dtype']}, seq {s['seq_len']} x batch {s['batch_size']} per GPU, loss "
+        f"{s['loss']}, ac {s['ac']}, {s['optimizer']}"
+        + (" in backward" if s["optimizer_in_backward"] else "")
+        + (f"; objective {s['objective']}" if s.get("objective", "sft") != "sft" else ""),
+        f"peak per GPU: {est.peak_bytes / gib:.2f} GiB (in {est.peak_phase})",
+    ]
+    for k in CATEGORIES:
+        lines.append(f"  {k:<16} {est.parts[k] / gib:8.2f} GiB")
+    if est.host_bytes:
+        parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in est.host_parts.items() if v)
+        lines.append(f"host memory per GPU (offload): {est.host_bytes / gib:.2f} GiB ({parts})")
+    if capacity is not None:
+        lines.append(verdict(est, capacity))
+        if fix is not None:
+            lines.append(f"to fit: {fix}")
+    lines += [f"note: {n}" for n in est.notes]
+    lines.append(f"(estimated in {est.seconds:.1f}s on fake tensors)")
+    return "\n".join(lines)
+
+
+def format_ladder(rows: list[Rung], capacity: Capacity | None = None) -> str:
+    gib = 2**30
+    head = "| rung | flags added | peak GiB / GPU | host GiB / GPU |"
+    sep = "|---|---|---:|---:|"
+    if capacity is not None:
+        head += f" fits {capacity.device_bytes / gib:.0f} GiB |"
+        sep += "---|"
+    lines = [head, sep]
+    for r in rows:
+        if r.est is None:
+            lines.append(f"| {r.name} | {r.flags} | {r.why} | |" + (" |" if capacity else ""))
+            continue
+        row = (
+            f"| {r.name} | {r.flags or '—'} | {r.est.peak_bytes / gib:.2f} | "
+            f"{r.est.host_bytes / gib:.2f} |"
+        )
+        if capacity is not None:
+            row += f" {'yes' if fits(r.est, capacity) else 'no'} |"
+        lines.append(row)
+    return "\n".join(lines)
