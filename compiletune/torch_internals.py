@@ -18,11 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch import config as functorch_config
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx.node import _get_qualified_name
 
@@ -122,6 +117,10 @@ def load_cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:
 
 def min_cut_partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
     """AOTAutograd's min-cut partitioner; honours node.meta['recompute'] tags."""
+    # Inductor's and AOTAutograd's compilers are imported when first used: importing them costs
+    # seconds that the commands which never compile (estimate-memory, eager runs) should not pay.
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
     kwargs.setdefault("compiler", "inductor")
     return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
@@ -136,6 +135,8 @@ def functorch_patch(
     that can be. The AOTAutograd cache is turned off when graphs are dumped, because a cache hit
     skips the partitioner and there would be nothing to dump.
     """
+    from torch._functorch import config as functorch_config  # when first used (see above)
+
     patch: dict[str, Any] = {}
     if memory_budget is not None:
         patch["activation_memory_budget"] = memory_budget
@@ -156,6 +157,7 @@ def compile_inductor(
     `on_compiled(kind, compiled, seconds)` is called for each forward/backward graph Inductor
     builds (kind "forward" | "backward"); `compiled.source_code` is the generated code.
     """
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # when first used
 
     def inner(graph: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -179,6 +181,8 @@ def compile_no_codegen(
     gm: torch.fx.GraphModule, example_inputs: list[Any], partition_fn: Partition
 ) -> Callable:
     """The same joint graph and partition, run eagerly (aot_eager with our partitioner)."""
+    from functorch.compile import make_boxed_func  # when first used (see min_cut_partition)
+    from torch._dynamo.backends.common import aot_autograd
 
     def run_eagerly(graph: torch.fx.GraphModule, inputs: Any) -> Callable:
         return make_boxed_func(graph.forward)

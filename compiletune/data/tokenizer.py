@@ -8,12 +8,13 @@ and `AutoTokenizer.from_pretrained` treat it exactly like a Llama or Qwen tokeni
 from __future__ import annotations
 
 from pathlib import Path
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from compiletune.errors import UserError
 from compiletune.models.hf_config import brief, resolve_model_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -63,6 +64,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     (no newline between messages; shown split here), and `add_generation_prompt=True` appends
     "### assistant:\\n".
     """
+    # tokenizers and transformers' tokenizer classes are imported when a tokenizer is built:
+    # about 1.7 s that the commands which build none (estimate-memory) should not pay.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     byte_chars = _bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(256)}
     # A BPE with no merges over the 256 byte characters: every byte is its own token.
@@ -131,6 +137,8 @@ def load_tokenizer(path: str | Path, flag: str = "--model-dir") -> PreTrainedTok
             f"{folder} has tokenizer_config.json but no vocabulary file (tokenizer.json is "
             "missing); copy the model's complete tokenizer files into the folder"
         )
+    from transformers import AutoTokenizer  # when one is loaded (see byte_tokenizer)
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             str(folder), local_files_only=True, trust_remote_code=False
