@@ -212,9 +212,8 @@ def _estimate(cfg: TrainConfig, gpus: int, round_bytes: int) -> MemoryEstimate:
         if (segments := depth_.extend([first, second], depths, args.n_layers)) is not None:
             peaks = Peaks.of(segments)
             notes.append(
-                f"{args.n_layers} blocks repeating every {depths[2]}: the step was run at "
-                f"{depths[0]} and {depths[1]} blocks and each stretch of it (a block's forward or backward, "
-                "the loss, the optimizer step) extended to the full depth"
+                f"{args.n_layers} repeating blocks (period {depths[2]}): run at {depths[0]} and "
+                f"{depths[1]} blocks, each stretch of the step extended to {args.n_layers}"
             )
     if peaks is None:
         segments, run = _segments_at(cfg, gpus, fsdp, host, round_bytes, None)
