@@ -127,7 +127,7 @@ def _xdist() -> list[str]:
 
 LADDER_1B = ["--models", "llama3_2_1b", "--seq-len", "2048", "--no-plot"]
 LADDER_DRY = ["--models", "debug", "--n-layers", "2", "--seq-len", "64", "--steps", "2"]
-LADDER_DRY += ["--dtype", "fp32", "--no-plot"]
+LADDER_DRY += ["--dtype", "fp32", "--no-plot", "--compile-backend", "aot_eager"]
 
 STEPS: list[Step] = [
     Step(1, "env", [PY, "-c", ENV_SNIPPET], [PY, "-c", ENV_SNIPPET], 120, 10),

@@ -123,6 +123,8 @@ def run_rung(
         args = ["--model", model, "--seq-len", str(a.seq_len)]
         args += ["--batch-size", str(a.batch_size), "--max-steps", str(a.steps)]
         args += ["--dtype", a.dtype, *flags]
+        if a.compile_backend and "--compile" in flags:
+            args += ["--compile-backend", a.compile_backend]
         if a.n_layers:
             args += ["--n-layers", str(a.n_layers)]
     # No checkpoint (an 8B one with its optimizer state is ~100 GB); the pre-flight estimate
@@ -249,6 +251,12 @@ def main() -> None:
         help="default: bf16 (on a CPU, where it multiplies bf16 natively; else fp32)",
     )
     p.add_argument("--steps", type=int, default=8 if gpu else 6, help="first one compiles")
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        help="passed to every --compile rung (default: the trainer's, inductor); aot_eager runs "
+        "the same graphs and passes without Inductor's code generation (gpu_check --dry-run)",
+    )
     p.add_argument("--rungs", nargs="+", default=None, help="default: every row of --rows")
     p.add_argument(
         "--rows",
@@ -290,6 +298,7 @@ def main() -> None:
         "dtype": a.dtype,
         "steps": a.steps,
         "n_layers_override": a.n_layers,
+        "compile_backend": a.compile_backend,
     }
     previous: dict[str, list[dict[str, Any]]] = {}
     if a.merge and path.exists():
