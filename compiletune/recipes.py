@@ -136,7 +136,7 @@ def get(name: str) -> Recipe:
 
 
 def check_no_placeholders(cfg: Any) -> None:
-    """Refuse a run whose config (a TrainConfig; config.py imports this module) still holds a recipe's placeholder: `train`
+    """Refuse a run whose config (a TrainConfig; config/ imports this module) still holds a recipe's placeholder: `train`
     calls this before it writes anything; the memory estimate does not need these values."""
     for field, flag in PLACEHOLDER_FIELDS.items():
         value = cfg.get(field)

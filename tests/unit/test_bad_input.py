@@ -370,10 +370,10 @@ def _wrong_value(field) -> st.SearchStrategy:
     """Values of the wrong type (or out of range) for a config field."""
     import typing
 
-    from compiletune.config import _hints, _unwrap
+    from compiletune.config import hints_of, unwrap
 
-    hint = next(h for cls in _SECTION_CLASSES for n, h in _hints(cls).items() if n == field.name)
-    typ, _ = _unwrap(hint)
+    hint = next(h for cls in _SECTION_CLASSES for n, h in hints_of(cls).items() if n == field.name)
+    typ, _ = unwrap(hint)
     junk = st.lists(st.integers(), min_size=1, max_size=2) | st.dictionaries(
         st.text(max_size=3), st.integers(), min_size=1, max_size=2
     )
@@ -390,9 +390,9 @@ def _wrong_value(field) -> st.SearchStrategy:
 
 
 def _section_classes() -> list[type]:
-    from compiletune.config import _SECTIONS
+    from compiletune.config import SECTIONS
 
-    return list(_SECTIONS.values())
+    return list(SECTIONS.values())
 
 
 _SECTION_CLASSES = _section_classes()
@@ -404,21 +404,21 @@ def _bad_yaml(draw) -> str:
 
     import yaml
 
-    from compiletune.config import _key
+    from compiletune.config import key_of
 
     kind = draw(st.sampled_from(["wrong value", "unknown key", "not a mapping", "syntax", "twice"]))
     fields = [f for cls in _SECTION_CLASSES for f in dataclasses.fields(cls)]
     if kind == "wrong value":
         # not the options `refused` passes as flags (a flag overrides the file)
         given = {"seq_len", "batch_size", "max_steps", "output_dir"}
-        f = draw(st.sampled_from([f for f in fields if _key(f) not in given]))
+        f = draw(st.sampled_from([f for f in fields if key_of(f) not in given]))
         value = draw(_wrong_value(f))
         if value == ".nan":
-            return f"{_key(f)}: .nan\n"
-        return yaml.safe_dump({_key(f): value})
+            return f"{key_of(f)}: .nan\n"
+        return yaml.safe_dump({key_of(f): value})
     if kind == "unknown key":
         key = draw(st.text("abcdefgh_-", min_size=1, max_size=10))
-        known = {_key(f) for f in fields}
+        known = {key_of(f) for f in fields}
         if key.replace("-", "_") in known:
             key += "_x"
         return yaml.safe_dump({key: 1, "seq_len": 16})
@@ -428,8 +428,8 @@ def _bad_yaml(draw) -> str:
         return draw(
             st.sampled_from(["a: [1, 2\n", "seq_len: 1\n  bad: indent\n", "{: }", "- a\nb: c\n"])
         )
-    f = draw(st.sampled_from([f for f in fields if "_" in _key(f)]))
-    return f"{_key(f)}: 1\n{_key(f).replace('_', '-')}: 2\n"
+    f = draw(st.sampled_from([f for f in fields if "_" in key_of(f)]))
+    return f"{key_of(f)}: 1\n{key_of(f).replace('_', '-')}: 2\n"
 
 
 @CASES

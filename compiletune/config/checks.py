@@ -1,0 +1,281 @@
+"""The checks of a run's values, one function per config section (a value that is valid alone
+but not beside another is refused here, with the flags to change), and the type check of
+values read from YAML."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Literal, get_args, get_origin
+
+from compiletune import recipes
+from compiletune.config.schema import (
+    SECTIONS,
+    DataConfig,
+    LoRAConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TechniquesConfig,
+    TrainConfig,
+    flag_of,
+    hints_of,
+    key_of,
+    unwrap,
+)
+from compiletune.errors import UserError
+
+
+def _at_least_one(key: str, value: int) -> None:
+    if value < 1:
+        raise UserError(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+
+
+def check_model(section: ModelConfig, cfg: TrainConfig) -> None:
+    if section.n_layers is not None and (section.model_dir is not None or section.n_layers < 1):
+        raise UserError(
+            "--n-layers (a positive depth) only applies to a random-init --model preset"
+        )
+    if section.dtype == "bf16-mixed" and not cfg.parallel.fsdp:
+        raise UserError(
+            "--dtype bf16-mixed is FSDP's mixed precision; add --fsdp, or pass --dtype bf16"
+        )
+
+
+def check_data(section: DataConfig, cfg: TrainConfig) -> None:
+    for name in ("seq_len", "batch_size", "grad_accum"):
+        _at_least_one(name, getattr(section, name))
+    if section.data_workers is not None and section.data_workers < 0:
+        raise UserError(f"--data-workers must be >= 0, got {section.data_workers}")
+    if section.data_columns is not None:
+        from compiletune.data.sources import (
+            parse_columns,  # lazy: the CLI imports config before torch
+        )
+
+        parse_columns(section.data_columns)  # a malformed mapping fails before the model loads
+    if section.data_roles is not None:
+        from compiletune.data.sources import (
+            parse_roles,  # lazy: the CLI imports config before torch
+        )
+
+        parse_roles(section.data_roles)
+    if not recipes.is_placeholder(section.source):  # a recipe's <...> is refused by train
+        from compiletune.data.rows import (
+            parse_sources,  # lazy: the CLI imports config before torch
+        )
+
+        parse_sources(section.source)  # a malformed mixture fails before the model loads
+    if section.eval_every < 0:
+        raise UserError(
+            f"--eval-every must be 0 (only at the end) or positive, got {section.eval_every}"
+        )
+    if not 0.0 <= section.val_split < 1.0:
+        raise UserError(f"--val-split must be a fraction in [0, 1), got {section.val_split}")
+    if section.val_split > 0 and section.eval_data is not None:
+        raise UserError("--val-split and --eval-data both name the held-out data; pass one of them")
+    if section.eval_every > 0 and section.eval_data is None and section.val_split == 0:
+        raise UserError("--eval-every needs held-out data: add --eval-data SOURCE or --val-split F")
+
+
+def check_optim(section: OptimConfig, cfg: TrainConfig) -> None:
+
+    if section.lr is not None and not section.lr > 0:
+        raise UserError(f"--lr must be positive, got {section.lr}")
+    if section.warmup_steps is not None and section.warmup_steps < 0:
+        raise UserError(f"--warmup-steps must be >= 0, got {section.warmup_steps}")
+    if not 0.0 <= section.min_lr_ratio <= 1.0:
+        raise UserError(f"--min-lr-ratio must be within [0, 1], got {section.min_lr_ratio}")
+    if section.max_grad_norm is not None and section.max_grad_norm < 0:
+        raise UserError(f"--max-grad-norm must be >= 0 (0 disables), got {section.max_grad_norm}")
+    for flag, value in (("aux", section.router_aux_coef), ("z", section.router_z_coef)):
+        if value is not None and value < 0:
+            raise UserError(f"--router-{flag}-coef must be >= 0 (0 = off), got {value}")
+    from compiletune.optim import (
+        check_optimizer_flags,  # lazy: the CLI imports config before torch
+    )
+
+    check_optimizer_flags(
+        section.optimizer,
+        section.optimizer_in_backward,
+        cfg.data.grad_accum,
+        section.max_grad_norm or 0.0,
+        section.bf16_compensation or "none",
+    )
+    # dtype None (decided by the device) is checked again once the build knows it
+    if section.bf16_compensation not in (None, "none") and cfg.model.dtype not in (None, "bf16"):
+        raise UserError(
+            f"--bf16-compensation {section.bf16_compensation} corrects bf16 parameter updates; "
+            "add --dtype bf16 or drop it"
+        )
+
+
+def check_techniques(section: TechniquesConfig, cfg: TrainConfig) -> None:
+
+    from compiletune.compiler.activation import (
+        parse_ac,  # lazy: the CLI imports config before torch
+    )
+
+    policy = parse_ac(section.ac, section.ac_every)
+    if policy.kind == "budget" and not section.compile:
+        raise UserError(
+            f"--ac {section.ac} is a setting of the compiler's partitioner; add --compile"
+        )
+    if section.offload_activations and not section.compile:
+        raise UserError("--offload-activations is a pass of the compile pipeline; add --compile")
+    if section.dump_graphs is not None and not section.compile:
+        raise UserError("--dump-graphs shows what the compiler did; it needs --compile")
+
+
+def check_parallel(section: ParallelConfig, cfg: TrainConfig) -> None:
+
+    from compiletune.distributed import (
+        launched_world_size,  # lazy: the CLI imports config before torch
+    )
+
+    world = launched_world_size()
+    if world > 1 and not section.fsdp:
+        raise UserError(
+            f"{world} processes were launched but --fsdp is off; add --fsdp (every process "
+            "would otherwise train its own copy)"
+        )
+    if not section.fsdp:
+        for name, default in (
+            ("sharding", "full"),
+            ("shard_size", None),
+            ("cpu_offload", False),
+        ):
+            if getattr(section, name) != default:
+                flag = "--" + name.replace("_", "-")
+                raise UserError(f"{flag} is a setting of FSDP; add --fsdp or drop {flag}")
+    if section.shard_size is not None and (section.sharding != "hybrid" or section.shard_size < 1):
+        raise UserError("--shard-size (a positive process count) only applies to --sharding hybrid")
+
+
+def check_lora(section: LoRAConfig, cfg: TrainConfig) -> None:
+
+    if section.rank < 0:
+        raise UserError(f"--lora-rank must be positive (0 = full fine-tuning), got {section.rank}")
+    if not section.rank:
+        for f in fields(section):
+            if f.name != "rank" and getattr(section, f.name) != f.default:
+                flag = flag_of(f)
+                raise UserError(
+                    f"{flag} applies to LoRA runs; add --lora-rank R (e.g. 16) or drop {flag}"
+                )
+        return
+    if section.alpha is not None and not section.alpha > 0:
+        raise UserError(f"--lora-alpha must be positive, got {section.alpha}")
+    if not 0.0 <= section.dropout < 1.0:
+        raise UserError(f"--lora-dropout must be in [0, 1), got {section.dropout}")
+    try:
+        from compiletune.models.lora import (
+            parse_targets,  # lazy: the CLI imports config before torch
+        )
+
+        parse_targets(section.targets)
+    except ValueError as e:
+        raise UserError(f"--lora-targets {section.targets}: {e}") from e
+    if cfg.model.dtype == "bf16-mixed":
+        # FSDP's mixed precision would cast the NF4 codes too; LoRA has its own storage.
+        raise UserError(
+            "--dtype bf16-mixed does not apply to LoRA runs (the frozen base has its own "
+            "storage); pass --dtype bf16, or --dtype fp32 with --base-dtype bf16"
+        )
+
+
+def check_run(section: RunConfig, cfg: TrainConfig) -> None:
+    if section.max_steps is not None and section.epochs is not None:
+        raise UserError("--max-steps and --epochs both set the run's length; pass one of them")
+    if section.max_steps is not None:
+        _at_least_one("max_steps", section.max_steps)
+    if section.epochs is not None:
+        _at_least_one("epochs", section.epochs)
+    if section.save_every < 0:
+        raise UserError(
+            f"--save-every must be 0 (only at the end) or positive, got {section.save_every}"
+        )
+
+    from compiletune.loggers import parse_loggers  # lazy: the CLI imports config before torch
+
+    parse_loggers(section.log)
+    if section.resume and section.overwrite:
+        raise UserError("--resume and --overwrite contradict each other; pass one of them")
+    if section.resume and section.output_dir is None:
+        raise UserError("--resume needs the --output-dir of the run to continue")
+    if section.accept_changes and not section.resume:
+        raise UserError("--accept-changes applies to --resume; drop it or add --resume")
+    if section.skip_nonfinite < 0:
+        raise UserError(f"--skip-nonfinite must be >= 0, got {section.skip_nonfinite}")
+    if section.skip_nonfinite and cfg.optim.optimizer_in_backward:
+        raise UserError(
+            "--skip-nonfinite cannot undo a step of --optimizer-in-backward (each parameter "
+            "is updated during backward, before the loss is known); drop one of them"
+        )
+
+
+def check_objective(section: ObjectiveConfig, cfg: TrainConfig) -> None:
+    kd = section.objective == "kd"
+    if kd != (section.teacher_dir is not None):
+        raise UserError(
+            "--objective kd needs --teacher-dir DIR"
+            if kd
+            else "--teacher-dir applies to --objective kd; add it or drop --teacher-dir"
+        )
+    if not section.beta > 0:
+        raise UserError(f"--beta must be positive, got {section.beta}")
+    if not 0.0 <= section.label_smoothing < 0.5:
+        raise UserError(f"--label-smoothing must be in [0, 0.5), got {section.label_smoothing}")
+    if not 0.0 <= section.kd_ratio <= 1.0:
+        raise UserError(f"--kd-ratio must be in [0, 1], got {section.kd_ratio}")
+    if not section.kd_temperature > 0:
+        raise UserError(f"--kd-temperature must be positive, got {section.kd_temperature}")
+    if section.precompute_ref and section.objective not in ("dpo", "ipo"):
+        raise UserError("--precompute-ref applies to --objective dpo or ipo (a reference)")
+    if section.objective in ("dpo", "ipo", "simpo") and "," in (cfg.data.source or ""):
+        raise UserError(f"--objective {section.objective} reads one --data source of pairs")
+
+
+# The checks of each section, in the order `resolve` runs them.
+CHECKS = {
+    "model": check_model,
+    "data": check_data,
+    "optim": check_optim,
+    "techniques": check_techniques,
+    "parallel": check_parallel,
+    "lora": check_lora,
+    "run": check_run,
+    "objective": check_objective,
+}
+
+
+def check_types(cfg: TrainConfig) -> None:
+    """YAML values arrive untyped; make sure each has its field's type before anything runs."""
+    for section, cls in SECTIONS.items():
+        sec = getattr(cfg, section)
+        hints = hints_of(cls)
+        for f in fields(cls):
+            typ, nullable = unwrap(hints[f.name])
+            value = getattr(sec, f.name)
+            if value is None and nullable:
+                continue
+            key = key_of(f)
+            if get_origin(typ) is Literal:
+                allowed = get_args(typ)
+                if value not in allowed:
+                    raise UserError(
+                        f"{flag_of(f)} must be one of {', '.join(allowed)}, got {value!r}"
+                    )
+                continue
+            if typ is float and isinstance(value, int) and not isinstance(value, bool):
+                setattr(sec, f.name, float(value))
+                continue
+            if typ is float and isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{flag_of(f)} must be a finite number, got {value}")
+            if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
+                what = "true or false" if typ is bool else typ.__name__
+                raise UserError(
+                    f"{flag_of(f)} ({key}: in a --config file) must be {what}, got {value!r}; "
+                    "fix the value"
+                )
