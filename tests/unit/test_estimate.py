@@ -322,11 +322,11 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
     [
         ({"grad_accum": 2}, 1),
         ({"ac": "full", "loss": "plain"}, 2),
-        ({"lora_rank": 8, "quantize_base": "nf4", "ac": "full", "grad_accum": 2}, 2),
+        ({"lora_rank": 8, "quantize_base": "nf4", "ac": "full"}, 2),
         ({"ac": "full", "offload_activations": True, "compile": True, "optimizer": "adamw8bit"}, 1),
         ({"cpu_offload": True, "optimizer_in_backward": True}, 4),
         ({"objective": "dpo", "ac": "selective"}, 1),
-        ({"model": "debug_gemma3", "n_layers": 60}, 2),
+        ({"model": "debug_gemma2", "n_layers": 30}, 2),  # sliding, full, ...
         ({"n_layers": 32, "ac": "full", "ac_every": 2}, 1),
     ],
     ids=[
@@ -336,7 +336,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         "offload-8bit",
         "cpu-offload",
         "dpo",
-        "gemma3",
+        "gemma2",
         "ac-every",
     ],
 )
