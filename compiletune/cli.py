@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,10 +20,16 @@ from compiletune.errors import UserError, show
 from compiletune.interrupt import EXIT_INTERRUPTED
 
 EXIT_BAD_INPUT = 2
+_STARTED = time.perf_counter()  # as soon as the command's own code runs (the closing lines' time)
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line instead of the whole usage block."""
+    """argparse that reports a bad flag in one line instead of the whole usage block, and takes
+    only whole flag names: `--max-step 3` is refused, not run as `--max-steps 3`."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"compiletune: error: {message} (see `{self.prog} --help`)\n")
@@ -142,6 +149,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if summary["interrupted"] else 0
 
 
+def _to_stderr(line: str) -> None:
+    """Progress of a long search: on stderr, so --json's stdout stays one document."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import json
 
@@ -164,7 +176,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         host = ns.host_memory * 2**30 if ns.host_memory else fit.machine_host_bytes()
         capacity = fit.Capacity(fit.parse_device_memory(ns.device_memory), int(host))
     if ns.ladder:
-        rows = fit.ladder(cfg, ns.gpus)
+        rows = fit.ladder(cfg, ns.gpus, _to_stderr)
         if ns.json:
             out = [
                 {"rung": r.name, "flags": r.flags, **(r.est.to_dict() if r.est else {"why": r.why})}
@@ -180,14 +192,15 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         print(
             "does not fit; estimating the ladder's rungs for the cheapest fix...", file=sys.stderr
         )
-        fix = fit.advice(cfg, ns.gpus, capacity)
+        fix = fit.advice(cfg, ns.gpus, capacity, _to_stderr)
     if ns.json:
         out = est.to_dict()
         if capacity is not None:
             out.update(fits=fix is None, to_fit=fix)
+        out["total_seconds"] = round(time.perf_counter() - _STARTED, 2)
         print(json.dumps(out, indent=2))
     else:
-        print(fit.format_estimate(est, capacity, fix))
+        print(fit.format_estimate(est, capacity, fix, time.perf_counter() - _STARTED))
     return 0
 
 

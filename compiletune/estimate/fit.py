@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,11 +142,16 @@ def as_trained(cfg: TrainConfig, gpus: int) -> TrainConfig:
     return fill_defaults(cfg.replace(), facts)
 
 
-def ladder(cfg: TrainConfig, gpus: int) -> list[Rung]:
-    """The run as `train` would run it, then each rung's flags added to those before."""
+def ladder(
+    cfg: TrainConfig, gpus: int, progress: Callable[[str], None] | None = None
+) -> list[Rung]:
+    """The run as `train` would run it, then each rung's flags added to those before;
+    `progress` is told each rung as it is estimated."""
     current = as_trained(cfg, gpus)
     rows = [Rung("as configured", "", estimate_memory(current, gpus))]
     for name, changes in LADDER + LORA_RUNGS:
+        if progress is not None:
+            progress(f"  {rows[-1].name}: done; estimating {name}...")
         todo = _todo(current, changes)
         if not todo:
             rows.append(Rung(name, flags_text(changes), None, "already on"))
@@ -164,14 +170,27 @@ def ladder(cfg: TrainConfig, gpus: int) -> list[Rung]:
     return rows
 
 
-def suggest(cfg: TrainConfig, gpus: int, capacity: Capacity) -> tuple[str, MemoryEstimate] | None:
+def suggest(
+    cfg: TrainConfig,
+    gpus: int,
+    capacity: Capacity,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[str, MemoryEstimate] | None:
     """The cheapest flags that make `cfg`'s step fit, with their estimate; None when even every
     rung of the ladder does not. Rungs are added cheapest first until the step fits, then each
     earlier rung is dropped again where the step still fits without it (so `--ac full` alone is
-    the answer when it is enough, not `--ac full` plus the cheaper rungs tried on the way)."""
+    the answer when it is enough, not `--ac full` plus the cheaper rungs tried on the way).
+    `progress` is told each candidate's flags and peak as it is estimated."""
     cfg = as_trained(cfg, gpus)
     current, added = cfg, []
     est = None
+
+    def tried(changes: list[dict[str, Any]], est: MemoryEstimate) -> None:
+        if progress is not None:
+            flags = flags_text({k: v for t in changes for k, v in t.items()})
+            verdict = "fits" if fits(est, capacity) else "does not fit"
+            progress(f"  {flags or 'as configured'}: {est.peak_bytes / 2**30:.1f} GiB, {verdict}")
+
     for _, changes in LADDER:
         todo = _todo(current, changes)
         if not todo or _not_applicable(current, todo):
@@ -179,6 +198,7 @@ def suggest(cfg: TrainConfig, gpus: int, capacity: Capacity) -> tuple[str, Memor
         current = current.replace(**todo)
         added.append(todo)
         est = estimate_memory(current, gpus)
+        tried(added, est)
         if fits(est, capacity):
             break
     else:
@@ -187,6 +207,7 @@ def suggest(cfg: TrainConfig, gpus: int, capacity: Capacity) -> tuple[str, Memor
         keep = [t for t in added if t is not todo]
         trial = cfg.replace(**{k: v for t in keep for k, v in t.items()})
         trial_est = estimate_memory(trial, gpus)
+        tried(keep, trial_est)
         if fits(trial_est, capacity):
             added, est = keep, trial_est
     assert est is not None
@@ -211,9 +232,14 @@ def verdict(est: MemoryEstimate, capacity: Capacity) -> str:
     return line
 
 
-def advice(cfg: TrainConfig, gpus: int, capacity: Capacity) -> str:
+def advice(
+    cfg: TrainConfig,
+    gpus: int,
+    capacity: Capacity,
+    progress: Callable[[str], None] | None = None,
+) -> str:
     """What to do about a step that does not fit: the cheapest flags that fit, or more GPUs."""
-    found = suggest(cfg, gpus, capacity)
+    found = suggest(cfg, gpus, capacity, progress)
     if found is None:
         return "no technique flag makes it fit: use more GPUs (--fsdp), a shorter --seq-len or --batch-size"
     flags, est = found
@@ -266,8 +292,13 @@ def parse_device_memory(text: str) -> int:
 
 
 def format_estimate(
-    est: MemoryEstimate, capacity: Capacity | None = None, fix: str | None = None
+    est: MemoryEstimate,
+    capacity: Capacity | None = None,
+    fix: str | None = None,
+    total_seconds: float | None = None,
 ) -> str:
+    """The estimate as printed; `total_seconds`: the command's whole time, start-up and the
+    advice search included."""
     gib = 2**30
     s = est.setup
     lines = [
@@ -290,7 +321,10 @@ def format_estimate(
         if fix is not None:
             lines.append(f"to fit: {fix}")
     lines += [f"note: {n}" for n in est.notes]
-    lines.append(f"(estimated in {est.seconds:.1f}s on fake tensors)")
+    took = f"estimated in {est.seconds:.1f}s on fake tensors"
+    if total_seconds is not None:
+        took += f"; {total_seconds:.1f}s in all, start-up and any advice search included"
+    lines.append(f"({took})")
     return "\n".join(lines)
 
 

@@ -380,6 +380,9 @@ def vocab_chunk_cols(chunk: int, vocab: int, m: int) -> int:
     return max(COL_ALIGN, chunk * vocab // m // COL_ALIGN * COL_ALIGN)
 
 
+# Over 100 lines, on purpose: the chunk loop (recompute a chunk's logits, its gradient, the two
+# matmuls into dh and dweight) is the memory pattern ops/op_memory.py declares for this op, and
+# reads best as one loop; its helpers are the row-wise functions above.
 @torch.library.custom_op("compiletune::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward_op(
     grad_loss: Tensor | None,

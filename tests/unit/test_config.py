@@ -69,6 +69,25 @@ def test_cli_bad_flag_is_one_line_and_exit_2(capsys):
     assert err.count("\n") == 1 and "--batch-size" in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--max-step", "3"],
+        ["train", "--seq", "64"],
+        ["estimate-memory", "--device-mem", "80"],
+        ["generate", "--model-dir", "x", "--max-new", "5"],
+    ],
+)
+def test_abbreviated_flags_are_refused(argv, capsys):
+    """argparse would take a prefix of a flag as the flag (`--max-step 3` as `--max-steps 3`);
+    a typo that happens to be a prefix must not change the run silently."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and argv[-2] in err, err
+
+
 def test_cli_user_error_exit_2(capsys):
     assert main(["train", "--seq-len", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -167,8 +167,18 @@ def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert main(["estimate-memory", *small, "--json", "--device-memory", "h100"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["peak_bytes"] == sum(out["parts_bytes"].values()) and out["gpus"] == 1
+    assert out["total_seconds"] >= out["seconds"]
+    # A step that does not fit: each candidate of the search is a line on stderr as it is
+    # estimated, and the closing line gives the command's whole time.
+    assert main(["estimate-memory", *small, "--device-memory", "0.05"]) == 0
+    got = capsys.readouterr()
+    tried = [line for line in got.err.splitlines() if line.endswith("fit")]
+    assert len(tried) >= 3 and "--ac full" in got.err, got.err
+    assert "to fit: no technique flag" in got.out and "s in all, start-up" in got.out
     assert main(["estimate-memory", *small, "--ladder", "--gpus", "2"]) == 0
-    table = capsys.readouterr().out
+    done = capsys.readouterr()
+    table = done.out
+    assert "estimating + 8-bit states..." in done.err
     assert table.startswith("| rung |") and "+ 8-bit states" in table
     assert "--optimizer-in-backward" in table
     assert "--lora-rank 16" in table and "--quantize-base nf4" in table
