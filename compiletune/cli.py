@@ -142,10 +142,11 @@ def _resolve(ns: argparse.Namespace, flags: dict) -> TrainConfig:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from compiletune.train.loop import train  # lazy: a subcommand's cost
-
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
-    summary = train(_resolve(ns, flags))
+    cfg = _resolve(ns, flags)  # a wrong value is reported before the trainer's imports
+    from compiletune.train.loop import train  # lazy: a subcommand's cost (seconds of imports)
+
+    summary = train(cfg)
     return EXIT_INTERRUPTED if summary["interrupted"] else 0
 
 
@@ -157,20 +158,20 @@ def _to_stderr(line: str) -> None:
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import json
 
-    from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
-    from compiletune.estimate import fit  # lazy: a subcommand's cost
-
     own = ("command", "config", "gpus", "device_memory", "host_memory", "ladder", "json")
     flags = {k: v for k, v in vars(ns).items() if k not in own}
     if ns.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {ns.gpus}")
     if ns.gpus > 1:
         flags["fsdp"] = True  # several GPUs train under torchrun with --fsdp
-    cfg = _resolve(ns, flags)
+    cfg = _resolve(ns, flags)  # a wrong value is reported before the estimator's imports
     if ns.host_memory is not None and not 0 < ns.host_memory < float("inf"):
         raise UserError(f"--host-memory {ns.host_memory}: pass this machine's GiB (e.g. 512)")
     if ns.host_memory is not None and not ns.device_memory:
         raise UserError("--host-memory is judged with --device-memory; pass both")
+    from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
+    from compiletune.estimate import fit  # lazy: a subcommand's cost
+
     capacity = None
     if ns.device_memory:
         host = ns.host_memory * 2**30 if ns.host_memory else fit.machine_host_bytes()

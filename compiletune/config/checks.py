@@ -62,7 +62,7 @@ def check_data(section: DataConfig, cfg: TrainConfig) -> None:
 
         parse_roles(section.data_roles)
     if not recipes.is_placeholder(section.source):  # a recipe's <...> is refused by train
-        from compiletune.data.rows import (
+        from compiletune.data.sources import (
             parse_sources,  # lazy: the CLI imports config before torch
         )
 

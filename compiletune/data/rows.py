@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -346,30 +345,6 @@ class Mixture:
         for part, st in zip(self.parts, saved, strict=True):
             part.load_state_dict(st)
         self.draws = draws
-
-
-def parse_sources(spec: str) -> list[tuple[str, float]]:
-    """`--data`: one source, or a mixture `SRC:W,SRC:W,...` (weights, normalised)."""
-    if "," not in spec and (":" not in spec or Path(spec).exists()):
-        return [(spec, 1.0)]
-    out = []
-    for part in spec.split(","):
-        source, sep, weight = part.strip().rpartition(":")
-        if not sep or not source:
-            raise UserError(
-                f"--data {spec}: '{part}' has no weight; give every source of a mixture one, "
-                "e.g. a.parquet:0.7,b.jsonl:0.3"
-            )
-        try:
-            w = float(weight)
-        except ValueError:
-            raise UserError(
-                f"--data {spec}: the weight '{weight}' of {source} is not a number"
-            ) from None
-        if not (w > 0 and w < float("inf")):
-            raise UserError(f"--data {spec}: the weight of {source} must be positive, got {w}")
-        out.append((source, w))
-    return out
 
 
 def check_targets(batch: dict[str, torch.Tensor], vocab: int) -> None:

@@ -991,3 +991,27 @@ def read_examples(
     if count == 0:
         what = f"split {split!r} of {source}" if split else source
         raise UserError(f"{what} has no examples; add data to it or pick another --data")
+
+
+def parse_sources(spec: str) -> list[tuple[str, float]]:
+    """`--data`: one source, or a mixture `SRC:W,SRC:W,...` (weights, normalised)."""
+    if "," not in spec and (":" not in spec or Path(spec).exists()):
+        return [(spec, 1.0)]
+    out = []
+    for part in spec.split(","):
+        source, sep, weight = part.strip().rpartition(":")
+        if not sep or not source:
+            raise UserError(
+                f"--data {spec}: '{part}' has no weight; give every source of a mixture one, "
+                "e.g. a.parquet:0.7,b.jsonl:0.3"
+            )
+        try:
+            w = float(weight)
+        except ValueError:
+            raise UserError(
+                f"--data {spec}: the weight '{weight}' of {source} is not a number"
+            ) from None
+        if not (w > 0 and w < float("inf")):
+            raise UserError(f"--data {spec}: the weight of {source} must be positive, got {w}")
+        out.append((source, w))
+    return out

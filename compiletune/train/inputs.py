@@ -7,7 +7,8 @@ from typing import Any
 
 from compiletune.config import TrainConfig
 from compiletune.data.pairs import PairRows, read_pairs
-from compiletune.data.rows import PackedData, check_rows, pack_store, parse_sources, split_indices
+from compiletune.data.rows import PackedData, check_rows, pack_store, split_indices
+from compiletune.data.sources import parse_sources
 from compiletune.data.token_cache import cached_store, check_vocabulary
 from compiletune.data.token_store import ExampleRows, MemoryStore, Store
 

@@ -88,6 +88,25 @@ def test_abbreviated_flags_are_refused(argv, capsys):
     assert "unrecognized arguments" in err and argv[-2] in err, err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--seq-len", "0"],
+        ["train", "--lr", "-1"],
+        ["train", "--data", "a.jsonl:x,b.jsonl:1"],
+        ["estimate-memory", "--gpus", "0"],
+        ["estimate-memory", "--batch-size", "0"],
+    ],
+)
+def test_a_bad_value_is_reported_before_torch_is_imported(argv):
+    """The flag and config checks run before the trainer's imports (seconds of torch,
+    dynamo and transformers): a typo is answered at once."""
+    code = f"import sys; from compiletune.cli import main; print(main({argv!r}), 'torch' in sys.modules)"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert got.stdout.split() == ["2", "False"], got.stdout + got.stderr
+    assert got.stderr.startswith("compiletune: error: "), got.stderr
+
+
 def test_cli_user_error_exit_2(capsys):
     assert main(["train", "--seq-len", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

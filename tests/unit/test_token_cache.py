@@ -17,7 +17,8 @@ import torch
 
 from compiletune.cli import main
 from compiletune.data import rows as data_mod
-from compiletune.data.rows import Batches, Mixture, PackedData, load_examples, pack, parse_sources
+from compiletune.data.rows import Batches, Mixture, PackedData, load_examples, pack
+from compiletune.data.sources import parse_sources
 from compiletune.data.token_cache import cached_store
 from compiletune.data.token_store import META, MemoryStore
 from compiletune.data.tokenizer import byte_tokenizer
