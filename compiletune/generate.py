@@ -26,7 +26,7 @@ from compiletune.data.tokenizer import load_tokenizer
 from compiletune.errors import UserError
 from compiletune.models import PRESETS, Transformer, build_model, from_hf, resolve_model_path
 from compiletune.models.decoder import KVCache
-from compiletune.models.hf_config import read_json
+from compiletune.models.generation_config import eos_ids, load_generation_config
 from compiletune.models.lora import apply_lora, block_adapter
 from compiletune.train.build import pick_device, pick_dtype, resolve_model_args
 
@@ -105,15 +105,8 @@ def stop_ids(tokenizer: Any, model_dir: Path) -> set[int]:
     """eos of the tokenizer plus the eos ids of generation_config.json (chat models list their
     end-of-turn token there, e.g. Llama 3's <|eot_id|>)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    config = model_dir / "generation_config.json"
-    if config.is_file():
-        settings = read_json(config, "fix or remove it")
-        eos = settings.get("eos_token_id") if isinstance(settings, dict) else None
-        if isinstance(eos, list):
-            ids |= {i for i in eos if isinstance(i, int) and not isinstance(i, bool)}
-        elif isinstance(eos, int) and not isinstance(eos, bool):
-            ids.add(eos)
-    return ids
+    settings = load_generation_config(model_dir) or {}
+    return ids | set(eos_ids(settings.get("eos_token_id")))
 
 
 def adapter_base(folder: Path) -> tuple[Path | None, dict[str, Any]]:

@@ -32,6 +32,7 @@ from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 
 from .decoder import ModelArgs, Transformer, TransformerBlock
+from .generation_config import load_generation_config, write_side_files
 from .hf_config import (
     ARCHITECTURES,
     args_from_hf_config,
@@ -359,6 +360,7 @@ def from_hf(
             if on_block is not None and prefix.startswith("layers."):
                 on_block(module)
     model.hf_config = cfg
+    model.generation_config = load_generation_config(path)
     return model
 
 
@@ -437,7 +439,8 @@ def save_hf(
     merge_lora: bool = False,
 ) -> None:
     """Write an HF checkpoint folder: config.json, safetensors (sharded with an index when
-    larger than `max_shard_bytes`) and, if given, the tokenizer files.
+    larger than `max_shard_bytes`) and, if given, the tokenizer files; generation_config.json
+    as models/generation_config.py says (the source's, with the template's end of turn).
 
     A LoRA model (models/lora.py) is written as the plain model it stands for: its base weights
     (NF4 ones dequantized) with, when `merge_lora`, each adapter folded into its weight
@@ -459,6 +462,7 @@ def save_hf(
         entries,
         dtype,
         tokenizer=tokenizer,
+        generation_config=getattr(model, "generation_config", None),
         max_shard_bytes=max_shard_bytes,
         writer=writer,
     )
@@ -471,10 +475,12 @@ def write_hf_folder(
     dtype: torch.dtype,
     *,
     tokenizer: Any = None,
+    generation_config: dict[str, Any] | None = None,
     max_shard_bytes: int = 5 * 2**30,
     writer: bool = True,
 ) -> None:
-    """Write `config` and the tensors of `entries` (HF name, shape, fetch) as an HF folder.
+    """Write `config` and the tensors of `entries` (HF name, shape, fetch) as an HF folder,
+    with the tokenizer's files and generation_config.json (`write_side_files`).
 
     Tensors are fetched one at a time and grouped into safetensors shards by size; peak extra
     host memory is one shard. Files are written under temporary names and renamed at the end,
@@ -549,5 +555,4 @@ def write_hf_folder(
             old.unlink()
     for tmp, final in written:
         os.replace(tmp, final)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
+    write_side_files(path, tokenizer, generation_config)

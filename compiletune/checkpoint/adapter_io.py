@@ -36,6 +36,7 @@ from compiletune.checkpoint.atomic import write_folder_atomically
 from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 from compiletune.models import save_hf
+from compiletune.models.generation_config import write_side_files
 from compiletune.models.hf import to_hf_name, to_native_name
 from compiletune.models.hf_config import brief, read_json
 from compiletune.models.lora import (
@@ -184,8 +185,7 @@ def save_adapter(
     experts = tuple(dict.fromkeys(w for _, m in lora_experts(model) for w in m.adapted))
     config = adapter_config(spec, base_model, [name for name, _ in lora_modules(model)], experts)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
+    write_side_files(path, tokenizer, getattr(model, "generation_config", None))
 
 
 def is_adapter_folder(path: Path) -> bool:

@@ -53,6 +53,7 @@ from compiletune.models import (
     to_hf_name,
     write_hf_folder,
 )
+from compiletune.models.generation_config import write_side_files
 from compiletune.models.hf_config import brief
 from compiletune.models.lora import is_lora
 
@@ -197,8 +198,7 @@ def save_sharded_checkpoint(
             dtype = next(model.parameters()).dtype
             cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
+            write_side_files(tmp, tokenizer, getattr(model, "generation_config", None))
 
     def state() -> None:
         if is_main:

@@ -49,6 +49,7 @@ from compiletune.models import (
     resolve_model_path,
 )
 from compiletune.models.attention import attention_backend
+from compiletune.models.generation_config import load_generation_config
 from compiletune.models.hf_config import brief
 from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
 from compiletune.optim import ADAMW_BETAS, Optimizer
@@ -274,6 +275,7 @@ def build_meta_model(
     config_dir = cfg.model.model_dir
     if config_dir is not None:
         model.hf_config = load_hf_config(config_dir)
+        model.generation_config = load_generation_config(config_dir)
     return model
 
 
@@ -437,6 +439,7 @@ def _build_model(
     model = build_meta_model(cfg, args, spec, lora_kw)
     if resume_from is not None and spec is None:
         model.hf_config = load_hf_config(resume_from)
+        model.generation_config = load_generation_config(resume_from)
     return model, full_sd
 
 

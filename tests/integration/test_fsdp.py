@@ -136,7 +136,13 @@ def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> Non
     the final HF export and a converted step_2 load in transformers."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
-    flags = {**BASE, "max_steps": 4, "data": str(corpus)}
+    # A chat tokenizer whose turns end in a token of their own: the sharded checkpoint, and so
+    # its conversion, carry it in generation_config.json.
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}"
+    tok.save_pretrained(tmp_path / "tok")
+    flags = {**BASE, "max_steps": 4, "data": str(corpus), "tokenizer": str(tmp_path / "tok")}
     train(resolve({}, {**flags, "batch_size": 4, "output_dir": str(tmp_path / "single")}))
 
     def torchrun(out: Path, *extra: str) -> None:
@@ -214,6 +220,8 @@ def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> Non
     got = dict(converted.named_parameters())
     assert all(torch.equal(got[k], v) for k, v in saved.items())
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "converted") is not None
+    eos = transformers.GenerationConfig.from_pretrained(tmp_path / "converted").eos_token_id
+    assert eos == [tok.eos_token_id, tok.convert_tokens_to_ids("<|eot_id|>")]
     # The last checkpoint holds its own fp32 export; a bf16 conversion must not mix it in.
     assert (
         main(
