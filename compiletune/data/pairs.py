@@ -231,6 +231,7 @@ class PairRows:
         self.doc_ids = np.zeros(shape, np.int32)
         self.seq_ids = np.full(shape, -1, np.int64)
         self.pairs = np.zeros(n, np.int64)
+        self.filled = np.zeros(n, np.int64)  # real inputs of each row (the rest is padding)
         self.ref: np.ndarray | None = None  # [rows, 2 * most pairs in a row]: --precompute-ref
         for i, row in enumerate(rows):
             at = 0
@@ -248,6 +249,7 @@ class PairRows:
             self.doc_ids[i, at:] = len(row)  # padding: a document of its own
             self.positions[i, at:] = np.arange(seq_len - at)
             self.pairs[i] = len(row) // 2
+            self.filled[i] = at
         self.n_pairs = int(self.pairs.sum())
 
     @property
@@ -264,6 +266,10 @@ class PairRows:
         self.ref = np.zeros((self.rows, width), np.float32)
         for i, row in enumerate(sums):
             self.ref[i, : row.numel()] = row.float().cpu().numpy()
+
+    def real_inputs(self, idx: np.ndarray) -> int:
+        """The inputs of rows `idx` that are tokens of the pairs, not padding."""
+        return int(self.filled[np.asarray(idx, dtype=np.int64).reshape(-1)].sum())
 
     def take(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
         idx = np.asarray(idx)

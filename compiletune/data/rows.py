@@ -221,6 +221,7 @@ class Batches:
         self._index = 0  # position in this epoch's order of the next row to serve
         self._order_epoch = -1
         self._order = torch.empty(0, dtype=torch.long)
+        self.served_inputs = 0  # real (not padding) input tokens of the batches served so far
 
     @property
     def epoch(self) -> int:
@@ -239,7 +240,9 @@ class Batches:
     def next(self) -> dict[str, torch.Tensor]:
         """The next batch: `inputs`, `targets`, `positions` (int64) and `doc_ids` (int32), each
         `[batch_size, seq_len]`."""
-        return self.data.take(self.next_rows(self.batch_size).numpy())
+        rows = self.next_rows(self.batch_size).numpy()
+        self.served_inputs += self.data.real_inputs(rows)
+        return self.data.take(rows)
 
     def next_rows(self, n: int) -> torch.Tensor:
         """The row numbers of the next `n` rows (what `next` serves, `n` at a time)."""
@@ -300,6 +303,7 @@ class Mixture:
         self.batch_size, self.seed = batch_size, seed
         self.draws = 0
         self._block, self._choices = -1, torch.empty(0, dtype=torch.long)
+        self.served_inputs = 0  # as Batches.served_inputs
 
     @property
     def epoch(self) -> int:
@@ -321,6 +325,7 @@ class Mixture:
         parts = []
         for j, src in enumerate(picks):
             rows = self.parts[src].next_rows(1).numpy()
+            self.served_inputs += self.parts[src].data.real_inputs(rows)
             parts.append((j, self.parts[src].data.take(rows)))
         return {k: torch.cat([b[k] for _, b in parts]) for k in parts[0][1]}
 

@@ -169,6 +169,10 @@ class _Rows:
     def take(self, idx: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def real_inputs(self, idx: torch.Tensor | np.ndarray) -> int:
+        """The inputs of rows `idx` that are tokens of the data, not padding."""
+        raise NotImplementedError
+
     def all_rows(self) -> dict[str, torch.Tensor]:
         return self.take(np.arange(self.rows))
 
@@ -253,6 +257,11 @@ class PackedData(_Rows):
         lo, hi = np.searchsorted(s.starts, [start + 1, start + count + 1])
         t[s.starts[lo:hi] - start - 1] = False
         return t
+
+    def real_inputs(self, idx: torch.Tensor | np.ndarray) -> int:
+        # only the last row of a keep_tail store runs past the stream's end
+        starts = self._row[np.asarray(idx, dtype=np.int64).reshape(-1)] * self.seq_len
+        return int(np.clip(self.store.n_tokens - starts, 0, self.seq_len).sum())
 
     def take(self, idx: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
         """Rows `idx` (kept-row numbers) as a batch: `inputs`, `targets`, `positions` (int64)
@@ -394,6 +403,10 @@ class ExampleRows(_Rows):
         self.total_rows = len(bins.room)
         filled = int(inputs.sum())
         self.fill_ratio = filled / (self.total_rows * seq_len) if self.total_rows else 0.0
+        # real inputs of each row (the rest is padding)
+        self._filled = np.bincount(row_of[docs], weights=inputs, minlength=self.total_rows).astype(
+            np.int64
+        )
         self.dropped = int(len(lens) - len(docs))
 
     def _has_targets(self, first: np.ndarray, used: np.ndarray) -> np.ndarray:
@@ -407,6 +420,9 @@ class ExampleRows(_Rows):
     @property
     def rows(self) -> int:
         return self.total_rows
+
+    def real_inputs(self, idx: torch.Tensor | np.ndarray) -> int:
+        return int(self._filled[np.asarray(idx, dtype=np.int64).reshape(-1)].sum())
 
     def take(self, idx: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
         """Rows `idx` as a batch: `inputs`, `targets`, `positions` (int64) and `doc_ids`

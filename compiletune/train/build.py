@@ -101,6 +101,9 @@ class Run:
     batches: Batches | None = None
     resume_from: Path | None = None
     start_step: int = 0
+    # what the run did before this invocation (a checkpoint's "totals": tokens, padding,
+    # seconds); None for a checkpoint written before they were kept
+    done_before: dict[str, float] | None = field(default_factory=dict)
     probe: Probe | None = None
     base_dtype: torch.dtype | None = None
     offload_activations: bool = False
@@ -716,3 +719,4 @@ def _apply_train_state(run: Run, state: dict[str, Any]) -> None:
     run.batches.load_state_dict(state["data"])
     ckpt.set_rng_state(state["rng"])
     run.start_step = state["step"]
+    run.done_before = state.get("totals")

@@ -157,7 +157,9 @@ class Trainer:
         self.first_loss = self.last_loss = float("nan")
         self.last_eval: dict[str, float] | None = None
         self.eval_seconds = 0.0
-        self.tokens_done = 0
+        # this invocation's work: real input tokens, padding beside them, target tokens
+        self.tokens_done = self.padding_done = self.targets_done = 0
+        self.t_start = time.perf_counter()
 
     def say(self, text: str) -> None:
         if self.main:
@@ -182,7 +184,7 @@ class Trainer:
             unit="step",
             ncols=100,
         )
-        t_start = time.perf_counter()
+        self.t_start = time.perf_counter()
         try:
             with run_dir.StopSignal(distributed=self.env is not None) as stop:
                 run.model.train()
@@ -210,13 +212,14 @@ class Trainer:
                 metrics.close()
             for logger in loggers:
                 logger.close()
-        return self.summarise(time.perf_counter() - t_start, train_peaks, merged)
+        return self.summarise(time.perf_counter() - self.t_start, train_peaks, merged)
 
     def one_step(self, stop: run_dir.StopSignal) -> dict[str, Any]:
         """Draw the step's micro-batches, run `train_step`, and return its metrics line. A step
         whose loss or gradient norm is not finite is not applied (`nonfinite` in its line)."""
         cfg, run = self.cfg, self.run
         t0 = time.perf_counter()
+        served = run.batches.served_inputs
         batch = next_batch(run)
         # The lr is a function of the step alone, so a resume needs no schedule state.
         lr = cfg.optim.lr * lr_factor(self.step, cfg)
@@ -256,8 +259,13 @@ class Trainer:
         elif not math.isfinite(seen.get("weights_norm", 0.0)):
             nonfinite = "the weights became non-finite"
         dt = time.perf_counter() - t0
-        n_tokens = cfg.data.grad_accum * cfg.data.batch_size * run.world * cfg.data.seq_len
+        # the data's tokens, padding aside (whole-example packing and pairs pad their rows)
+        n_tokens = run.batches.served_inputs - served
+        padding = cfg.data.grad_accum * cfg.data.batch_size * run.world * cfg.data.seq_len
+        padding -= n_tokens
         self.tokens_done += n_tokens
+        self.padding_done += padding
+        self.targets_done += result.n_targets
         if nonfinite is None:
             if self.step == run.start_step + 1 or math.isnan(self.first_loss):
                 self.first_loss = loss
@@ -268,6 +276,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": n_tokens,
+            "padding": padding,
             "targets": result.n_targets,
             "tokens_per_s": n_tokens / dt,
             "step_time_s": dt,
@@ -371,12 +380,30 @@ class Trainer:
             "data": self.run.batches.state_dict(),
             "rng": ckpt.rng_state(),
             "config": self.cfg.to_dict(),
+            "totals": self.run_totals(),
         }
         if self.env is None:
             state["optimizer"] = self.run.optimizer.state_dict()
         else:  # the optimizer state is in the sharded checkpoint, one entry per rank
             state["world_size"] = self.run.world
         return state
+
+    def run_totals(self, elapsed: float | None = None) -> dict[str, float] | None:
+        """What the whole run has done by now, every invocation (resume) together: tokens,
+        padding, target tokens and training seconds; None when the checkpoint resumed from
+        predates these totals. `elapsed`: this invocation's training seconds (default: so far)."""
+        before = self.run.done_before
+        if before is None:
+            return None
+        if elapsed is None:
+            elapsed = time.perf_counter() - self.t_start - self.eval_seconds
+        now = {
+            "tokens": self.tokens_done,
+            "padding_tokens": self.padding_done,
+            "targets": self.targets_done,
+            "seconds": elapsed,
+        }
+        return {k: before.get(k, 0) + v for k, v in now.items()}
 
     def save(self, final: bool) -> Path:
         """Write step_N (atomically); never non-finite weights, and a full disk is one line."""
@@ -505,14 +532,23 @@ class Trainer:
         helper_graphs = max(0, graphs - (compile_stats["compiles"] if compile_stats else 0))
         self.write_dump()
         last_eval = self.last_eval
+        totals = self.run_totals(elapsed)
         summary = {
-            "steps": self.step,
+            # this invocation: steps run, data tokens (padding apart), training seconds
+            "steps": self.step - run.start_step,
+            "first_step": run.start_step + 1,
+            "step": self.step,  # the run's last step
+            "max_steps": cfg.run.max_steps,
             "interrupted": self.step < cfg.run.max_steps,
             "first_loss": self.first_loss,
             "final_loss": self.last_loss,
             "tokens": self.tokens_done,
+            "padding_tokens": self.padding_done,
+            "targets": self.targets_done,
             "seconds": elapsed,
             "tokens_per_s": self.tokens_done / elapsed if elapsed > 0 else 0.0,
+            # the whole run, every invocation together (None: resumed from an older checkpoint)
+            "run_totals": None if totals is None else {"steps": self.step, **totals},
             "peak_mem_gib": max(rank_peaks),  # the busiest rank's peak
             "peak_mem_gib_per_rank": rank_peaks,
             "train_peak_mem_gib_per_rank": train_peaks,

@@ -313,15 +313,27 @@ def write_summary(out: Path, summary: dict[str, Any]) -> None:
 
 
 def closing_line(s: dict[str, Any]) -> str:
-    """The summary as the one line a run ends with."""
+    """The summary as the one line a run ends with: what this invocation did, and after a
+    resume what the whole run has done, each labelled; tokens are the data's, padding apart."""
     c = s["compile"]
-    parts = [
-        f"{s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}",
-    ]
+    total = s.get("run_totals")
+    resumed = s["first_step"] > 1
+    steps = f"{s['steps']} steps"
+    if resumed:
+        span = f"steps {s['first_step']}-{s['step']}" if s["steps"] else "no step"
+        steps = f"{span} ({s['steps']} this time, {s['step']} in all)"
+    parts = [f"{steps}, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"]
     if s["eval_loss"] is not None:
         ppl = f" (ppl {s['eval_ppl']:.2f})" if s.get("eval_ppl") is not None else ""
         parts.append(f"eval loss {s['eval_loss']:.4f}{ppl}")
-    parts.append(f"{s['tokens']} tokens in {s['seconds']:.1f}s ({s['tokens_per_s']:.0f} tok/s)")
+    tokens = f"{s['tokens']} tokens"
+    if s["padding_tokens"]:
+        tokens += f" (+{s['padding_tokens']} padding)"
+    this_time = " this time" if resumed else ""
+    parts.append(
+        f"{tokens}{this_time} in {s['seconds']:.1f}s ({s['tokens_per_s']:.0f} tok/s)"
+        + (f", {total['tokens']} in all in {total['seconds']:.1f}s" if resumed and total else "")
+    )
     parts.append(f"peak mem {s['peak_mem_gib']:.2f} GiB")
     if c:
         parts.append(

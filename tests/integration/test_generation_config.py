@@ -54,9 +54,7 @@ def _stops_at_end_of_turn(folder: Path, eot: int) -> bool:
     """Whether transformers' greedy generate, pushed to emit <|eot_id|> first, stops there."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     prompt = torch.tensor([[256, 72, 105]])
-    out = model.generate(
-        prompt, max_new_tokens=6, do_sample=False, sequence_bias={(eot,): 1000.0}
-    )
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False, sequence_bias={(eot,): 1000.0})
     assert out[0, 3].item() == eot  # the bias made the first new token the end of turn
     return out.shape[1] == 4
 

@@ -6,6 +6,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from pair_data import WORDS, write_pairs
@@ -81,6 +82,9 @@ def test_packed_pairs_score_as_if_alone(pairs_file):
 
     packed = PairRows(pairs, 256)
     assert packed.rows < len(pairs)  # several pairs share a row
+    # a run's token count: prompt + chosen and prompt + rejected inputs of each pair, no padding
+    inputs = sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) - 2 for p in pairs)
+    assert packed.real_inputs(np.arange(packed.rows)) == inputs < packed.rows * 256
     alone = torch.cat([scores(PairRows([p], 256)) for p in pairs])
     assert torch.allclose(scores(packed), alone, rtol=1e-5, atol=1e-5)
 
@@ -138,6 +142,8 @@ def test_preference_objectives_train(tmp_path, pairs_file, flags):
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert records[-1]["loss"] < records[0]["loss"]
     assert records[-1]["reward_margin"] > records[0]["reward_margin"]
+    assert all(r["tokens"] + r["padding"] == 4 * 128 for r in records)  # padding apart
+    assert summary["tokens"] == sum(r["tokens"] for r in records)
     assert {"chosen_reward", "rejected_reward", "reward_accuracy"} <= set(records[-1])
     if flags.get("compile"):
         assert summary["compile"]["recompiles"] == 0  # the reference pass runs eagerly

@@ -82,14 +82,18 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, corpus):
         torch.testing.assert_close(w_acc[name], tensor, rtol=1e-4, atol=1e-5)
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, capsys):
     # A corpus of ~25 rows so that 8 steps of 4 rows cross an epoch boundary after the resume.
     corpus = tmp_path / "small.txt"
     corpus.write_text(TEXT[:1600])
     corpus = str(corpus)
     flags = {"max_steps": 8, "save_every": 4, "seq_len": 64, "batch_size": 4}
-    run(tmp_path, corpus, name="full", **flags)
+    first = run(tmp_path, corpus, name="full", **flags)
     full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    # a text corpus is one stream cut into rows: no padding
+    assert all((r["tokens"], r["padding"]) == (4 * 64, 0) for r in full)
+    assert (first["tokens"], first["padding_tokens"]) == (8 * 4 * 64, 0)
+    assert first["run_totals"]["tokens"] == first["tokens"]
 
     # A run that died after step 4: its step_4 checkpoint, a stale half-written save, and
     # metrics lines past the checkpoint that the resumed run must replace.
@@ -101,10 +105,20 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     (part / "metrics.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in full[:5])  # step 5 was logged, not saved
     )
-    run(tmp_path, corpus, name="part", resume=True, **flags)
+    capsys.readouterr()
+    again = run(tmp_path, corpus, name="part", resume=True, **flags)
     resumed = read_metrics(part / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, 9))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    # The summary counts this invocation's 4 steps, and the run's 8 apart.
+    assert (again["steps"], again["first_step"], again["step"]) == (4, 5, 8)
+    assert again["tokens"] == sum(r["tokens"] for r in full[4:])
+    assert again["run_totals"]["steps"] == 8
+    assert again["run_totals"]["tokens"] == first["tokens"]
+    closing = capsys.readouterr().out.strip().splitlines()[-1]
+    assert closing.startswith("done: steps 5-8 (4 this time, 8 in all)"), closing
+    assert f"{again['tokens']} tokens this time" in closing
+    assert f", {first['tokens']} in all in " in closing
     assert full[-1]["epoch"] >= 1  # the epoch boundary was crossed after the resume point
     a = load_file(tmp_path / "full" / "step_8" / "model.safetensors")
     b = load_file(part / "step_8" / "model.safetensors")
@@ -137,6 +151,10 @@ def test_fine_tune_from_hf_dir_with_prompt_completion(tmp_path):
     rows = read_metrics(tmp_path / "ft" / "metrics.jsonl")
     # Only completions (a few digits + eos per example) are targets.
     assert all(r["targets"] < 0.25 * r["tokens"] for r in rows)
+    # Whole examples pad their rows: tokens count the examples' own, padding apart.
+    assert all(r["tokens"] + r["padding"] == 2 * 64 for r in rows)
+    assert summary["padding_tokens"] == sum(r["padding"] for r in rows) > 0
+    assert summary["tokens"] == sum(r["tokens"] for r in rows)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ft" / "step_3")
     assert hf.config.num_hidden_layers == 2
 

@@ -87,6 +87,15 @@ def test_best_fit_decreasing_fills_rows_and_is_deterministic():
     inputs = sum(len(ids) - 1 for ids, _ in docs)
     assert a.rows <= math.ceil(inputs / 64) + 1  # within a row of the least possible
     assert a.fill_ratio == pytest.approx(inputs / (a.rows * 64)) and a.fill_ratio > 0.95
+    # what a run counts as tokens: the examples' inputs, never the padding
+    assert a.real_inputs(np.arange(a.rows)) == inputs
+    rows = np.array([0, a.rows - 1, a.rows - 1])
+    batch = a.take(rows)
+    padding, keys = 0, ("doc_ids", "inputs", "targets")
+    for doc, inputs, targets in zip(*(batch[k] for k in keys), strict=True):
+        last = doc == doc.max()  # the padding: a last document of token 0 and no target
+        padding += int(last.sum()) * bool((inputs[last] == 0).all() and (targets[last] < 0).all())
+    assert padding > 0 and a.real_inputs(rows) == 3 * 64 - padding
     assert a.packs_documents() and "fill 9" in a.summary()
 
 
