@@ -238,12 +238,35 @@ def advice(
     capacity: Capacity,
     progress: Callable[[str], None] | None = None,
 ) -> str:
-    """What to do about a step that does not fit: the cheapest flags that fit, or more GPUs."""
+    """What to do about a step that does not fit: the cheapest technique flags that fit; when
+    none do at this micro-batch, smaller micro-batches (largest first) with --grad-accum raised
+    to keep the tokens per step, each with the technique flags it needs; else more GPUs."""
     found = suggest(cfg, gpus, capacity, progress)
-    if found is None:
-        return "no technique flag makes it fit: use more GPUs (--fsdp), a shorter --seq-len or --batch-size"
-    flags, est = found
-    return f"add {flags} (then about {est.peak_bytes / 2**30:.1f} GiB per GPU)"
+    if found is not None:
+        flags, est = found
+        return f"add {flags} (then about {est.peak_bytes / 2**30:.1f} GiB per GPU)"
+    batch, accum = cfg.data.batch_size, cfg.data.grad_accum
+    # (accumulation is not possible with the optimizer stepping in backward)
+    smaller_batches = [] if cfg.optim.optimizer_in_backward else range(batch - 1, 0, -1)
+    for smaller in (d for d in smaller_batches if batch % d == 0):
+        split = {"batch_size": smaller, "grad_accum": accum * batch // smaller}
+        trial = cfg.replace(**split)
+        est = estimate_memory(as_trained(trial, gpus), gpus)
+        if progress is not None:
+            verdict = "fits" if fits(est, capacity) else "does not fit"
+            progress(f"  {flags_text(split)}: {est.peak_bytes / 2**30:.1f} GiB, {verdict}")
+        found = ("", est) if fits(est, capacity) else suggest(trial, gpus, capacity, progress)
+        if found is not None:
+            flags, est = found
+            return (
+                f"add {' '.join(filter(None, [flags_text(split), flags]))} (the same "
+                f"{batch * accum} rows per step; then about {est.peak_bytes / 2**30:.1f} GiB "
+                "per GPU)"
+            )
+    return (
+        "no technique flag makes it fit, even at --batch-size 1: use more GPUs (--fsdp) or a "
+        "shorter --seq-len"
+    )
 
 
 def preflight(cfg: TrainConfig, gpus: int, capacity: Capacity) -> MemoryEstimate:
