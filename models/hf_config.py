@@ -70,8 +70,8 @@ def resolve_model_path(name: str | os.PathLike, flag: str = "--model-dir") -> Pa
             raise UserError(
                 f"{flag} {text}: no such folder, and the hub model {text} is not in the local "
                 f"HF cache ({type(e).__name__}); compiletune downloads nothing: run "
-                f"`hf download {text} --local-dir DIR` (or `huggingface-cli download {text} "
-                f"--local-dir DIR`) and pass {flag} DIR"
+                f"`hf download {text} --local-dir DIR` (the `hf` command of huggingface_hub) "
+                f"and pass {flag} DIR"
             ) from e
     raise UserError(
         f"model folder {text} does not exist; pass {flag} with a local HF model folder "
