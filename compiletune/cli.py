@@ -120,14 +120,21 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from compiletune.generate import Sampling, run_generate  # lazy: a subcommand's cost
+    from compiletune.sampling import Sampling, checked_text
+
+    # what the user typed, checked before the heavy imports
+    sampling = Sampling(ns.temperature, ns.top_p, ns.seed)
+    sampling.check(ns.max_new_tokens)
+    if ns.prompt is not None:
+        checked_text(ns.prompt, "--prompt")
+    from compiletune.generate import run_generate  # lazy: a subcommand's cost
 
     run_generate(
         ns.model_dir,
         ns.prompt,
         ns.chat,
         ns.max_new_tokens,
-        Sampling(ns.temperature, ns.top_p, ns.seed),
+        sampling,
         tokenizer_dir=ns.tokenizer,
         dtype_name=ns.dtype,
     )

@@ -13,7 +13,6 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TextIO
@@ -28,14 +27,8 @@ from compiletune.models import PRESETS, Transformer, build_model, from_hf, resol
 from compiletune.models.decoder import KVCache
 from compiletune.models.generation_config import eos_ids, load_generation_config
 from compiletune.models.lora import apply_lora, block_adapter
+from compiletune.sampling import Sampling, checked_text, text_lines
 from compiletune.train.build import pick_device, pick_dtype, resolve_model_args
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0 -> greedy (argmax)
-    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
-    seed: int = 0
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -255,16 +248,11 @@ def run_generate(
 
     out = out or sys.stdout
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if sampling.temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {sampling.temperature}")
-    if not 0.0 < sampling.top_p <= 1.0:
-        raise UserError(f"--top-p must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_p < 1.0 and sampling.temperature == 0:
-        raise UserError("--top-p chooses among sampled tokens; add --temperature > 0 (e.g. 0.7)")
+    sampling.check(max_new_tokens)
     if prompt is None and not chat:
         raise UserError("pass --prompt TEXT, or --chat for a conversation")
+    if prompt is not None:
+        checked_text(prompt, "--prompt")
 
     folder = resolve_model_path(model_dir)
     lora = adapter_io.is_adapter_folder(folder) and not (folder / "config.json").is_file()
@@ -302,7 +290,7 @@ def run_generate(
     stdin = stdin or sys.stdin
     history: list[dict] = []
     log("chat: one message per line; an empty line or end of input quits")
-    for line in stdin:
+    for line in text_lines(stdin):
         message = line.strip()
         if not message:
             break

@@ -204,6 +204,11 @@ def check_run(section: RunConfig, cfg: TrainConfig) -> None:
         raise UserError("--resume and --overwrite contradict each other; pass one of them")
     if section.resume and section.output_dir is None:
         raise UserError("--resume needs the --output-dir of the run to continue")
+    if section.output_dir is not None and not section.output_dir.strip():
+        raise UserError(
+            "--output-dir is empty (it would train into the current folder); pass a folder "
+            "path, or leave it out for runs/<model>-<time>"
+        )
     if section.accept_changes and not section.resume:
         raise UserError("--accept-changes applies to --resume; drop it or add --resume")
     if section.skip_nonfinite < 0:

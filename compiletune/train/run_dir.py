@@ -14,8 +14,10 @@ half-written run behind.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -42,20 +44,31 @@ LOCK_FILE = ".compiletune.lock"
 
 
 class OutputLock:
-    """One run per output folder: `OUTPUT_DIR/.compiletune.lock` holds the owner's pid, host and
-    process start time while a run lives. A second run refuses while the owner lives; the lock
-    of a killed run (same host, that process gone) is taken over with a message.
+    """One run per output folder. `OUTPUT_DIR/.compiletune.lock` is held with `fcntl.flock` for
+    the run's life: the kernel gives the lock to exactly one process, however many try at once,
+    and drops it when its holder dies (a kill -9 included), so a dead run's lock is taken over
+    by exactly one successor. The file's JSON record (pid, host, process start time) is for the
+    messages only. On release the holder removes the file before it lets go of the lock, and a
+    process that locked a file no longer at the path tries again.
+
+    A record of another host's run (or of a live process here) is honoured even when its lock is
+    free: a filesystem shared between hosts may not carry flock across them (NFS without lock
+    support), and a run of an older version held the file without flock.
 
     Entering creates the folder if needed (an uncreatable or unwritable path is one line); a
     folder this lock created is removed again on exit if the run left nothing in it, so a run
     that fails while building writes nothing. `enabled=False` (FSDP ranks other than 0) only
-    checks the path."""
+    checks the path: only rank 0 ever takes the lock."""
 
     def __init__(self, out: Path, enabled: bool = True, say: Any = print) -> None:
         self.out, self.enabled, self.say = out, enabled, say
         self.path = out / LOCK_FILE
         self.created: list[Path] = []
-        self.held = False
+        self.fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
 
     def __enter__(self) -> OutputLock:
         out = self.out
@@ -70,47 +83,73 @@ class OutputLock:
             probe = probe.parent
         make_folder(out, "--output-dir")
         self.created = missing  # deepest first
-        self._take()
+        try:
+            self._take()
+        except BaseException:
+            self.release()
+            raise
         return self
 
-    def _take(self) -> None:
-        mine = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
-        for _ in range(2):
+    def _open_locked(self) -> int | None:
+        """A descriptor of the lock file at the path, flock'ed by this process; None when a
+        live process holds it."""
+        while True:
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = _read_lock(self.path)
-                if _alive(owner):
-                    self.release()
-                    raise UserError(
-                        f"--output-dir {self.out} is in use by the run of process "
-                        f"{owner.get('pid')} on {owner.get('host')}; wait for it to end, or pass "
-                        f"another --output-dir (if that run is gone, delete {self.path})"
-                    ) from None
-                self.say(
-                    f"taking over the lock of a run that ended without releasing it (process "
-                    f"{owner.get('pid')} on {owner.get('host')})"
-                )
-                self.path.unlink(missing_ok=True)
-                continue
+                fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
             except OSError as e:
-                self.release()
                 raise UserError(
                     f"--output-dir {self.out}: cannot write in it ({e.strerror}); pass a "
                     "writable folder"
                 ) from e
-            with os.fdopen(fd, "w") as f:
-                json.dump(mine, f)
-            self.held = True
-            for done in recover(self.out):  # what a killed run left, now that it is ours
-                self.say(done)
-            return
-        raise UserError(f"--output-dir {self.out}: another run took its lock; try again")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            try:  # the holder before us may have removed the file we opened
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
+
+    def _take(self) -> None:
+        fd = self._open_locked()
+        if fd is None:
+            raise UserError(self._in_use(_read_lock(self.path)))
+        owner = _read_record(fd)
+        if _alive(owner):  # another host's run, or a live one that does not flock (older)
+            os.close(fd)
+            raise UserError(self._in_use(owner))
+        if owner:
+            self.say(
+                f"taking over the lock of a run that ended without releasing it (process "
+                f"{owner.get('pid')} on {owner.get('host')})"
+            )
+        mine = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        self.fd = fd
+        for done in recover(self.out):  # what a killed run left, now that it is ours
+            self.say(done)
+
+    def _in_use(self, owner: dict[str, Any]) -> str:
+        who = (
+            f"the run of process {owner.get('pid')} on {owner.get('host')}"
+            if owner
+            else "another run (starting now)"
+        )
+        return (
+            f"--output-dir {self.out} is in use by {who}; wait for it to end, or pass another "
+            f"--output-dir (if that run is gone, delete {self.path})"
+        )
 
     def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # before the lock goes: see _open_locked
+            os.close(self.fd)
+            self.fd = None
         for folder in self.created:  # deepest first; only folders left empty
             try:
                 folder.rmdir()
@@ -136,12 +175,23 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def _parse_record(text: str) -> dict[str, Any]:
+    try:
+        owner = json.loads(text)
+    except ValueError:
+        return {}  # empty or half-written: its writer has only just taken the lock, or died
+    return owner if isinstance(owner, dict) else {}
+
+
 def _read_lock(path: Path) -> dict[str, Any]:
     try:
-        owner = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # unreadable or half-written: its writer died before finishing it
-    return owner if isinstance(owner, dict) else {}
+        return _parse_record(path.read_text())
+    except OSError:
+        return {}
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    return _parse_record(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
 
 
 def _alive(owner: dict[str, Any]) -> bool:
@@ -181,11 +231,49 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, list[str]]:
             "pass --resume to continue, --overwrite to start over, or another --output-dir"
         )
     notes: list[str] = []
+    foreign = foreign_files(out)
+    if foreign and not cfg.run.overwrite:
+        raise UserError(
+            f"--output-dir {out} holds files that are not a compiletune run's "
+            f"({_names(foreign)}); pass a new folder (a subfolder such as {out / 'run'} is "
+            "fine), or --overwrite to train into it beside them (they are never deleted)"
+        )
+    if foreign and cfg.run.overwrite:
+        notes.append(
+            f"--overwrite: {out} holds {len(foreign)} entries that are not this run's "
+            f"({_names(foreign)}); they are kept, and only a run's own files are replaced"
+        )
     if cfg.run.resume:
         saved = read_saved_config(out)
         if saved is not None:
-            notes = judge_resume(cfg, saved, existing[-1][0])
+            notes += judge_resume(cfg, saved, existing[-1][0])
     return out, notes
+
+
+# What a run folder holds (besides what a user may add to a run's folder afterwards).
+_RUN_ENTRIES = {SAVED_CONFIG, "metrics.jsonl", "summary.json", "tensorboard", "wandb"}
+
+
+def foreign_files(out: Path) -> list[Path]:
+    """The entries of `out` that no compiletune run writes, when `out` is not a run's folder
+    ([] for a run's folder, an empty folder or none): a user's own folder that a run must not
+    fill with checkpoints."""
+    if not out.is_dir():
+        return []
+    entries = sorted(e for e in out.iterdir() if e.name != LOCK_FILE)  # (this run's, by now)
+    ours = [
+        e
+        for e in entries
+        if e.name in _RUN_ENTRIES or re.fullmatch(r"(\.tmp-|\.old-)?(step_\d+|merged)", e.name)
+    ]
+    if ours:  # a run's folder, whatever else the user put beside it
+        return []
+    return entries
+
+
+def _names(paths: list[Path], most: int = 3) -> str:
+    names = ", ".join(p.name for p in paths[:most])
+    return names + (f" and {len(paths) - most} more" if len(paths) > most else "")
 
 
 def judge_resume(cfg: TrainConfig, saved: dict[str, Any], at_step: int) -> list[str]:

@@ -228,6 +228,7 @@ BAD = [
     (lambda t: ["--tokenizer", _big_tokenizer(t)], "601 tokens"),
     (lambda t: ["--output-dir", _file_as_parent(t)], "cannot create it \\(Not a directory\\)"),
     (lambda t: ["--output-dir", "/proc/compiletune-run"], "/proc/compiletune-run: cannot create"),
+    (lambda t: ["--output-dir", ""], "--output-dir is empty"),
     (lambda t: ["--lr", "inf"], "--lr must be a finite number"),
     (lambda t: ["--resume", "--overwrite"], "contradict"),
     (lambda t: ["--resume"], "holds no complete checkpoint"),
@@ -255,6 +256,32 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, corpus, capsys):
     run(tmp_path, corpus, max_steps=2, overwrite=True)
     names = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step_"))
     assert names == ["step_2"]
+
+
+def test_a_folder_of_someone_elses_files_is_not_a_run_folder(tmp_path, corpus, capsys):
+    """A non-empty folder that is not a run is refused (nothing written into it); a subfolder
+    of it is fine, and --overwrite trains beside the files and never deletes them."""
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("buy milk")
+    (mine / "photos").mkdir()
+    capsys.readouterr()
+    argv = ["train", "--data", corpus, "--max-steps", "1", "--seq-len", "32", "--batch-size", "2"]
+    assert main([*argv, "--output-dir", str(mine)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds files that are not a compiletune run's" in err[0], err
+    assert "photos, todo.txt" in err[0] and f"{mine / 'run'}" in err[0]
+    assert sorted(p.name for p in mine.iterdir()) == ["photos", "todo.txt"]  # untouched
+    assert main([*argv, "--output-dir", str(mine / "run")]) == 0
+    assert main([*argv, "--output-dir", str(mine), "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert "they are kept" in out
+    assert (mine / "todo.txt").read_text() == "buy milk" and (mine / "step_1").is_dir()
+    # now a run's folder, with the user's files beside it: a second run asks for --resume
+    assert main([*argv, "--output-dir", str(mine)]) == 2
+    assert "--resume to continue" in capsys.readouterr().err
+    assert main([*argv, "--output-dir", str(mine), "--overwrite"]) == 0
+    assert (mine / "todo.txt").read_text() == "buy milk"
 
 
 def test_models_command_lists_presets(capsys):

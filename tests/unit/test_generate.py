@@ -175,6 +175,37 @@ def test_generate_bad_input(tmp_path, capsys, argv, needle):
     assert len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "1", "--top-p", "nan"], "--top-p must be in (0, 1]"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        # what Python makes of a command-line byte that is not UTF-8 (surrogateescape)
+        (["--prompt", b"ab\xffc".decode("utf-8", "surrogateescape")], "byte 0xff at offset 2"),
+    ],
+)
+def test_generate_input_is_checked_before_anything_loads(tmp_path, capsys, argv, needle):
+    """The model folder does not exist: these are reported first, as one line."""
+    missing = str(tmp_path / "none")
+    assert main(["generate", "--model-dir", missing, "--prompt", "x", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_chat_input_that_is_not_utf8_names_its_line(tmp_path, capsys, monkeypatch):
+    _, folder = make_checkpoint(tmp_path, "llama")
+    stdin = io.TextIOWrapper(io.BytesIO(b"hello\nbad \xfe\xff here\n"), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", stdin)
+    capsys.readouterr()
+    argv = ["generate", "--model-dir", str(folder), "--chat", "--max-new-tokens", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "stdin line 2 is not valid UTF-8 (byte 0xfe at offset 4)" in err[-1], err
+    assert not any("Traceback" in line for line in err)
+
+
 def test_generate_missing_model_dir(tmp_path, capsys):
     assert main(["generate", "--model-dir", str(tmp_path / "none"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
