@@ -83,6 +83,9 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
 
 
 KEEP_ENV = "COMPILETUNE_BENCH_KEEP"
+# A plumbing check (bench/gpu_check.py --dry-run) has every run share one Inductor cache: its
+# runs test that each step works, not compile times, which a fresh cache per bench measures.
+SHARED_CACHE_ENV = "COMPILETUNE_BENCH_SHARED_INDUCTOR_CACHE"
 
 
 def work_dir(prefix: str) -> Path:
@@ -123,7 +126,7 @@ def run_train(
     document masking became the default, and what transformers trains in bench/peers.py.
     """
     out = workdir / f"run{len(list(workdir.iterdir()))}"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.environ.get(SHARED_CACHE_ENV) or cache_dir}
     launch = [sys.executable, "-m"]
     if processes:
         with socket.socket() as s:

@@ -64,7 +64,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import contextlib
 
-from common import device_name, result_header  # noqa: E402
+from common import SHARED_CACHE_ENV, device_name, result_header  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -362,6 +362,8 @@ def run_step(step: Step, fill: dict[str, str], dry: bool, limit: float) -> dict[
     argv = [_fill(a, fill) for a in (step.dry_argv if dry else step.argv)]
     record: dict[str, Any] = {"name": step.name, "part": step.part, "argv": argv}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if dry:  # the plumbing: every bench run shares one Inductor cache (bench/common.py)
+        env[SHARED_CACHE_ENV] = str(Path(tempfile.gettempdir()) / "compiletune-dry-run-inductor")
     t0 = time.perf_counter()
     # Its own process group: at the time limit every process of the step goes (pytest-xdist's
     # workers and the ladder's training runs too, which would go on using the GPU and skew the

@@ -342,6 +342,28 @@ def sharded_model_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torc
     return out
 
 
+def sharded_damage(folder: Path) -> str | None:
+    """Why the sharded checkpoint in `folder` cannot be read (None: every shard file its
+    metadata names is there and long enough): the missing or cut-short shard, named."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # missing or truncated .metadata: an unpickling error of any kind
+        return f"{folder}/.metadata cannot be read ({type(e).__name__}: {e!s:.120})"
+    need: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        end = info.offset + info.length
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for name, end in sorted(need.items()):
+        shard = folder / name
+        if not shard.is_file():
+            return f"shard {shard} is missing"
+        if shard.stat().st_size < end:
+            return f"shard {shard} is cut short ({shard.stat().st_size} of at least {end} bytes)"
+    return None
+
+
 def read_sharded_tensor(
     folder: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:

@@ -44,7 +44,9 @@ class MetricsLog:
                 if line.strip() and json.loads(line).get("step", 0) <= resume_step
             ]
             path.write_text("".join(line + "\n" for line in kept))
-        self._f = path.open("a", buffering=1)
+        # a new run starts the file afresh (a first attempt that died before its first
+        # checkpoint may have left steps in it)
+        self._f = path.open("w" if resume_step is None else "a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(strict_json(record) + "\n")

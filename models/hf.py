@@ -188,7 +188,7 @@ def _shape(shape: Any) -> str:
     return "[" + ", ".join(str(int(n)) for n in shape) + "]"
 
 
-def _checkpoint_files(path: Path) -> list[Path]:
+def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint folder."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -296,7 +296,7 @@ def from_hf(
     args = args_from_hf_config(cfg)
     if dtype is None:
         dtype = dtype_from_config(cfg) or torch.float32
-    files = _checkpoint_files(path)
+    files = checkpoint_files(path)
 
     with torch.device("meta"):
         model = Transformer(args)

@@ -79,15 +79,18 @@ def resolve_model_path(name: str | os.PathLike, flag: str = "--model-dir") -> Pa
     )
 
 
-def load_hf_config(path: str | os.PathLike) -> dict:
-    """Read and check `config.json` of a checkpoint folder (or the file itself).
+def load_hf_config(path: str | os.PathLike, flag: str = "--model-dir") -> dict:
+    """Read and check `config.json` of a checkpoint folder (or the file itself), the folder
+    that `flag` names (in the messages).
 
     The folder is resolved by `resolve_model_path`. The file must be a JSON object whose
     fields have the types transformers gives them and describe a supported decoder
     (`args_from_hf_config` accepts it); anything else is one UserError naming the file."""
     path = Path(path)
+    if path.is_file() and path.name != "config.json":
+        raise UserError(f"{flag} {path} is a file; pass the model folder that holds config.json")
     if not path.is_file():
-        path = resolve_model_path(path)
+        path = resolve_model_path(path, flag)
     file = path if path.is_file() else path / "config.json"
     if not file.is_file():
         hint = ""

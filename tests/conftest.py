@@ -1,7 +1,15 @@
 """Shared test setup."""
 
-import pytest
-import torch
+import os
+
+# Inductor probes each vector ISA the CPU lists by compiling a library and loading it in a
+# child Python, about 2 s in every process that compiles (each worker, each training
+# subprocess). The ISAs the CPU reports are the ones that probe finds loadable here; this says
+# so up front (a documented Inductor switch), for the tests and the processes they start.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -16,7 +24,5 @@ def _fresh_compiler():
 def _token_cache(tmp_path_factory):
     """The token cache of every run in the tests: one fresh folder per session, never the
     user's (COMPILETUNE_CACHE_DIR is what --cache-dir defaults to)."""
-    import os
-
     os.environ["COMPILETUNE_CACHE_DIR"] = str(tmp_path_factory.mktemp("token-cache"))
     yield

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from compiletune import faults
-from compiletune.checkpoint.adapter_io import save_adapter
+from compiletune.checkpoint.adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
 from compiletune.checkpoint.atomic import fsync_tree, publish, write_folder_atomically
 from compiletune.distributed import (
     SHARDED_DIR,
@@ -41,6 +41,7 @@ from compiletune.distributed import (
     attempt,
     read_sharded_tensor,
     save_sharded,
+    sharded_damage,
     sharded_model_tensors,
 )
 from compiletune.errors import UserError
@@ -54,6 +55,7 @@ from compiletune.models import (
     write_hf_folder,
 )
 from compiletune.models.generation_config import write_side_files
+from compiletune.models.hf import checkpoint_files
 from compiletune.models.hf_config import brief
 from compiletune.models.lora import is_lora
 
@@ -85,6 +87,66 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
         if m and child.is_dir() and (child / STATE_FILE).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
+
+
+def checkpoint_damage(ckpt: Path) -> str | None:
+    """Why `ckpt` (a step_N folder) cannot be resumed from, as a sentence; None when it looks
+    whole: a readable training state and all of its weights (the HF files, the adapter, or every
+    shard of a sharded checkpoint)."""
+    if not (ckpt / STATE_FILE).is_file():
+        return f"{ckpt} has no {STATE_FILE}"
+    try:
+        load_train_state(ckpt)
+        if is_sharded(ckpt):
+            return sharded_damage(ckpt / SHARDED_DIR)
+        if (ckpt / ADAPTER_CONFIG).is_file():
+            if not (ckpt / ADAPTER_WEIGHTS).is_file():
+                return f"{ckpt} has no {ADAPTER_WEIGHTS}"
+            return None
+        if not (ckpt / "config.json").is_file():
+            return f"{ckpt} has no config.json"
+        checkpoint_files(ckpt)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def pick_resume(output_dir: Path, chosen: str | None, say: Callable[[str], None]) -> Path:
+    """The checkpoint `--resume` continues from: `chosen` (--resume-from step_N or N), or the
+    newest whole one, saying which newer ones were passed over and why."""
+    found = sorted(
+        (int(m.group(1)), child)
+        for child in output_dir.iterdir()
+        if (m := _STEP_DIR.match(child.name)) and child.is_dir()
+    )
+    if chosen is not None:
+        step = int(chosen.removeprefix("step_"))
+        match = [path for n, path in found if n == step]
+        if not match:
+            have = ", ".join(path.name for _, path in found) or "none"
+            raise UserError(
+                f"--resume-from {chosen}: {output_dir} has no step_{step} (checkpoints: {have})"
+            )
+        if damage := checkpoint_damage(match[0]):
+            raise UserError(f"--resume-from {chosen}: {damage}; choose another step_N")
+        return match[0]
+    passed: list[str] = []
+    for _, path in reversed(found):
+        damage = checkpoint_damage(path)
+        if damage is None:
+            if passed:
+                say(
+                    f"--resume: continuing from {path.name}, the newest whole checkpoint; "
+                    + "; ".join(passed)
+                    + " (--resume-from step_N picks another)"
+                )
+            return path
+        passed.append(f"{path.name} cannot be used ({damage})")
+    raise UserError(
+        f"--resume: {output_dir} holds no checkpoint to continue from"
+        + (f": {'; '.join(passed)}" if passed else "")
+        + "; drop --resume to start a new run"
+    )
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -263,6 +325,8 @@ def convert_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | N
         )
     if dst.exists() and any(dst.iterdir()):
         raise UserError(f"{dst} exists and is not empty; pass a new folder")
+    if damage := sharded_damage(src / SHARDED_DIR):
+        raise UserError(f"{src} is damaged: {damage}; convert another step_N of the run")
     hf_cfg = load_hf_config(src)
     args = args_from_hf_config(hf_cfg)
     saved = sharded_model_tensors(src / SHARDED_DIR)

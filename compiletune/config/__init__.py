@@ -22,7 +22,13 @@ from compiletune.config.files import (
     unknown_option,
 )
 from compiletune.config.flags import add_flags
-from compiletune.config.resolve import RunFacts, fill_defaults, resolve, resume_changes
+from compiletune.config.resolve import (
+    RunFacts,
+    default_lr,
+    fill_defaults,
+    resolve,
+    resume_changes,
+)
 from compiletune.config.schema import (
     DEFAULT_MAX_STEPS,
     FIELD_NAMES,
@@ -51,6 +57,7 @@ from compiletune.config.schema import (
 )
 
 __all__ = [
+    "default_lr",
     "DEFAULT_MAX_STEPS",
     "FIELD_NAMES",
     "LORA_ALPHA_PER_RANK",

@@ -5,6 +5,7 @@ values read from YAML."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import fields
 from typing import Literal, get_args, get_origin
 
@@ -208,6 +209,13 @@ def check_run(section: RunConfig, cfg: TrainConfig) -> None:
         raise UserError(
             "--output-dir is empty (it would train into the current folder); pass a folder "
             "path, or leave it out for runs/<model>-<time>"
+        )
+    if section.resume_from is not None and not section.resume:
+        raise UserError("--resume-from picks the checkpoint of --resume; add --resume")
+    if section.resume_from is not None and not re.fullmatch(r"(step_)?\d+", section.resume_from):
+        raise UserError(
+            f"--resume-from {section.resume_from!r}: pass a checkpoint of --output-dir as step_N "
+            "or N"
         )
     if section.accept_changes and not section.resume:
         raise UserError("--accept-changes applies to --resume; drop it or add --resume")

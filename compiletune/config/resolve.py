@@ -61,7 +61,7 @@ def resolve(yaml_values: dict[str, Any], flag_values: dict[str, Any]) -> TrainCo
 
 _LENGTH = {"max_steps", "epochs"}  # the run's length: one of them
 # Options that belong to one invocation, never taken from a run's saved config.
-_PER_INVOCATION = ("resume", "overwrite", "accept_changes")
+_PER_INVOCATION = ("resume", "resume_from", "overwrite", "accept_changes")
 
 
 def _resumed_base(given: dict[str, Any]) -> dict[str, Any]:
@@ -105,6 +105,14 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[st
     return changed
 
 
+def default_lr(cfg: TrainConfig) -> float:
+    """The learning rate a run gets when --lr is not given."""
+    if not cfg.model.model_dir:
+        return LR_RANDOM_INIT
+    # Adapters start at zero and are few: LoRA wants a ~10x larger lr than full fine-tuning.
+    return LR_LORA if cfg.lora.rank else LR_FINE_TUNE
+
+
 def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfig:
     """Every default that depends on other choices, decided here once (so `config.yaml` shows
     it). Each is filled as soon as what it depends on is known: the build calls this again with
@@ -115,8 +123,7 @@ def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfi
         # The embedded corpus is long documents (a pre-training corpus): cut, not truncated.
         cfg.data.packing = "stream" if cfg.data.source == "pydocs" else "whole"
     if o.lr is None:
-        # Adapters start at zero and are few: LoRA wants a ~10x larger lr than full fine-tuning.
-        o.lr = (LR_LORA if lora.rank else LR_FINE_TUNE) if cfg.model.model_dir else LR_RANDOM_INIT
+        o.lr = default_lr(cfg)
     if o.router_aux_coef is None and facts.router_aux_coef is not None:
         o.router_aux_coef = facts.router_aux_coef
     if o.max_grad_norm is None:

@@ -365,6 +365,14 @@ class RunConfig:
         estimate=False,
         on_resume="free",
     )
+    resume_from: str | None = opt(
+        None,
+        "with --resume: continue from this checkpoint of --output-dir (step_N or N) instead "
+        "of the newest complete one",
+        estimate=False,
+        metavar="STEP",
+        on_resume="free",
+    )
     overwrite: bool = opt(
         False, "replace an existing run in --output-dir", estimate=False, on_resume="free"
     )

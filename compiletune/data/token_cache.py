@@ -24,6 +24,7 @@ changed in place. `compiletune cache list|verify|clear` shows, checks and remove
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -139,10 +140,21 @@ def cached_store(
             _remove(entry)
         if not entry.exists():
             n = _workers(source, split, workers)
-            write_folder_atomically(
-                entry,
-                lambda tmp: _build(tmp, source, tokenizer, fmt, columns, split, n, say, roles),
-            )
+            try:
+                write_folder_atomically(
+                    entry,
+                    lambda tmp: _build(tmp, source, tokenizer, fmt, columns, split, n, say, roles),
+                )
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                free = shutil.disk_usage(root).free
+                raise UserError(
+                    f"the disk of the token cache {root} is full ({free / 2**20:.0f} MiB free) "
+                    f"while tokenising {source}; free space there (`compiletune cache clear` "
+                    "removes old entries) or pass --cache-dir on a disk with room, then run the "
+                    "same command again"
+                ) from e
     return FileStore(entry)
 
 

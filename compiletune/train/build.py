@@ -411,7 +411,7 @@ def _read_inputs(
     )
     inputs = _Inputs(facts, tokenizer, datas, eval_set, weights=weights)
     if cfg.run.resume:
-        inputs.resume_from = ckpt.latest_checkpoint(Path(cfg.run.output_dir))
+        inputs.resume_from = ckpt.pick_resume(Path(cfg.run.output_dir), cfg.run.resume_from, say)
         inputs.state = ckpt.load_train_state(inputs.resume_from)
         ranks = world if env is not None else None
         ckpt.check_resumable(inputs.resume_from, inputs.state, ranks, cfg.parallel.sharding)
@@ -581,7 +581,7 @@ def build_run(
 def teacher_args(cfg: TrainConfig, student: ModelArgs) -> ModelArgs:
     """The teacher's ModelArgs, from --teacher-dir's config.json (any depth and width; the
     student's vocabulary, else exit 2 naming both sizes)."""
-    args = args_from_hf_config(load_hf_config(cfg.objective.teacher_dir))
+    args = args_from_hf_config(load_hf_config(cfg.objective.teacher_dir, "--teacher-dir"))
     if args.vocab_size != student.vocab_size:
         raise UserError(
             f"--teacher-dir {cfg.objective.teacher_dir} has a vocabulary of "

@@ -23,7 +23,7 @@ from compiletune import distributed as dist_
 from compiletune import faults, recipes, torch_internals
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
-from compiletune.config import TrainConfig
+from compiletune.config import TrainConfig, default_lr
 from compiletune.errors import UserError, show
 from compiletune.estimate import fit
 from compiletune.loggers import check_available, open_loggers, parse_loggers
@@ -41,8 +41,12 @@ from compiletune.train.step import (
     next_batch,
     read_once,
     train_step,
-    weights_finite,
+    weights_norm,
 )
+
+# A checkpoint is a good one to continue from when its weights' norm is at most this many times
+# their norm when the run (this invocation) started; fine-tuning moves it by a few percent.
+GOOD_NORM_GROWTH = 4.0
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -139,7 +143,13 @@ class Trainer:
         if cfg.objective.precompute_ref:
             objective.precompute_reference(self.run, self.say)
         if self.run.resume_from is not None:
-            run_dir.check_length(cfg.run.max_steps, self.run.start_step)
+            pending = run_dir.merge_pending(cfg, self.out)
+            run_dir.check_length(cfg.run.max_steps, self.run.start_step, pending)
+            if pending and self.run.start_step == cfg.run.max_steps:
+                resume_notes.append(
+                    f"--resume: the run is at its last step ({cfg.run.max_steps}); writing the "
+                    f"merged model it did not finish ({self.out / 'merged'})"
+                )
         if self.main:
             run_dir.prepare_output_dir(cfg, self.out)
             if lock is not None:
@@ -148,6 +158,10 @@ class Trainer:
             self.say(note)
         self.step = self.run.start_step
         self.last_saved: Path | None = self.run.resume_from
+        # The newest checkpoint fit to continue from (see `save`), and the weights' norm when
+        # this invocation started, the yardstick of "fit".
+        self.last_good: Path | None = self.run.resume_from
+        self.start_norm: float | None = None
         self.skipped_steps = 0
         self.checkpoint_bytes = run_dir.checkpoint_bytes(self.run, self.last_saved)
         if self.main:
@@ -184,6 +198,7 @@ class Trainer:
             unit="step",
             ncols=100,
         )
+        self.start_norm = weights_norm(run.params)
         self.t_start = time.perf_counter()
         try:
             with run_dir.StopSignal(distributed=self.env is not None) as stop:
@@ -212,7 +227,16 @@ class Trainer:
                 metrics.close()
             for logger in loggers:
                 logger.close()
-        return self.summarise(time.perf_counter() - self.t_start, train_peaks, merged)
+        # A stop signal from here on finds the run finished: it waits for the summary, and is
+        # then answered with a line instead of ending the process silently.
+        with run_dir.LateSignal() as late:
+            summary = self.summarise(time.perf_counter() - self.t_start, train_peaks, merged)
+            if late.received is not None:
+                self.say(
+                    f"compiletune: {late.received} arrived after the run had finished; nothing "
+                    f"was lost ({self.out / 'summary.json'} is written)"
+                )
+        return summary
 
     def one_step(self, stop: run_dir.StopSignal) -> dict[str, Any]:
         """Draw the step's micro-batches, run `train_step`, and return its metrics line. A step
@@ -298,11 +322,6 @@ class Trainer:
         self.skipped_steps += 1
         allowed = self.cfg.run.skip_nonfinite
         if record["applied"] or self.skipped_steps > allowed:
-            where = (
-                f"the last good checkpoint is {self.last_saved}"
-                if self.last_saved
-                else "no checkpoint was written before it"
-            )
             what = (
                 "the update was applied during backward (--optimizer-in-backward)"
                 if record["applied"]
@@ -310,9 +329,9 @@ class Trainer:
             )
             skipped = f" after skipping {allowed} such steps" if allowed else ""
             raise UserError(
-                f"step {record['step']}: {record['nonfinite']}; {what}. Stopped{skipped}: {where} "
-                "(resume it with a lower --lr, --max-grad-norm, or --dtype fp32; "
-                "--skip-nonfinite N steps over up to N such batches)"
+                f"step {record['step']}: {record['nonfinite']}; {what}. Stopped{skipped}: "
+                f"{self.restart_advice()} (or --skip-nonfinite N to step over up to N such "
+                "batches)"
             )
         self.say(
             f"step {record['step']}: {record['nonfinite']}; the step was skipped "
@@ -406,12 +425,18 @@ class Trainer:
         return {k: before.get(k, 0) + v for k, v in now.items()}
 
     def save(self, final: bool) -> Path:
-        """Write step_N (atomically); never non-finite weights, and a full disk is one line."""
+        """Write step_N (atomically); never non-finite weights, and a full disk is one line.
+
+        A checkpoint becomes the last good one (`last_good`, what a divergence's message names)
+        only when its weights' norm is within GOOD_NORM_GROWTH times their norm when this
+        invocation started: a learning rate far too high leaves finite weights thousands of
+        times larger, from which no step is finite."""
         run = self.run
-        if not weights_finite(run.params):
+        norm = weights_norm(run.params)
+        if not math.isfinite(norm):
             raise UserError(
                 f"step {self.step}: the weights are not finite, so no checkpoint is written; "
-                + (f"the last good one is {self.last_saved}" if self.last_saved else "none was")
+                + self.restart_advice()
             )
         try:
             if self.env is None:
@@ -438,7 +463,25 @@ class Trainer:
                 raise
             raise full from e
         self.checkpoint_bytes = run_dir.folder_bytes(path) or self.checkpoint_bytes
+        if self.start_norm is not None and norm <= GOOD_NORM_GROWTH * self.start_norm:
+            self.last_good = path
         return path
+
+    def restart_advice(self) -> str:
+        """Where to go on from after a divergence: the last good checkpoint, with a tenth of the
+        learning rate (the command to run), or a new start when there is none."""
+        usual = default_lr(self.cfg)  # the lr a run of this kind gets by default
+        lr = f"{min(self.cfg.optim.lr / 10, usual):.3g}"
+        if self.last_good is None:
+            return (
+                "no good checkpoint was written before it; start again with a lower "
+                f"learning rate (--lr {lr} --overwrite), --max-grad-norm, or --dtype fp32"
+            )
+        return (
+            f"the last good checkpoint is {self.last_good}; continue from it with a lower "
+            f"learning rate: --resume --resume-from {self.last_good.name} --lr {lr} "
+            "--accept-changes"
+        )
 
     def _save_error(self, e: BaseException) -> str:
         """One line for a checkpoint that could not be written (the line every rank prints)."""

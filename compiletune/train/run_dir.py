@@ -244,9 +244,11 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, list[str]]:
             f"({_names(foreign)}); they are kept, and only a run's own files are replaced"
         )
     if cfg.run.resume:
+        # the checkpoint the build will resume from (it says why, if not the newest)
+        at = ckpt.pick_resume(out, cfg.run.resume_from, lambda line: None)
         saved = read_saved_config(out)
         if saved is not None:
-            notes += judge_resume(cfg, saved, existing[-1][0])
+            notes += judge_resume(cfg, saved, int(at.name.removeprefix("step_")))
     return out, notes
 
 
@@ -296,7 +298,7 @@ def judge_resume(cfg: TrainConfig, saved: dict[str, Any], at_step: int) -> list[
     notes = [f"--resume with changed options (accepted): {'; '.join(changed)}"] if changed else []
     new, old = cfg.run.max_steps, saved.get("max_steps")
     if new is not None:
-        check_length(new, at_step)
+        check_length(new, at_step, merge_pending(cfg, Path(cfg.run.output_dir)))
         if isinstance(old, int) and new != old:
             notes.append(
                 f"--max-steps {new} (was {old}): the {cfg.optim.schedule} learning-rate schedule "
@@ -311,8 +313,15 @@ def judge_resume(cfg: TrainConfig, saved: dict[str, Any], at_step: int) -> list[
     return notes
 
 
-def check_length(max_steps: int, at_step: int) -> None:
-    """A resumed run must have steps left to train."""
+def merge_pending(cfg: TrainConfig, out: Path) -> bool:
+    """--merge asked for and merged/ not written (a run killed while merging)."""
+    return cfg.lora.merge and not (out / adapter_io.MERGED_DIR).is_dir()
+
+
+def check_length(max_steps: int, at_step: int, merge_pending: bool = False) -> None:
+    """A resumed run must have steps left to train, or, at its last step, a merge to finish."""
+    if max_steps == at_step and merge_pending:
+        return
     if max_steps <= at_step:
         raise UserError(
             f"--max-steps {max_steps}: the latest checkpoint is already at step {at_step}; pass "
@@ -382,11 +391,16 @@ def disk_full_error(out: Path, step: int, exc: BaseException, need: int) -> User
     if not full:
         return None
     last = ckpt.latest_checkpoint(out)
+    then = (
+        f"the last complete checkpoint is {last}; free some space and continue from it with "
+        "--resume"
+        if last
+        else "no checkpoint was written; free some space and run the same command again (it "
+        "starts over)"
+    )
     return UserError(
         f"the disk of {out} is full: step_{step} could not be written ({_gib(free)} free, a "
-        f"checkpoint needs about {_gib(need)}); "
-        + (f"the last complete checkpoint is {last}" if last else "no checkpoint was written")
-        + "; free some space and continue with --resume"
+        f"checkpoint needs about {_gib(need)}); {then}"
     )
 
 
@@ -410,6 +424,11 @@ def closing_line(s: dict[str, Any]) -> str:
     if resumed:
         span = f"steps {s['first_step']}-{s['step']}" if s["steps"] else "no step"
         steps = f"{span} ({s['steps']} this time, {s['step']} in all)"
+    if not s["steps"]:  # a resume that only finished the merge
+        parts = [f"no step to train (the run is at step {s['step']} of {s['max_steps']})"]
+        if s["merged"]:
+            parts.append(f"merged model {s['merged']}")
+        return "done: " + ", ".join(parts)
     parts = [f"{steps}, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"]
     if s["eval_loss"] is not None:
         ppl = f" (ppl {s['eval_ppl']:.2f})" if s.get("eval_ppl") is not None else ""
@@ -460,6 +479,28 @@ class StopSignal:
         self.requested = True
 
     def __enter__(self) -> StopSignal:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._previous[s] = signal.getsignal(s)
+            signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+@dataclass
+class LateSignal:
+    """SIGINT/SIGTERM once the run has finished (its checkpoint and merge written): noted in
+    `received` (the signal's name), for the trainer to answer once the summary is written."""
+
+    received: str | None = None
+    _previous: dict[int, Any] = field(default_factory=dict)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> LateSignal:
         for s in (signal.SIGINT, signal.SIGTERM):
             self._previous[s] = signal.getsignal(s)
             signal.signal(s, self._handle)

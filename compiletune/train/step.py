@@ -241,11 +241,12 @@ def _micro_loss(
     return loss
 
 
-def weights_finite(params: list[torch.nn.Parameter]) -> bool:
-    """Are all of these (this rank's shards of) parameters finite? One pass, one host sync."""
+def weights_norm(params: list[torch.nn.Parameter]) -> float:
+    """The L2 norm of these parameters (every rank's shards together; nan or inf when one is not
+    finite). One pass, one host sync."""
     if not params:
-        return True
-    return bool(torch.isfinite(_full(torch.nn.utils.get_total_norm(params))))
+        return 0.0
+    return float(_full(torch.nn.utils.get_total_norm(params)))
 
 
 def evaluate(

@@ -130,7 +130,7 @@ def test_convert_refuses_what_it_cannot_convert(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> None:
+def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path, capsys) -> None:
     """`torchrun --nproc-per-node 2 -m compiletune train --fsdp`: the same losses as one process
     with the whole global batch; a resume from the sharded step_2 reproduces the run exactly;
     the final HF export and a converted step_2 load in transformers."""
@@ -207,6 +207,14 @@ def test_torchrun_matches_one_process_resumes_and_exports(tmp_path: Path) -> Non
         torch.testing.assert_close(
             exported(tokens).logits, reference(tokens).logits, rtol=1e-4, atol=1e-4
         )
+    # a shard cut short (a disk that filled, a copy that stopped): one line naming it
+    damaged = tmp_path / "damaged" / "step_2"
+    shutil.copytree(step2, damaged)
+    shard = sorted((damaged / "sharded").glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    assert main(["convert", str(damaged), str(tmp_path / "nope")]) == 2
+    assert f"shard {shard} is cut short" in capsys.readouterr().err
+    assert not (tmp_path / "nope").exists()
     # kill -9 in the middle of a convert leaves no folder that looks like a model
     killed = subprocess.run(
         [sys.executable, "-m", "compiletune", "convert", str(step2), str(tmp_path / "converted")],

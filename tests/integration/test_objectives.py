@@ -235,6 +235,18 @@ def test_kd_teacher_vocabulary_must_match(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "128256" in err[0] and "512" in err[0], err
+    # a teacher folder that is not there, or a file: named as the teacher, not the model
+    for teacher, says in [
+        (tmp_path / "none", f"model folder {tmp_path / 'none'} does not exist; pass --teacher-dir"),
+        (
+            tmp_path / "t.txt",
+            f"--teacher-dir {tmp_path / 't.txt'} is a file; pass the model folder",
+        ),
+    ]:
+        argv[argv.index("--teacher-dir") + 1] = str(teacher)
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,9 @@ flags on --resume, and kill -9 at the moments that matter."""
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -67,12 +69,39 @@ def test_diverged_run_stops_and_never_saves_nonfinite_weights(tmp_path, corpus, 
     step = int(line.split("step ")[1].split(":")[0])
     saved = ckpt.list_checkpoints(out)
     assert [s for s, _ in saved] == list(range(1, step))  # every step before the bad one
-    assert f"the last good checkpoint is {saved[-1][1]}" in line
     assert all(_all_finite(path) for _, path in saved)
     records = _strict(out / "metrics.jsonl")
     assert records[-1]["step"] == step and records[-1]["applied"] is False
     assert "nonfinite" in records[-1]
     assert not (out / run_dir.LOCK_FILE).exists()
+    # The checkpoints are finite but no good (lr 1e10 moved every weight by ~1e10): none is
+    # named, and the advice, followed, trains the run to its end.
+    assert "no good checkpoint was written before it" in line
+    advice = line.split("start again with a lower learning rate (")[1].split(")")[0]
+    assert advice == "--lr 0.001 --overwrite"
+    assert _train(out, corpus, "--save-every", "1", "--max-steps", "8", *advice.split()) == 0
+    assert all(math.isfinite(r["loss"]) for r in _strict(out / "metrics.jsonl"))
+
+
+def test_last_good_checkpoint_is_one_to_continue_from(tmp_path, corpus, capsys, monkeypatch):
+    """Finite checkpoints whose weights a far too high lr blew up are not "good": the divergence
+    names the one before them, and its advice, followed, continues with finite steps."""
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--max-steps", "2", "--save-every", "1") == 0
+    _nan_on_calls(monkeypatch, {3})  # step 5 of the resumed run
+    resume = ["--resume", "--max-steps", "6", "--lr", "1e4", "--accept-changes"]
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), *resume, "--save-every", "1"]) == 2
+    line = _one_error_line(capsys)
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [1, 2, 3, 4]  # 3 and 4: blown up
+    assert f"the last good checkpoint is {out / 'step_2'}" in line, line
+    advice = line.split("continue from it with a lower learning rate: ")[1].split(" (or")[0]
+    assert advice == "--resume --resume-from step_2 --lr 0.001 --accept-changes"
+    monkeypatch.undo()
+    assert main(["train", "--output-dir", str(out), *advice.split()]) == 0
+    records = _strict(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(r["loss"]) for r in records)
 
 
 def _nan_on_calls(monkeypatch: pytest.MonkeyPatch, calls: set[int]) -> None:
@@ -250,6 +279,46 @@ def test_disk_full_during_a_checkpoint(tmp_path, corpus, capsys, monkeypatch):
             subprocess.run(["umount", str(disk)], check=False)
 
 
+def test_disk_full_before_the_first_checkpoint(tmp_path, corpus, capsys, monkeypatch):
+    """No checkpoint was written: the advice is to run the same command again, which works."""
+    real_save = torch.save
+
+    def failing_save(obj, f, *a, **k):
+        if str(f).endswith(ckpt.STATE_FILE):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--max-steps", "2") == 2
+    line = _one_error_line(capsys)
+    assert "no checkpoint was written; free some space and run the same command again" in line
+    monkeypatch.undo()
+    assert _train(out, corpus, "--max-steps", "2") == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]  # afresh
+
+
+def test_disk_full_while_building_the_token_cache(tmp_path, capsys):
+    """One line naming the cache folder and what to do; doing it works."""
+    disk = tmp_path / "disk"
+    real = _small_disk(disk, 1)
+    if not real:
+        pytest.skip("needs root to mount a 1 MiB tmpfs")
+    try:
+        big = tmp_path / "big.txt"
+        big.write_text("\n\n\n".join(f"document {i}: " + "words " * 400 for i in range(200)))
+        argv = ["--data", str(big), *TINY, "--max-steps", "1", "--output-dir"]
+        assert main(["train", *argv, str(tmp_path / "a"), "--cache-dir", str(disk)]) == 2
+        line = _one_error_line(capsys)
+        assert f"the disk of the token cache {disk} is full" in line
+        assert "pass --cache-dir on a disk with room" in line
+        assert not [p for p in disk.iterdir() if not p.name.startswith(".")]  # no half entry
+        elsewhere = ["--cache-dir", str(tmp_path / "cache")]
+        assert main(["train", *argv, str(tmp_path / "a"), *elsewhere]) == 0
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 # ----------------------------------------------------------------------------- kill -9
 
 
@@ -289,13 +358,49 @@ def test_kill_9_then_resume(tmp_path, corpus, at, flags, left):
 
 
 @pytest.mark.slow
-def test_kill_9_during_merge_leaves_no_merged_folder(tmp_path, corpus):
+def test_kill_9_during_merge_leaves_no_merged_folder(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     lora = ["--lora-rank", "4", "--merge", "--max-steps", "2"]
     assert _killed(out, corpus, "merge", *lora).returncode == -9
     assert not (out / "merged").exists()
-    assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", "3"]) == 0
+    # --resume finishes the merge without training another step
+    before = read_metrics(out / "metrics.jsonl")
+    assert main(["train", "--output-dir", str(out), "--resume"]) == 0
+    said = capsys.readouterr().out
+    assert "writing the merged model it did not finish" in said
+    assert "done: no step to train (the run is at step 2 of 2), merged model" in said
+    assert read_metrics(out / "metrics.jsonl") == before
     transformers.AutoModelForCausalLM.from_pretrained(out / "merged")
+    # and once merged, a resume at the end has nothing left to do
+    assert main(["train", "--output-dir", str(out), "--resume"]) == 2
+    assert "already at step 2" in capsys.readouterr().err
+
+
+def test_resume_passes_over_a_damaged_checkpoint_or_takes_the_one_chosen(tmp_path, corpus, capsys):
+    """The newest checkpoint lost its weights: --resume continues from the one before, saying
+    so, with the uninterrupted run's result; --resume-from picks a checkpoint by name."""
+    flags = ["--max-steps", "4", "--save-every", "1"]
+    assert _train(tmp_path / "whole", corpus, *flags) == 0
+    out = tmp_path / "run"
+    shutil.copytree(tmp_path / "whole", out)
+    (out / "step_4" / "model.safetensors").unlink()
+    (out / "step_3" / ckpt.STATE_FILE).write_bytes(b"cut short")
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), "--resume"]) == 0
+    said = capsys.readouterr().out
+    assert "--resume: continuing from step_2, the newest whole checkpoint; step_4 cannot" in said
+    assert "; step_3 cannot be used (" in said
+    losses = [
+        [r["loss"] for r in read_metrics(d / "metrics.jsonl")] for d in (tmp_path / "whole", out)
+    ]
+    assert losses[0] == losses[1]
+    assert main(["train", "--output-dir", str(out), "--resume", "--resume-from", "step_1"]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["loss"] for r in read_metrics(out / "metrics.jsonl")] == losses[0]
+    assert main(["train", "--output-dir", str(out), "--resume", "--resume-from", "9"]) == 2
+    assert "has no step_9 (checkpoints: step_1, step_2, step_3, step_4)" in capsys.readouterr().err
+    assert main(["train", "--output-dir", str(out), "--resume-from", "2"]) == 2
+    assert "add --resume" in capsys.readouterr().err
 
 
 def test_kill_9_between_the_renames_of_a_resave_is_recovered(tmp_path):
@@ -340,6 +445,27 @@ def _start(out: Path, corpus: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
+def test_sigterm_after_the_run_finished_is_answered(tmp_path, corpus, capsys, monkeypatch):
+    """A SIGTERM while the finished run writes its summary: the summary and closing line are
+    still written, then one line says that nothing was lost; the exit status is success."""
+    real = run_dir.write_summary
+
+    def write_then_signal(out, summary):
+        real(out, summary)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run_dir, "write_summary", write_then_signal)
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--max-steps", "1") == 0
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said[-2].startswith("done: 1 steps")
+    assert said[-1] == (
+        f"compiletune: SIGTERM arrived after the run had finished; nothing was lost "
+        f"({out / 'summary.json'} is written)"
+    )
+    assert (out / "summary.json").is_file()
+
+
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, corpus):
     out = tmp_path / "run"
     proc = _start(out, corpus)

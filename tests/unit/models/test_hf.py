@@ -143,7 +143,10 @@ def test_parity_roundtrip(case, tmp_path):
 
     save_hf(ours, tmp_path / "ours")
     files = sorted(p.name for p in (tmp_path / "ours").iterdir())
-    assert files == ["config.json", "model.safetensors"]
+    # transformers' generation_config.json travels with the weights
+    assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    for name in ("hf", "ours"):
+        assert ours.generation_config == json.loads((tmp_path / name / files[1]).read_text())
     with safe_open(str(tmp_path / "ours" / "model.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert ("lm_head.weight" in f.keys()) == (not ours.args.tie_embeddings)  # noqa: SIM118
@@ -175,7 +178,8 @@ def test_sharded_roundtrip(tmp_path):
 
     # saving again unsharded into the same folder leaves no stale shards or index behind
     save_hf(ours, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    names = ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == names
     assert_parity(ours, load_hf(out))
 
 
