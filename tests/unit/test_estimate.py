@@ -170,16 +170,17 @@ def test_advice_splits_the_micro_batch_when_no_technique_is_enough() -> None:
     at = {b: estimate.estimate_memory(cfg.replace(batch_size=b, **every)) for b in (8, 4)}
     device = (at[8].peak_bytes + at[4].peak_bytes) // 2 + fit.RESERVE_BYTES
     capacity = fit.Capacity(device, host_bytes=2**20)
-    assert fit.suggest(cfg, 1, capacity) is None
     lines: list[str] = []
     text = fit.advice(cfg, 1, capacity, lines.append)
     assert text.startswith("add --batch-size 4 --grad-accum 2 ") and "same 8 rows" in text, text
     flags = text.removeprefix("add --batch-size 4 --grad-accum 2 ").split(" (")[0]
     assert flags and "--batch-size 2" not in text
     assert any("--batch-size 4 --grad-accum 2:" in line for line in lines), lines
+    # every technique rung was tried at batch 8 first, and none fitted
+    assert sum(line.endswith("does not fit") for line in lines[:5]) == 5, lines
     # nothing fits even one row at a time: the advice says so
     tiny = fit.Capacity(fit.RESERVE_BYTES + 2**20, host_bytes=2**20)
-    assert "even at --batch-size 1" in fit.advice(cfg.replace(batch_size=2), 1, tiny)
+    assert "even at --batch-size 1" in fit.advice(cfg.replace(batch_size=1), 1, tiny)
 
 
 def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
