@@ -51,13 +51,13 @@ def check_data(section: DataConfig, cfg: TrainConfig) -> None:
     if section.data_workers is not None and section.data_workers < 0:
         raise UserError(f"--data-workers must be >= 0, got {section.data_workers}")
     if section.data_columns is not None:
-        from compiletune.data.sources import (
+        from compiletune.data.layouts import (
             parse_columns,  # lazy: the CLI imports config before torch
         )
 
         parse_columns(section.data_columns)  # a malformed mapping fails before the model loads
     if section.data_roles is not None:
-        from compiletune.data.sources import (
+        from compiletune.data.layouts import (
             parse_roles,  # lazy: the CLI imports config before torch
         )
 

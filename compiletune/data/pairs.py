@@ -30,14 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from compiletune.data.layouts import RawExample, check_roles, parse_columns, parse_roles
 from compiletune.data.rows import encode
-from compiletune.data.sources import (
-    RawExample,
-    check_roles,
-    iter_records,
-    parse_columns,
-    parse_roles,
-)
+from compiletune.data.sources import iter_records
 from compiletune.errors import UserError
 from compiletune.loss.head import IGNORE_INDEX
 
@@ -83,7 +78,7 @@ def _texts(
     row: dict, col: dict[str, str], tokenizer: Any, where: str, roles: dict[str, str]
 ) -> tuple[str, str, str]:
     """(prompt, chosen, rejected) as text; chat roles mapped by `roles` (--data-roles) and
-    checked against the template (`sources.check_roles`)."""
+    checked against the template (`layouts.check_roles`)."""
     prompt = _field(row, "prompt", col, where, optional=True)
     chosen, rejected = (_field(row, k, col, where) for k in ("chosen", "rejected"))
     if isinstance(chosen, str) and isinstance(rejected, str):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from compiletune.data.sources import read_examples
+from compiletune.data.layouts import read_examples
 from compiletune.data.token_cache import encode_arrays
 from compiletune.data.token_store import IGNORE_INDEX, ExampleRows, MemoryStore, PackedData, Store
 from compiletune.errors import UserError
@@ -68,7 +68,7 @@ def _read_source(
 ) -> list[_RawExample]:
     """The examples of `source` (see `compiletune.data.sources`): any container (files, folders,
     save_to_disk folders, the HF cache) and layout, `fmt` (--data-format), `columns`
-    (--data-columns) and `split` (--data-split). `sources.read_examples` gives them lazily."""
+    (--data-columns) and `split` (--data-split). `layouts.read_examples` gives them lazily."""
     return list(
         read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split, roles=roles)
     )

@@ -8,7 +8,7 @@ merges, normalisation, special tokens and chat template) and the layout options 
 new data. `--seq-len` is not part of it: rows are cut from the stored documents when read, so one
 entry serves every row length.
 
-Building streams the source (sources.read_examples), tokenises chunks of examples in worker
+Building streams the source (layouts.read_examples), tokenises chunks of examples in worker
 processes (`--data-workers`; a progress bar with the tokens/s rate), and appends each chunk's
 tokens to the entry's files in order, so memory holds a few chunks whatever the corpus size. The
 entry is written under a temporary name and renamed when complete (atomic.py): a killed build
@@ -46,7 +46,8 @@ from tqdm import tqdm
 
 from compiletune import faults
 from compiletune.checkpoint.atomic import make_folder, write_folder_atomically
-from compiletune.data.sources import fingerprint, read_examples, source_files
+from compiletune.data.layouts import read_examples
+from compiletune.data.sources import fingerprint, source_files
 from compiletune.data.token_store import DOCS, FLAGS, IDS, META, FileStore
 from compiletune.errors import UserError
 

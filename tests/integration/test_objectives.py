@@ -201,8 +201,8 @@ def _held_out_kl(student_dir: Path, teacher, rows) -> float:
 
 @pytest.mark.slow
 def test_kd_lowers_the_students_kl_to_the_teacher_on_held_out_text(tmp_path):
+    from compiletune.data.layouts import RawExample
     from compiletune.data.rows import encode, pack
-    from compiletune.data.sources import RawExample
 
     teacher_args = from_name("debug")
     teacher_args.n_layers = 3
