@@ -31,55 +31,12 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from compiletune.data.corpus import pydoc_corpus
 from compiletune.errors import UserError
 
-if TYPE_CHECKING:
-    pass
-
-# A piece of an example: text and whether its tokens are targets.
-Piece = tuple[str, bool]
-
 FILE_KINDS = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".txt")
-
-LAYOUTS = ("text", "prompt-completion", "messages", "sharegpt", "alpaca")
-FILE_KINDS = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".txt")
-# The fields --data-columns can map, per layout (the inner fields of a message after a dot-less
-# name: role/content for messages, from/value for sharegpt).
-FIELDS = {
-    "text": ("text",),
-    "prompt-completion": ("prompt", "completion"),
-    "messages": ("messages", "role", "content"),
-    "sharegpt": ("conversations", "from", "value"),
-    "alpaca": ("instruction", "input", "output"),
-}
-_ALL_FIELDS = tuple(dict.fromkeys(f for fields in FIELDS.values() for f in fields))
-# Detection order: the first layout whose key column a row has.
-_KEY = {
-    "messages": ("messages",),
-    "sharegpt": ("conversations",),
-    "alpaca": ("instruction",),
-    "prompt-completion": ("prompt", "completion"),
-    "text": ("text",),
-}
-_SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "model": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "function": "tool",
-}
-_HOW = (
-    'each row needs "text", "prompt"+"completion", "messages", "conversations" (ShareGPT) or '
-    '"instruction"+"output" (alpaca); map other names with --data-columns FIELD=COL,... or '
-    "pick the layout with --data-format"
-)
 
 # Two or more consecutive empty (or whitespace-only) lines separate documents in a .txt file.
 _DOC_GAP = re.compile(r"\n[ \t\r\f\v]*\n(?:[ \t\r\f\v]*\n)+")
