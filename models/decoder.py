@@ -1,10 +1,12 @@
 """One decoder for every supported family (Llama 2/3/3.x, Qwen2.5, Qwen3, Mistral, Gemma 2/3,
-Phi-3/4, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE feed-forward is moe.py).
+Phi-3/4, SmolLM3, OLMo 3, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE
+feed-forward is moe.py).
 
 The families differ only in data (`ModelArgs`): sizes, GQA ratio, rope base, scaling and
-rotary fraction, q/k/v bias (Qwen2), q/k norms (Qwen3, Gemma 3), Gemma's (1 + w) norms, scaled
-embeddings, GeGLU, sandwich norms and soft-capping, sliding windows and their layer pattern,
-fused q/k/v and gate/up projections (Phi-3) and tied embeddings. Parameter layout follows the HF
+rotary fraction, layers without rope (SmolLM3), q/k/v bias (Qwen2), q/k norms per head (Qwen3,
+Gemma 3) or over the whole projection (OLMo 3), Gemma's (1 + w) norms, scaled embeddings, GeGLU,
+sandwich norms or norms after attention and MLP only (OLMo 3) and soft-capping, sliding windows
+and their layer pattern, fused q/k/v and gate/up projections (Phi-3) and tied embeddings. Parameter layout follows the HF
 checkpoints, including the "rotate_half" rope convention, so HF weights load by renaming alone
 (see `hf.py`).
 
@@ -102,6 +104,10 @@ class ModelArgs:
     embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(dim)
     activation: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and after the MLP too
+    pre_norms: bool = True  # norms before attention and the MLP (OLMo 3: none; sandwich's only)
+    norm_weight_fp32: bool = False  # OLMo 3: the weight multiplies in fp32, then the cast back
+    qk_norm_whole: bool = False  # OLMo 3: the q/k norms span the whole projection, not a head
+    nope_layers: tuple[int, ...] = ()  # layers without rope (SmolLM3: every fourth)
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not hd
     attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c)
     final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
@@ -126,6 +132,10 @@ class ModelArgs:
         if self.layer_types is not None:
             return self.layer_types[index]
         return "sliding" if self.sliding_window is not None else "full"
+
+    def rope(self, index: int) -> bool:
+        """Does layer `index` rotate its queries and keys?"""
+        return index not in self.nope_layers
 
     def window(self, index: int) -> int:
         """Sliding window of layer `index` (0: none)."""
@@ -260,12 +270,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim. `plus_one` (Gemma): the weight is stored as w and applied as
-    (1 + w), in fp32 before the cast back; otherwise (Llama) the weight multiplies after it."""
+    (1 + w), in fp32 before the cast back; `weight_fp32` (OLMo): w applied in fp32 before the
+    cast back; otherwise (Llama) the weight multiplies after it."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = False):
+    def __init__(
+        self, dim: int, eps: float = 1e-5, plus_one: bool = False, weight_fp32: bool = False
+    ):
         super().__init__()
         self.eps = eps
         self.plus_one = plus_one
+        self.weight_fp32 = weight_fp32
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -276,6 +290,8 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.plus_one:
             return (x * (1.0 + self.weight.float())).to(dtype)
+        if self.weight_fp32:
+            return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
 
     def reset_parameters(self) -> None:
@@ -283,6 +299,11 @@ class RMSNorm(nn.Module):
             nn.init.zeros_(self.weight)
         else:
             nn.init.ones_(self.weight)
+
+
+def _norm(args: ModelArgs, dim: int) -> RMSNorm:
+    """An RMSNorm over `dim` as the family computes it."""
+    return RMSNorm(dim, args.norm_eps, args.norm_plus_one, args.norm_weight_fp32)
 
 
 class Attention(nn.Module):
@@ -310,9 +331,11 @@ class Attention(nn.Module):
             self.wk = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
             self.wv = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
         self.wo = nn.Linear(q_out, args.dim, bias=False)
-        if args.qk_norm:
-            self.q_norm = RMSNorm(hd, args.norm_eps, args.norm_plus_one)
-            self.k_norm = RMSNorm(hd, args.norm_eps, args.norm_plus_one)
+        self.rope = args.rope(layer)
+        self.qk_norm_whole = args.qk_norm_whole
+        if args.qk_norm:  # per head, or (OLMo 3) over the whole projection
+            self.q_norm = _norm(args, q_out if args.qk_norm_whole else hd)
+            self.k_norm = _norm(args, kv_out if args.qk_norm_whole else hd)
         else:
             self.q_norm = self.k_norm = None
 
@@ -324,10 +347,14 @@ class Attention(nn.Module):
             q, kk, v = self.wqkv(x).split([h * hd, k * hd, k * hd], dim=-1)
         else:
             q, kk, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.q_norm is not None and self.qk_norm_whole:
+            q, kk = self.q_norm(q), self.k_norm(kk)  # over all heads at once, before rope
         q, kk, v = q.view(b, s, h, hd), kk.view(b, s, k, hd), v.view(b, s, k, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, kk = self.q_norm(q), self.k_norm(kk)  # per head, before rope
         q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
+        if not self.rope:  # a NoPE layer (SmolLM3)
+            return q, kk, v
         return apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v
 
     def _repeat_kv(self, t: Tensor) -> Tensor:
@@ -438,15 +465,19 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then h + ffn(norm(h)); with sandwich norms
-    (Gemma) the attention and MLP outputs are normed again before each residual add."""
+    (Gemma) the attention and MLP outputs are normed again before each residual add; without
+    pre-norms (OLMo 3) only those after are there.
+
+    `kind` is the attention's ("full" / "sliding", which rope it takes); `region` names the
+    compiled graph the block shares with the blocks of the same shape of computation."""
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        eps, plus_one = args.norm_eps, args.norm_plus_one
         self.kind = args.layer_kind(layer)
-        self.attention_norm = RMSNorm(args.dim, eps, plus_one)
+        self.region = self.kind if args.rope(layer) else f"{self.kind}.nope"
+        self.attention_norm = _norm(args, args.dim) if args.pre_norms else None
         self.attention = Attention(args, layer)
-        self.ffn_norm = RMSNorm(args.dim, eps, plus_one)
+        self.ffn_norm = _norm(args, args.dim) if args.pre_norms else None
         self.moe = args.is_moe(layer)
         self.in_moe_model = args.n_experts > 0  # a dense layer of a MoE model: LoRA skips its MLP
         self.feed_forward: FeedForward | MoE
@@ -459,23 +490,24 @@ class TransformerBlock(nn.Module):
                 args.dim, args.ffn_dim, args.activation, args.fused_projections
             )
         if args.sandwich_norms:
-            self.post_attention_norm = RMSNorm(args.dim, eps, plus_one)
-            self.post_ffn_norm = RMSNorm(args.dim, eps, plus_one)
+            self.post_attention_norm = _norm(args, args.dim)
+            self.post_ffn_norm = _norm(args, args.dim)
         else:
             self.post_attention_norm = self.post_ffn_norm = None
 
     def _residuals(
         self, x: Tensor, attention: Callable[[Tensor], Tensor]
     ) -> tuple[Tensor, Tensor | None]:
-        a = attention(self.attention_norm(x))
+        a = attention(x if self.attention_norm is None else self.attention_norm(x))
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
         h = x + a
         stats = None
+        n = h if self.ffn_norm is None else self.ffn_norm(h)
         if self.moe:
-            f, stats = self.feed_forward(self.ffn_norm(h))
+            f, stats = self.feed_forward(n)
         else:
-            f = self.feed_forward(self.ffn_norm(h))
+            f = self.feed_forward(n)
         if self.post_ffn_norm is not None:
             f = self.post_ffn_norm(f)
         return h + f, stats
@@ -528,7 +560,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
+        self.norm = _norm(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
 

@@ -33,6 +33,9 @@ class Family:
     qwen_window_flag: bool = False  # use_sliding_window (refused when true) and max_window_layers
     local_rope: bool = False  # a rope base of its own on sliding layers (Gemma 3)
     fused_projections: bool = False  # qkv_proj / gate_up_proj (Phi-3)
+    olmo: bool = False  # norms after attention and the MLP only (weights applied in fp32),
+    #   q/k norms over the whole projection
+    window_flag: bool = False  # sliding_window applies only with use_sliding_window: true
     writes_attention_bias: bool = False  # its config has attention_bias: false written out
     writes_mlp_bias: bool = False  # ... and mlp_bias: false
     # the default layer kinds when the config lists none (Gemma's patterns)
@@ -40,7 +43,9 @@ class Family:
     # mixture of experts: the ModelArgs fields from the config, and the config keys from them
     read_moe: Callable[[dict, int, Get], dict[str, Any]] | None = None
     write_moe: Callable[[ModelArgs, dict], None] | None = None
-    write_extra: Callable[[ModelArgs, dict], None] | None = None  # other keys of its own
+    # other fields of its own: the ModelArgs fields from the config, the config keys from them
+    read_extra: Callable[[dict, int, Get], dict[str, Any]] | None = None
+    write_extra: Callable[[ModelArgs, dict], None] | None = None
 
     @property
     def moe(self) -> bool:
@@ -57,6 +62,47 @@ def _gemma2_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
 def _gemma3_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
     pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
+
+
+def _olmo3_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
+    return tuple("full" if (i + 1) % 4 == 0 else "sliding" for i in range(n_layers))
+
+
+def _smollm3_rope_layers(cfg: dict, n_layers: int) -> list[int]:
+    """SmolLM3's no_rope_layers: 1 where the layer rotates, 0 where it is a NoPE layer; by
+    default every `no_rope_layer_interval`-th layer is NoPE."""
+    listed = cfg.get("no_rope_layers")
+    if listed is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        if not (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1):
+            raise UserError("config.json no_rope_layer_interval must be a positive integer")
+        return [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not (
+        isinstance(listed, list)
+        and len(listed) == n_layers
+        and all(v in (0, 1) and not isinstance(v, float) for v in listed)
+    ):
+        raise UserError(
+            f"config.json no_rope_layers must list 1 (rope) or 0 (no rope) for each of the "
+            f"{n_layers} layers"
+        )
+    return [int(v) for v in listed]
+
+
+def _smollm3_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
+    # transformers: with use_sliding_window, the NoPE layers are the sliding ones
+    rope = _smollm3_rope_layers(cfg, n_layers)
+    return tuple("full" if r else "sliding" for r in rope)
+
+
+def _read_smollm3(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    rope = _smollm3_rope_layers(cfg, n_layers)
+    return dict(nope_layers=tuple(i for i, r in enumerate(rope) if not r))
+
+
+def _write_smollm3(args: ModelArgs, cfg: dict) -> None:
+    cfg["no_rope_layers"] = [int(args.rope(i)) for i in range(args.n_layers)]
+    cfg["use_sliding_window"] = args.sliding_window is not None
 
 
 def _top_k(get: Get, n_experts: int) -> int:
@@ -245,6 +291,51 @@ FAMILIES: dict[str, Family] = {
             windows=True,
             fused_projections=True,
             write_extra=_write_phi3,
+        ),
+        Family(
+            "smollm3",
+            "SmolLM3ForCausalLM",
+            {
+                "vocab_size": 128256,
+                "hidden_size": 2048,
+                "intermediate_size": 11008,
+                "num_hidden_layers": 36,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 4,
+                "max_position_embeddings": 32768,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 2000000.0,
+                "tie_word_embeddings": True,
+            },
+            windows=True,
+            window_flag=True,
+            writes_attention_bias=True,
+            writes_mlp_bias=True,
+            layer_kinds=_smollm3_kinds,
+            read_extra=_read_smollm3,
+            write_extra=_write_smollm3,
+        ),
+        Family(
+            "olmo3",
+            "Olmo3ForCausalLM",
+            {
+                "vocab_size": 50304,
+                "hidden_size": 4096,
+                "intermediate_size": 11008,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "max_position_embeddings": 2048,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0,
+                "sliding_window": 4096,
+                "tie_word_embeddings": False,
+            },
+            qk_norm=True,
+            olmo=True,
+            windows=True,
+            local_rope=True,
+            writes_attention_bias=True,
+            layer_kinds=_olmo3_kinds,
         ),
         Family(
             "qwen3_moe",

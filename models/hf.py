@@ -80,6 +80,17 @@ _GEMMA_BLOCK_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
 }
+# OLMo 3's two norms, both after: no input_layernorm, and post_attention_layernorm is after
+# attention as in Gemma.
+_OLMO_BLOCK_NAMES = {
+    **{
+        k: v
+        for k, v in _BLOCK_NAMES.items()
+        if k not in ("attention_norm.weight", "ffn_norm.weight")
+    },
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
 _NATIVE_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -99,6 +110,8 @@ _GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
 def _block_names(family: str) -> dict[str, str]:
     if family.startswith("gemma"):
         return _GEMMA_BLOCK_NAMES
+    if family == "olmo3":
+        return _OLMO_BLOCK_NAMES
     if family in _ROUTER_NAMES:
         return {**_BLOCK_NAMES, "feed_forward.router.weight": _ROUTER_NAMES[family]}
     return _BLOCK_NAMES

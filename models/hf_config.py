@@ -496,13 +496,14 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     n_layers = get("num_hidden_layers", required=True)
     head_dim = get("head_dim") or dim // n_heads
     window = cfg.get("sliding_window", defaults.get("sliding_window")) if fam.windows else None
+    if fam.window_flag and not get("use_sliding_window", False):
+        window = None
     layer_types = _layer_types(cfg, fam, n_layers) if window else None
     if layer_types is not None and "sliding" not in layer_types:
         window, layer_types = None, None
     local_theta = None
     if fam.local_rope:
-        local = _rope_params(cfg, "sliding_attention")
-        local_theta = float(local.get("rope_theta") or get("rope_local_base_freq"))
+        local_theta = _local_theta(cfg, get)
     qpas = get("query_pre_attn_scalar") if fam.gemma else None
 
     def softcap(key: str) -> float | None:
@@ -527,7 +528,10 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         norm_plus_one=fam.gemma,
         embed_scale=fam.gemma,
         activation=_activation(cfg, fam, get),
-        sandwich_norms=fam.gemma,
+        sandwich_norms=fam.gemma or fam.olmo,
+        pre_norms=not fam.olmo,
+        norm_weight_fp32=fam.olmo,
+        qk_norm_whole=fam.olmo,
         query_pre_attn_scalar=float(qpas) if qpas is not None else None,
         attn_softcap=softcap("attn_logit_softcapping"),
         final_softcap=softcap("final_logit_softcapping"),
@@ -535,7 +539,31 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         fused_projections=fam.fused_projections,
         **_rotary(cfg, get, head_dim),
         **(fam.read_moe(cfg, n_layers, get) if fam.read_moe else {}),
+        **(fam.read_extra(cfg, n_layers, get) if fam.read_extra else {}),
     )
+
+
+def _local_theta(cfg: dict, get: Callable[..., Any]) -> float:
+    """The rope base of sliding layers (Gemma 3, OLMo 3): the config's sliding_attention entry,
+    else Gemma 3's rope_local_base_freq, else the model's base. Those layers take no scaling:
+    a sliding entry that asks for one is refused."""
+    nested = [
+        r
+        for r in (cfg.get("rope_parameters"), cfg.get("rope_scaling"))
+        if isinstance(r, dict) and isinstance(r.get("full_attention"), dict)
+    ]  # per layer type (5.x)
+    local = (nested[0].get("sliding_attention") or {}) if nested else {}
+    if (local.get("rope_type") or "default") != "default":
+        raise UserError(
+            f"config.json rope_parameters.sliding_attention.rope_type {local['rope_type']!r} "
+            "is not supported; sliding layers take the default rope"
+        )
+    theta = (
+        local.get("rope_theta")
+        or get("rope_local_base_freq")
+        or _rope_params(cfg).get("rope_theta")
+    )
+    return float(theta or get("rope_theta"))
 
 
 def _rope_dict(rs: RopeScaling | None) -> dict | None:
@@ -574,7 +602,8 @@ def _rope_config(args: ModelArgs, fam: Family, cfg: dict, rope_scaling: dict | N
     if fam.local_rope:
         local = {"rope_type": "default", "rope_theta": args.local_rope_theta}
         cfg["rope_parameters"] = {"full_attention": full_rope, "sliding_attention": local}
-        cfg["rope_local_base_freq"] = args.local_rope_theta
+        if fam.gemma:
+            cfg["rope_local_base_freq"] = args.local_rope_theta
 
 
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None = None) -> dict:
@@ -622,7 +651,11 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
         sliding_window=args.sliding_window,
     )
     _rope_config(args, fam, cfg, rope_scaling)
-    if args.layer_types is not None or fam.gemma or "layer_types" in cfg:
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        # not transformers' per-class defaults (SmolLM3's pad 128004 is outside a small vocab):
+        # the tokenizer's ids go into generation_config.json (generation_config.py)
+        cfg.setdefault(key, None)
+    if args.layer_types is not None or fam.layer_kinds or "layer_types" in cfg:
         cfg["layer_types"] = [f"{args.layer_kind(i)}_attention" for i in range(args.n_layers)]
     if "dtype" in cfg:
         cfg["dtype"] = dtype_name

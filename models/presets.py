@@ -270,6 +270,52 @@ def _phi3(
     )
 
 
+def _smollm3(dim: int, n_layers: int, n_heads: int, ffn_dim: int) -> ModelArgs:
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=4,
+        vocab_size=128256,
+        ffn_dim=ffn_dim,
+        norm_eps=1e-6,
+        rope_theta=5000000.0,
+        max_seq_len=65536,
+        tie_embeddings=True,
+        family="smollm3",
+        nope_layers=tuple(i for i in range(n_layers) if (i + 1) % 4 == 0),
+    )
+
+
+_OLMO = dict(
+    family="olmo3",
+    qk_norm=True,
+    qk_norm_whole=True,
+    sandwich_norms=True,
+    pre_norms=False,
+    norm_weight_fp32=True,
+)
+
+
+def _olmo3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int) -> ModelArgs:
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=100278,
+        ffn_dim=ffn_dim,
+        norm_eps=1e-6,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(8.0, original_max_position_embeddings=8192, rope_type="yarn"),
+        max_seq_len=65536,
+        sliding_window=4096,
+        layer_types=tuple("full" if (i + 1) % 4 == 0 else "sliding" for i in range(n_layers)),
+        local_rope_theta=500000.0,
+        **_OLMO,
+    )
+
+
 def _debug(vocab_size: int) -> ModelArgs:
     return ModelArgs(
         dim=256,
@@ -341,6 +387,11 @@ PRESETS: dict[str, ModelArgs] = {
     # mistralai/Mistral-7B-v0.1 (4096-token window on every layer), Mistral-Nemo-Base-2407
     "mistral_7b_v0_1": _mistral(32000, 10000.0, 32768, 4096),
     "mistral_nemo_12b": _mistral(131072, 1000000.0, 128000, None, dim=5120, n_layers=40, hd=128),
+    # HuggingFaceTB/SmolLM3-3B: no rope on every fourth layer
+    "smollm3_3b": _smollm3(2048, 36, 16, 11008),
+    # allenai/Olmo-3-1025-7B: norms after attention and MLP, q/k norms over the projections,
+    # a 4096-token window on three layers of four, yarn on the full ones
+    "olmo3_7b": _olmo3(4096, 32, 32, 32, 11008),
     # Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B: 128 experts, 8 per token, every layer MoE
     "qwen3_30b_a3b": _qwen3_moe(2048, 48, 32, 6144, 768),
     "qwen3_235b_a22b": _qwen3_moe(4096, 94, 64, 12288, 1536),
@@ -373,6 +424,14 @@ PRESETS: dict[str, ModelArgs] = {
     ),
     "debug_phi3": _debug_like(family="phi3", fused_projections=True, rotary_dim=24),
     "debug_window": _debug_like(family="mistral", sliding_window=256),
+    # SmolLM3's NoPE layer (the last of four); OLMo 3's norms and pattern (3 windowed, 1 full)
+    "debug_smollm3": _debug_like(family="smollm3", tie_embeddings=True, nope_layers=(3,)),
+    "debug_olmo3": _debug_like(
+        sliding_window=256,
+        layer_types=("sliding", "sliding", "sliding", "full"),
+        local_rope_theta=10000.0,
+        **_OLMO,
+    ),
     # Qwen3-MoE-shaped: 8 experts, 2 per token, q/k norms; layer 1 dense (mlp_only_layers)
     "debug_moe": _debug_like(
         family="qwen3_moe",
@@ -415,8 +474,8 @@ def num_params(args: ModelArgs) -> int:
     if args.qkv_bias:
         attention += q_out + 2 * kv_out
     if args.qk_norm:
-        attention += 2 * hd
-    norms = 4 if args.sandwich_norms else 2
+        attention += q_out + kv_out if args.qk_norm_whole else 2 * hd
+    norms = 2 * args.pre_norms + 2 * args.sandwich_norms
     dense = 3 * d * args.ffn_dim  # fused or not: the same weights
     moe = args.n_experts * (d + 3 * d * args.moe_ffn_dim)  # router row + SwiGLU, per expert
     n_moe = sum(args.is_moe(i) for i in range(args.n_layers))

@@ -26,3 +26,9 @@ def _token_cache(tmp_path_factory):
     user's (COMPILETUNE_CACHE_DIR is what --cache-dir defaults to)."""
     os.environ["COMPILETUNE_CACHE_DIR"] = str(tmp_path_factory.mktemp("token-cache"))
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow cases first (each keeps its order): pytest-xdist hands tests out as workers
+    free up, so long ones started last leave the other worker idle at the end of the run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

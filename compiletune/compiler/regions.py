@@ -132,11 +132,13 @@ def compile_regions(
     for index, block in enumerate(model.layers):
         # Blocks under the policy and blocks outside it are two regions (two compiles); within a
         # region one backend object serves every block, so each region compiles once.
-        # Sliding-window layers (a layer kind) are a region of their own: one graph per kind.
+        # Sliding-window layers (a layer kind) and layers without rope are regions of their
+        # own: one graph per kind of block.
         with_policy = opts.ac.applies_to(index)
         name = "block" if with_policy or opts.ac.kind == "none" else "block.no_ac"
-        if getattr(block, "kind", "full") != "full":
-            name += f".{block.kind}"
+        region = getattr(block, "region", "full")
+        if region != "full":
+            name += f".{region}"
         if model.args.n_experts and not block.moe:  # a dense layer of a MoE model
             name += ".dense"
         if name not in backends:

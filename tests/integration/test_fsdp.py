@@ -287,6 +287,15 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
             {**base, "model": "debug_phi3", "lora_rank": 4},
             {**base, "model": "debug_phi3", "lora_rank": 4},
         ),
+        # OLMo 3's norms after, whole-projection q/k norms and windows; SmolLM3's NoPE layer
+        "olmo3-compiled": (
+            {**base, "model": "debug_olmo3", "compile": True, "compile_backend": "aot_eager"},
+            {**base, "model": "debug_olmo3"},
+        ),
+        "smollm3-lora": (
+            {**base, "model": "debug_smollm3", "lora_rank": 4},
+            {**base, "model": "debug_smollm3", "lora_rank": 4},
+        ),
         # MoE (each block one unit, experts included). The router losses are means over each
         # rank's rows, so the reference takes the same rows as two accumulated micro-batches.
         "moe-compiled": (

@@ -1,4 +1,5 @@
-"""Qwen3, Gemma 2, Gemma 3, Phi-3, sliding-window Mistral and rope types, each against transformers.
+"""Qwen3, Gemma 2, Gemma 3, Phi-3, sliding-window Mistral, SmolLM3, OLMo 3 and rope types, each
+against transformers.
 
 Every case is a tiny transformers model built from a config (non-trivial norms and biases) whose
 mechanisms matter at the test length: windows shorter than the sequence, soft-caps small enough
@@ -111,6 +112,33 @@ CASES = {
     ),
     # Mistral v0.1 / Nemo: every layer windowed, head_dim 32 != 64 / 4
     "mistral_window": (transformers.MistralConfig, dict(SMALL, head_dim=32, sliding_window=8)),
+    # SmolLM3 as published: every fourth layer without rope (layer 3 of 4), tied embeddings
+    "smollm3": (transformers.SmolLM3Config, dict(SMALL, num_hidden_layers=4)),
+    # ... with NoPE layers listed and windowed (use_sliding_window: the NoPE layers slide)
+    "smollm3_window": (
+        transformers.SmolLM3Config,
+        dict(SMALL, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=8)
+        | {"num_hidden_layers": 4},
+    ),
+    # OLMo 3: norms after attention and MLP only, q/k norms over the whole projection, three
+    # windowed layers per full one with their own rope base, yarn on the full layers
+    "olmo3": (
+        transformers.Olmo3Config,
+        dict(
+            SMALL,
+            num_hidden_layers=4,
+            sliding_window=8,
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "rope_theta": 1e6,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
 }
 
 
@@ -190,7 +218,7 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
     assert list(generate_ids(from_hf(folder).eval(), prompt, 34)) == want
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "phi3", "qwen3"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "phi3", "qwen3", "smollm3_window", "olmo3"])
 def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
     _, folder = checkpoint(tmp_path, case)
     model = from_hf(folder)
@@ -210,7 +238,7 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
         assert rel(loss, want_loss) <= 1e-5
         assert all(rel(g, w) <= 1e-4 for g, w in zip(grads, want_grads, strict=True))
     stats = regions.stats()
-    kinds = {layer.kind for layer in model.layers}
+    kinds = {layer.region for layer in model.layers}
     blocks = {k: v for k, v in stats["regions"].items() if k.startswith("block")}
     assert len(blocks) == len(kinds) and stats["recompiles"] == 0, stats
     # The soft-capped head was fused all the same: no [N, V] logits.
@@ -219,7 +247,7 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
     assert fuse["matched"] == 1, fuse
 
 
-@pytest.mark.parametrize("case", ["phi3", "gemma2", "qwen3"])
+@pytest.mark.parametrize("case", ["phi3", "gemma2", "qwen3", "smollm3", "olmo3"])
 def test_lora_adapter_loads_in_peft(case, tmp_path):
     hf, folder = checkpoint(tmp_path, case)
     spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))

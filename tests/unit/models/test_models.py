@@ -39,6 +39,7 @@ PUBLISHED_PARAMS = {
 }
 # Model cards give these rounded (billions): the shapes must round to them.
 CARD_PARAMS_B = {"qwen3_0_6b": 0.6, "qwen3_1_7b": 1.7, "qwen3_4b": 4.0, "qwen3_14b": 14.8}
+CARD_PARAMS_B |= {"smollm3_3b": 3.1, "olmo3_7b": 7.3}
 
 
 def tiny_args(**overrides) -> ModelArgs:
