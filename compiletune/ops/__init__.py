@@ -7,6 +7,8 @@ host_copy.py    compiletune::offload_to_host / reload_from_host: a saved activat
                 to host memory and back (`--offload-activations`)
 grouped_mm.py   compiletune::grouped_mm: rows grouped by expert times each expert's weight
                 (MoE layers); torch._grouped_mm where the GPU has it, else an exact fallback
+gated_delta.py  compiletune::gated_delta_rule: Gated DeltaNet linear attention in chunks, with
+                its own backward and state resets at document boundaries (Qwen3-Next, Qwen3.5)
 cpu_kernels.py  the 8-bit AdamW step as one C++ kernel per CPU parameter (`--optim adamw8bit`)
 op_memory.py    what each op holds inside itself, declared beside it, for the memory estimate
 """
