@@ -23,7 +23,6 @@ from torch.fx.node import _get_qualified_name
 
 __all__ = [
     "CustomPartitionerFn",
-    "autograd_inside_op",
     "below_inplace_or_view",
     "compile_inductor",
     "compile_no_codegen",
@@ -86,18 +85,6 @@ def below_inplace_or_view() -> contextlib.AbstractContextManager:
     does not trace back to the tensor it came from.
     """
     return torch._C._AutoDispatchBelowADInplaceOrView()
-
-
-@contextlib.contextmanager
-def autograd_inside_op() -> Iterator[None]:
-    """Record autograd again inside a custom op's kernel, which the dispatcher runs below the
-    autograd keys: an op whose backward recomputes a part of its forward and differentiates it
-    with torch.autograd.grad (ops/gated_delta.py) needs that graph."""
-    include = torch._C._dispatch_tls_local_include_set()
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    exclude = exclude.remove(torch._C.DispatchKey.AutogradFunctionality)
-    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
-        yield
 
 
 def dynamo_graphs_compiled() -> int:

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from compiletune.ops.op_memory import Args, declare_memory
-from compiletune.torch_internals import autograd_inside_op
 
 CHUNK = 64
+BLOCK = 8  # chunks computed at once: a block's temporaries bound the memory at any length
 _F32 = 4  # bytes
 
 
@@ -56,64 +56,120 @@ def _chunked(x: Tensor, chunk: int) -> Tensor:
     return x.reshape(*x.shape[:2], -1, chunk, *x.shape[3:])
 
 
-def _prepare(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts: Tensor, chunk: int
-) -> tuple[Tensor, ...]:
+class _Parts:
     """Everything but the state walk, for all chunks at once ([b, h, n, C, ...], fp32):
     u, w (delta = u - w S), qg (queries times their decay from the chunk start), a_qk (the
     causal, same-document, decayed q.k products), kd (keys times their decay to the chunk end,
-    last document only), glast (the chunk's decay of the incoming state, [b, h, n])."""
-    q, k, v = _chunked(q, chunk), _chunked(k, chunk), _chunked(v, chunk)
-    g, beta = _chunked(g, chunk), _chunked(beta, chunk)
-    b, s = starts.shape
-    pad = (-s) % chunk
-    st = F.pad(starts, (0, pad)).reshape(b, 1, -1, chunk)
-    st[..., 0] = 0  # a document starting at a chunk's first token: handled by `carry` below
-    seg = st.cumsum(-1)  # [b, 1, n, C]
-    first = F.pad(starts, (0, pad)).reshape(b, 1, -1, chunk)[..., :1]  # [b, 1, n, 1]
-    carry = ((seg == 0) & (first == 0)).float()  # continues the incoming document
-    gamma = g.cumsum(-1)  # [b, h, n, C]
-    idx = torch.arange(chunk, device=q.device)
-    causal = idx[:, None] >= idx[None, :]
-    same = (seg[..., :, None] == seg[..., None, :]) & causal  # [b, 1, n, C, C]
-    diff = gamma[..., :, None] - gamma[..., None, :]
-    decay = diff.masked_fill(~same, float("-inf")).exp()  # [b, h, n, C, C]
-    strict = decay * (~torch.eye(chunk, dtype=torch.bool, device=q.device))
-    lower = beta[..., None] * (k @ k.transpose(-1, -2)) * strict
-    eye = torch.eye(chunk, device=q.device)
-    eg = gamma.exp() * carry
-    rhs = torch.cat((beta[..., None] * v, (beta * eg)[..., None] * k), dim=-1)
-    solved = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
-    u, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    qg = q * eg[..., None]
-    a_qk = (q @ k.transpose(-1, -2)) * decay
-    last = seg[..., -1:] == seg
-    kd = k * ((gamma[..., -1:] - gamma).exp() * last)[..., None]
-    glast = gamma[..., -1].exp() * carry[..., -1]
-    return u, w, qg, a_qk, kd, glast
+    last document only), glast (the chunk's decay of the incoming state, [b, h, n]); and, for
+    the backward, the chunked inputs and the maps they came from."""
 
+    def __init__(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts: Tensor, chunk: int
+    ) -> None:
+        self.tokens = q.shape[1]
+        self.q, self.k, self.v = _chunked(q, chunk), _chunked(k, chunk), _chunked(v, chunk)
+        self.beta = _chunked(beta, chunk)
+        b, s = starts.shape
+        st = F.pad(starts, (0, (-s) % chunk)).reshape(b, 1, -1, chunk)
+        first = st[..., :1].clone()  # a document starting at the chunk's first token
+        st[..., 0] = 0
+        seg = st.cumsum(-1)  # [b, 1, n, C]: document starts within the chunk so far
+        carry = ((seg == 0) & (first == 0)).float()  # continues the incoming document
+        gamma = _chunked(g, chunk).cumsum(-1)  # [b, h, n, C]
+        idx = torch.arange(chunk, device=q.device)
+        same = (seg[..., :, None] == seg[..., None, :]) & (idx[:, None] >= idx[None, :])
+        diff = gamma[..., :, None] - gamma[..., None, :]
+        self.decay = diff.masked_fill_(~same, float("-inf")).exp_()  # [b, h, n, C, C]
+        self.offdiag = ~torch.eye(chunk, dtype=torch.bool, device=q.device)
+        self.kk = self.k @ self.k.transpose(-1, -2)
+        lower = self.beta[..., None] * self.kk * self.decay * self.offdiag
+        self.a = lower + torch.eye(chunk, device=q.device)  # I + L, unit lower triangular
+        self.eg = gamma.exp() * carry
+        rhs = torch.cat(
+            (self.beta[..., None] * self.v, (self.beta * self.eg)[..., None] * self.k), -1
+        )
+        solved = torch.linalg.solve_triangular(self.a, rhs, upper=False, unitriangular=True)
+        self.u, self.w = solved.split([self.v.shape[-1], self.k.shape[-1]], dim=-1)
+        self.qg = self.q * self.eg[..., None]
+        self.qk = self.q @ self.k.transpose(-1, -2)
+        self.a_qk = self.qk * self.decay
+        self.e2 = (gamma[..., -1:] - gamma).exp() * (seg[..., -1:] == seg)
+        self.kd = self.k * self.e2[..., None]
+        self.glast = gamma[..., -1].exp() * carry[..., -1]
 
-def _walk(u: Tensor, w: Tensor, kd: Tensor, glast: Tensor, state: Tensor) -> Tensor:
-    """The chunk states: [b, h, n + 1, dk, dv], entry i the state entering chunk i."""
-    states = [state]
-    for i in range(u.shape[2]):
-        v_new = u[:, :, i] - w[:, :, i] @ state
-        state = glast[:, :, i, None, None] * state + kd[:, :, i].transpose(-1, -2) @ v_new
-        states.append(state)
-    return torch.stack(states, dim=2)
+    def walk(self, state: Tensor, with_outputs: bool) -> tuple[Tensor, Tensor | None]:
+        """The chunk states [b, h, n + 1, dk, dv] (entry i: the state entering chunk i) and,
+        `with_outputs`, o [b, h, n, C, dv]."""
+        states, outs = [state], []
+        for i in range(self.u.shape[2]):
+            v_new = self.u[:, :, i] - self.w[:, :, i] @ state
+            if with_outputs:
+                outs.append(self.qg[:, :, i] @ state + self.a_qk[:, :, i] @ v_new)
+            state = self.glast[:, :, i, None, None] * state + self.kd[:, :, i].mT @ v_new
+            states.append(state)
+        return torch.stack(states, dim=2), torch.stack(outs, dim=2) if with_outputs else None
 
-
-def _outputs(u: Tensor, w: Tensor, qg: Tensor, a_qk: Tensor, states: Tensor) -> Tensor:
-    """o [b, h, n, C, dv] from the chunk states (all chunks at once)."""
-    entering = states[:, :, :-1]
-    v_new = u - w @ entering
-    return qg @ entering + a_qk @ v_new
+    def backward(
+        self, du: Tensor, dw: Tensor, dqg: Tensor, daqk: Tensor, dkd: Tensor, dglast: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The chain rule through everything `__init__` computed: (dq, dk, dv, dgamma-summed
+        dg, dbeta), chunked ([b, h, n, C, ...])."""
+        q, k, v, beta, decay = self.q, self.k, self.v, self.beta, self.decay
+        # u = A^-1 (beta v), w = A^-1 (beta eg k): dX = A^-T dY, dA = -dX Y^T (strict lower)
+        dx = torch.linalg.solve_triangular(
+            self.a.mT, torch.cat((du, dw), -1), upper=True, unitriangular=True
+        )
+        dxu, dxw = dx.split([v.shape[-1], k.shape[-1]], dim=-1)
+        dl = -(dxu @ self.u.mT + dxw @ self.w.mT) * self.offdiag
+        # L = beta_i (k_i . k_j) decay_ij, off the diagonal
+        dl_decay = dl * decay
+        dbeta = (dl_decay * self.kk).sum(-1)
+        dkk = beta[..., None] * dl_decay
+        ddecay = beta[..., None] * dl * self.kk
+        dk = (dkk + dkk.mT) @ k
+        # the right-hand sides beta v and beta eg k
+        dv = beta[..., None] * dxu
+        dbeta += (dxu * v).sum(-1)
+        t = (dxw * k).sum(-1)
+        dk += (beta * self.eg)[..., None] * dxw
+        dbeta += self.eg * t
+        deg = beta * t
+        # qg = q eg, a_qk = (q k^T) decay
+        dq = self.eg[..., None] * dqg
+        deg += (dqg * q).sum(-1)
+        dqk = daqk * decay
+        dq += dqk @ k
+        dk += dqk.mT @ q
+        ddecay += daqk * self.qk
+        # decay_ij = exp(gamma_i - gamma_j) (masked), eg = exp(gamma) carry,
+        # kd = k e2 with e2_j = exp(gamma_last - gamma_j) (last document), glast = exp(gamma_last)
+        x = ddecay * decay
+        dgamma = x.sum(-1) - x.sum(-2) + deg * self.eg
+        dk += dkd * self.e2[..., None]
+        de2 = (dkd * k).sum(-1) * self.e2
+        dgamma -= de2
+        dgamma[..., -1] += de2.sum(-1) + dglast * self.glast
+        dg = dgamma.flip(-1).cumsum(-1).flip(-1)  # gamma = cumsum(g)
+        return dq, dk, dv, dg, dbeta
 
 
 def _unchunk(o: Tensor, s: int) -> Tensor:
-    """[b, h, n, C, dv] -> [b, s, h, dv]."""
+    """[b, h, n, C, ...] -> [b, s, h, ...]."""
     b, h = o.shape[:2]
-    return o.reshape(b, h, -1, o.shape[-1])[:, :, :s].transpose(1, 2)
+    return o.reshape(b, h, -1, *o.shape[4:])[:, :, :s].transpose(1, 2)
+
+
+def _blocks(s: int, chunk: int) -> list[tuple[int, int]]:
+    """Token ranges of BLOCK chunks each (the last one shorter): the unit of work."""
+    step = BLOCK * chunk
+    return [(lo, min(lo + step, s)) for lo in range(0, s, step)]
+
+
+def _parts(xs: tuple[Tensor, ...], starts: Tensor, lo: int, hi: int, chunk: int) -> _Parts:
+    """The parts of tokens lo:hi (a block starts on a chunk boundary, so its chunks are the
+    sequence's)."""
+    q, k, v, g, beta = (x[:, lo:hi] for x in xs)
+    return _Parts(q, k, v, g, beta, starts[:, lo:hi], chunk)
 
 
 def gated_delta_forward(
@@ -130,15 +186,18 @@ def gated_delta_forward(
     the op and for generation (the state is the cache of a linear-attention layer)."""
     b, s, h, dk = k.shape
     starts = _starts(doc_ids, b, s, q.device)
+    state = initial_state
+    if state is None:
+        state = q.new_zeros(b, h, dk, v.shape[-1], dtype=torch.float32)
+    state = state.float()
+    out = v.new_empty(v.shape)
     with torch.no_grad():
-        u, w, qg, a_qk, kd, glast = _prepare(q, k, v, g, beta, starts, chunk)
-        state = initial_state
-        if state is None:
-            state = q.new_zeros(b, h, dk, v.shape[-1], dtype=torch.float32)
-        states = _walk(u, w, kd, glast, state.float())
-        o = _outputs(u, w, qg, a_qk, states)
-    # the padded tail adds nothing (zero keys, values and decay): the last state is s - 1's
-    return _unchunk(o, s).to(v.dtype), states[:, :, -1]
+        for lo, hi in _blocks(s, chunk):
+            states, o = _parts((q, k, v, g, beta), starts, lo, hi, chunk).walk(state, True)
+            out[:, lo:hi] = _unchunk(o, hi - lo)
+            state = states[:, :, -1]
+    # a padded tail adds nothing (zero keys, values and decay): the last state is s - 1's
+    return out, state
 
 
 @torch.library.custom_op("compiletune::gated_delta_rule", mutates_args=())
@@ -164,47 +223,53 @@ def gated_delta_rule_backward_op(
     grad: Tensor,
     chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    xs = (q, k, v, g, beta)
     b, s, h, dk = k.shape
     starts = _starts(doc_ids, b, s, q.device)
-    with autograd_inside_op():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-        parts = _prepare(*leaves, starts, chunk)
-    u, w, qg, a_qk, kd, glast = (p.detach() for p in parts)
-    state = q.new_zeros(b, h, dk, v.shape[-1], dtype=torch.float32)
-    states = _walk(u, w, kd, glast, state)
-    do = _chunked(grad, chunk)  # [b, h, n, C, dv]
+    blocks = _blocks(s, chunk)
+    # the state entering each block, walking forwards (nothing else is kept)
+    entering_block = [q.new_zeros(b, h, dk, v.shape[-1], dtype=torch.float32)]
+    for lo, hi in blocks[:-1]:
+        states, _ = _parts(xs, starts, lo, hi, chunk).walk(entering_block[-1], False)
+        entering_block.append(states[:, :, -1])
+    grads = tuple(torch.empty_like(x) for x in xs)
+    d_state = torch.zeros_like(entering_block[0])  # dL/dS leaving the block being walked
+    for (lo, hi), state in zip(reversed(blocks), reversed(entering_block), strict=True):
+        p = _parts(xs, starts, lo, hi, chunk)
+        states, _ = p.walk(state, False)
+        d_state = _block_backward(p, states, _chunked(grad[:, lo:hi], chunk), d_state, grads, lo)
+    return grads
+
+
+def _block_backward(
+    p: _Parts, states: Tensor, do: Tensor, d_state: Tensor, grads: tuple[Tensor, ...], lo: int
+) -> Tensor:
+    """One block's gradients written into `grads` at tokens lo:..; returns dL/dS entering it."""
     entering = states[:, :, :-1]
-    v_new = u - w @ entering
+    v_new = p.u - p.w @ entering
     # o = qg S + a_qk v_new, v_new = u - w S: the parts that need no walk, for all chunks
-    d_qg = do @ entering.transpose(-1, -2)
-    d_aqk = do @ v_new.transpose(-1, -2)
-    d_vnew = a_qk.transpose(-1, -2) @ do
-    d_kd = torch.empty_like(kd)
-    d_glast = torch.empty_like(glast)
-    d_u = torch.empty_like(u)
-    d_w = torch.empty_like(w)
-    d_state = torch.zeros_like(state)  # dL/dS leaving the chunk being walked
-    for i in reversed(range(u.shape[2])):
+    d_qg = do @ entering.mT
+    d_aqk = do @ v_new.mT
+    d_vnew = p.a_qk.mT @ do
+    d_kd, d_glast = torch.empty_like(p.kd), torch.empty_like(p.glast)
+    d_u, d_w = torch.empty_like(p.u), torch.empty_like(p.w)
+    for i in reversed(range(p.u.shape[2])):
         s_in, vn = entering[:, :, i], v_new[:, :, i]
         # S_out = glast S_in + kd^T v_new
         d_glast[:, :, i] = (d_state * s_in).sum((-1, -2))
-        d_kd[:, :, i] = vn @ d_state.transpose(-1, -2)
-        dv_i = d_vnew[:, :, i] + kd[:, :, i] @ d_state
+        d_kd[:, :, i] = vn @ d_state.mT
+        dv_i = d_vnew[:, :, i] + p.kd[:, :, i] @ d_state
         d_u[:, :, i] = dv_i
-        d_w[:, :, i] = -dv_i @ s_in.transpose(-1, -2)
+        d_w[:, :, i] = -dv_i @ s_in.mT
         d_state = (
-            glast[:, :, i, None, None] * d_state
-            + qg[:, :, i].transpose(-1, -2) @ do[:, :, i]
-            - w[:, :, i].transpose(-1, -2) @ dv_i
+            p.glast[:, :, i, None, None] * d_state
+            + p.qg[:, :, i].mT @ do[:, :, i]
+            - p.w[:, :, i].mT @ dv_i
         )
-    with autograd_inside_op():
-        grads = torch.autograd.grad(
-            parts, leaves, [d_u, d_w, d_qg, d_aqk, d_kd, d_glast], allow_unused=True
-        )
-    return tuple(
-        torch.zeros_like(x) if d is None else d.to(x.dtype)
-        for d, x in zip(grads, (q, k, v, g, beta), strict=True)
-    )
+    n = min(p.tokens, grads[0].shape[1] - lo)
+    for out, d in zip(grads, p.backward(d_u, d_w, d_qg, d_aqk, d_kd, d_glast), strict=True):
+        out[:, lo : lo + n] = _unchunk(d, n)
+    return d_state
 
 
 @gated_delta_rule_backward_op.register_fake
@@ -247,29 +312,27 @@ def gated_delta_rule(
 # --- memory, for the estimate (ops/op_memory.py) -------------------------------------------
 
 
-def _sizes(a: Args) -> tuple[int, int, int, int, int, int]:
+def _sizes(a: Args) -> tuple[int, int, int, int, int, int, int]:
+    """(batch, heads, dk, dv, chunk, tokens of one block, blocks)."""
     b, s, h, dk = a["k"].shape
-    dv = a["v"].shape[-1]
     chunk = a["chunk"]
     padded = -(-s // chunk) * chunk
-    return b, padded, h, dk, dv, chunk
+    return b, h, dk, a["v"].shape[-1], chunk, min(padded, BLOCK * chunk), len(_blocks(s, chunk))
 
 
 @declare_memory("compiletune::gated_delta_rule")
 def _(a: Args) -> int:
-    # fp32 chunked copies of q, k, v; u, w, qg, kd; three [C, C] maps per chunk; the states
-    b, s, h, dk, dv, chunk = _sizes(a)
-    per_token = 3 * dk + 2 * dv + (dk + dv) + 2 * dk + dv + 4 * chunk
-    states = (s // chunk + 1) * dk * dv
-    return _F32 * b * h * (s * per_token + states)
+    # one block at a time: its fp32 chunked inputs, the solve's operands, u, w, qg, kd, the
+    # [C, C] maps (decay, k.k, q.k, decayed q.k, I + L, the difference of decays) and its states
+    b, h, dk, dv, chunk, tokens, _ = _sizes(a)
+    per_token = 6 * dk + 4 * dv + 7 * chunk
+    return _F32 * b * h * (tokens * per_token + (BLOCK + 1) * dk * dv)
 
 
 @declare_memory("compiletune::gated_delta_rule_backward")
 def _(a: Args) -> int:
-    # the forward's temporaries kept for autograd (twice: values and what autograd saves),
-    # the states, the chunked gradient and the gradients of each part
-    b, s, h, dk, dv, chunk = _sizes(a)
-    per_token = 2 * (3 * dk + 2 * dv + (dk + dv) + 2 * dk + dv + 4 * chunk) + dv
-    per_token += 2 * dk + 2 * dv + 2 * chunk
-    states = 2 * (s // chunk + 1) * dk * dv
-    return _F32 * b * h * (s * per_token + states)
+    # the forward's block, plus its gradients by part, the output gradient and the new values
+    # in fp32; the states of the block and the state entering every block
+    b, h, dk, dv, chunk, tokens, blocks = _sizes(a)
+    per_token = 10 * dk + 9 * dv + 14 * chunk
+    return _F32 * b * h * (tokens * per_token + (BLOCK + 2 + blocks) * dk * dv)

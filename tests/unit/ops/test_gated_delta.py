@@ -133,3 +133,27 @@ def test_compiled_once_and_declares_its_memory():
         gated_delta_rule(*ref).sum().backward()
         assert all(rel(a, r.grad) <= 1e-6 for a, r in zip(grads, ref, strict=True))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("s", "h", "dk", "dv"), [(300, 4, 32, 48), (1500, 4, 32, 48), (700, 2, 128, 128)]
+)
+def test_declared_memory_covers_what_the_op_allocates(s, h, dk, dv):
+    """What the estimate adds for each op (ops/op_memory.py) against the allocator's peak of a
+    call above its inputs and outputs: never less, at most a third more."""
+    from compiletune.estimate.memory_internals import cpu_allocation_peak
+
+    q, k, v, g, beta = inputs(b=1, s=s, h=h, dk=dk, dv=dv)
+    grad = torch.randn(v.shape)
+    calls = [
+        (torch.ops.compiletune.gated_delta_rule.default, (q, k, v, g, beta, None, 64), v.numel()),
+        (
+            torch.ops.compiletune.gated_delta_rule_backward.default,
+            (q, k, v, g, beta, None, grad, 64),
+            sum(x.numel() for x in (q, k, v, g, beta)),
+        ),
+    ]
+    for op, args, out_numel in calls:
+        measured = cpu_allocation_peak(lambda op=op, args=args: op(*args)) - 4 * out_numel
+        declared = op_memory.internal_bytes(op, args, {})
+        assert 0.75 * declared <= measured <= declared, (op, measured, declared)

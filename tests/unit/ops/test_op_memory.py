@@ -8,6 +8,7 @@ import torch
 import compiletune.estimate.estimator  # noqa: F401  (imports the step, so every op module)
 import compiletune.ops.fused_logprobs  # noqa: F401
 import compiletune.ops.fused_loss  # noqa: F401
+import compiletune.ops.gated_delta  # noqa: F401
 import compiletune.ops.grouped_mm  # noqa: F401
 import compiletune.ops.host_copy  # noqa: F401
 from compiletune.models import attention  # noqa: F401
