@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import attention_backend, causal_attention, flex_block_mask, visible
+from .linear_attention import GatedDeltaNet, GatedRMSNorm
 from .moe import Experts, MoE
 
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")
@@ -74,7 +75,7 @@ class RopeScaling:
         return 1.0
 
 
-LAYER_KINDS = ("full", "sliding")
+LAYER_KINDS = ("full", "sliding", "linear")
 
 
 @dataclass
@@ -108,6 +109,13 @@ class ModelArgs:
     norm_weight_fp32: bool = False  # OLMo 3: the weight multiplies in fp32, then the cast back
     qk_norm_whole: bool = False  # OLMo 3: the q/k norms span the whole projection, not a head
     nope_layers: tuple[int, ...] = ()  # layers without rope (SmolLM3: every fourth)
+    attn_output_gate: bool = False  # Qwen3.5/Qwen3-Next: o = attn * sigmoid(gate from q_proj)
+    # Gated DeltaNet on the "linear" layers (Qwen3.5/Qwen3-Next; models/linear_attention.py)
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 4  # the causal convolution's kernel
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not hd
     attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c)
     final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
@@ -135,7 +143,7 @@ class ModelArgs:
 
     def rope(self, index: int) -> bool:
         """Does layer `index` rotate its queries and keys?"""
-        return index not in self.nope_layers
+        return index not in self.nope_layers and self.layer_kind(index) != "linear"
 
     def window(self, index: int) -> int:
         """Sliding window of layer `index` (0: none)."""
@@ -324,10 +332,11 @@ class Attention(nn.Module):
         self.backend: str | None = None  # masked attention's kernel; None: attention_backend
         q_out, kv_out = args.n_heads * hd, args.n_kv_heads * hd
         self.fused = args.fused_projections
+        self.gated = args.attn_output_gate  # wq's rows: per head, its query then its gate
         if self.fused:
             self.wqkv = nn.Linear(args.dim, q_out + 2 * kv_out, bias=args.qkv_bias)
         else:
-            self.wq = nn.Linear(args.dim, q_out, bias=args.qkv_bias)
+            self.wq = nn.Linear(args.dim, q_out * (2 if self.gated else 1), bias=args.qkv_bias)
             self.wk = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
             self.wv = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
         self.wo = nn.Linear(q_out, args.dim, bias=False)
@@ -339,14 +348,21 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [b, s, d] -> q [b, h, s, hd], k and v [b, k, s, hd], rope applied to q and k."""
+    def _qkv(
+        self, x: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """x [b, s, d] -> q [b, h, s, hd], k and v [b, k, s, hd], rope applied to q and k, and
+        the output gate [b, s, h * hd] of a gated family (else None)."""
         b, s, _ = x.shape
         h, k, hd = self.n_heads, self.n_kv_heads, self.head_dim
         if self.fused:
             q, kk, v = self.wqkv(x).split([h * hd, k * hd, k * hd], dim=-1)
         else:
             q, kk, v = self.wq(x), self.wk(x), self.wv(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(b, s, h, 2 * hd).split(hd, dim=-1)
+            q, gate = q.reshape(b, s, h * hd), gate.reshape(b, s, h * hd)
         if self.q_norm is not None and self.qk_norm_whole:
             q, kk = self.q_norm(q), self.k_norm(kk)  # over all heads at once, before rope
         q, kk, v = q.view(b, s, h, hd), kk.view(b, s, k, hd), v.view(b, s, k, hd)
@@ -354,8 +370,8 @@ class Attention(nn.Module):
             q, kk = self.q_norm(q), self.k_norm(kk)  # per head, before rope
         q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
         if not self.rope:  # a NoPE layer (SmolLM3)
-            return q, kk, v
-        return apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v
+            return q, kk, v, gate
+        return apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v, gate
 
     def _repeat_kv(self, t: Tensor) -> Tensor:
         """[b, k, s, hd] -> [b, h, s, hd]: kv head j serves query heads j*n_rep .. (j+1)*n_rep-1
@@ -388,13 +404,13 @@ class Attention(nn.Module):
         may instead be the FlexAttention block mask from `mask`.
         """
         b, s, _ = x.shape
-        q, kk, v = self._qkv(x, cos, sin)
+        q, kk, v, gate = self._qkv(x, cos, sin)
         kk, v = self._repeat_kv(kk), self._repeat_kv(v)  # [b, h, s, hd]
         out = causal_attention(
             q, kk, v, self.scale, doc_ids, self.window, self.softcap, backend=self.backend
         )
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, h * hd]
-        return self.wo(out)
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))
 
     def forward_cached(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int
@@ -405,7 +421,7 @@ class Attention(nn.Module):
         and new tokens up to itself (within the window, if the layer has one).
         """
         b, s, _ = x.shape
-        q, kk, v = self._qkv(x, cos, sin)
+        q, kk, v, gate = self._qkv(x, cos, sin)
         start, end = cache.length, cache.length + s
         cache.k[layer][:, :, start:end] = kk
         cache.v[layer][:, :, start:end] = v
@@ -428,7 +444,8 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=seen, scale=self.scale
                 )
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))
 
 
 class FeedForward(nn.Module):
@@ -474,9 +491,14 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.kind = args.layer_kind(layer)
-        self.region = self.kind if args.rope(layer) else f"{self.kind}.nope"
+        nope = not args.rope(layer) and self.kind != "linear"
+        self.region = f"{self.kind}.nope" if nope else self.kind
         self.attention_norm = _norm(args, args.dim) if args.pre_norms else None
-        self.attention = Attention(args, layer)
+        self.attention: Attention | GatedDeltaNet
+        if self.kind == "linear":
+            self.attention = GatedDeltaNet(args, layer)
+        else:
+            self.attention = Attention(args, layer)
         self.ffn_norm = _norm(args, args.dim) if args.pre_norms else None
         self.moe = args.is_moe(layer)
         self.in_moe_model = args.n_experts > 0  # a dense layer of a MoE model: LoRA skips its MLP
@@ -534,8 +556,9 @@ class TransformerBlock(nn.Module):
 class KVCache:
     """Keys and values of the tokens decoded so far, for generation without recomputing them.
 
-    k[i], v[i]: [b, n_kv_heads, max_len, hd] for layer i (kv heads, before the GQA expansion,
-    so the cache is n_heads / n_kv_heads times smaller); the first `length` positions are
+    k[i], v[i]: [b, n_kv_heads, max_len, hd] for attention layer i (kv heads, before the GQA
+    expansion, so the cache is n_heads / n_kv_heads times smaller); a linear-attention layer
+    keeps conv[i] and state[i] instead (models/linear_attention.py); the first `length` positions are
     filled. Lives beside the model: the model itself stays parameters only.
     """
 
@@ -548,8 +571,21 @@ class KVCache:
         device: torch.device | str,
     ) -> None:
         shape = (batch, args.n_kv_heads, max_len, args.hd)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        linear = [args.layer_kind(i) == "linear" for i in range(args.n_layers)]
+        none = torch.zeros(0, dtype=dtype, device=device)
+        self.k = [none if lin else torch.zeros(shape, dtype=dtype, device=device) for lin in linear]
+        self.v = [none if lin else torch.zeros(shape, dtype=dtype, device=device) for lin in linear]
+        # linear-attention layers: the convolution's last inputs and the recurrent state (fp32)
+        conv = (batch, args.linear_conv - 1, 2 * args.linear_k_heads * args.linear_k_dim)
+        conv = (*conv[:2], conv[2] + args.linear_v_heads * args.linear_v_dim)
+        state = (batch, args.linear_v_heads, args.linear_k_dim, args.linear_v_dim)
+        self.conv = [
+            torch.zeros(conv, dtype=dtype, device=device) if lin else none for lin in linear
+        ]
+        self.state = [
+            torch.zeros(state, dtype=torch.float32, device=device) if lin else none
+            for lin in linear
+        ]
         self.max_len = max_len
         self.length = 0
 
@@ -605,8 +641,13 @@ class Transformer(nn.Module):
                 normal_(module.weight)
                 if module.bias is not None:
                     module.bias.zero_()
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, RMSNorm | GatedRMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, nn.Conv1d):
+                normal_(module.weight)
+            elif isinstance(module, GatedDeltaNet):
+                module.dt_bias.fill_(1.0)
+                module.A_log.zero_()  # a decay of softplus(.) per token to start from
             elif isinstance(module, Experts):
                 normal_(module.w13)
                 normal_(module.w2)

@@ -36,6 +36,8 @@ class Family:
     olmo: bool = False  # norms after attention and the MLP only (weights applied in fp32),
     #   q/k norms over the whole projection
     window_flag: bool = False  # sliding_window applies only with use_sliding_window: true
+    linear_layers: bool = False  # Gated DeltaNet "linear_attention" layers beside full ones;
+    #   (1 + w) norms, gated attention output (Qwen3.5, Qwen3-Next)
     writes_attention_bias: bool = False  # its config has attention_bias: false written out
     writes_mlp_bias: bool = False  # ... and mlp_bias: false
     # the default layer kinds when the config lists none (Gemma's patterns)
@@ -103,6 +105,39 @@ def _read_smollm3(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
 def _write_smollm3(args: ModelArgs, cfg: dict) -> None:
     cfg["no_rope_layers"] = [int(args.rope(i)) for i in range(args.n_layers)]
     cfg["use_sliding_window"] = args.sliding_window is not None
+
+
+def _qwen3_5_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
+    interval = cfg.get("full_attention_interval", 4)
+    if not (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1):
+        raise UserError("config.json full_attention_interval must be a positive integer")
+    return tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(n_layers))
+
+
+def _read_linear(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    fields = dict(
+        linear_k_heads=get("linear_num_key_heads"),
+        linear_v_heads=get("linear_num_value_heads"),
+        linear_k_dim=get("linear_key_head_dim"),
+        linear_v_dim=get("linear_value_head_dim"),
+        linear_conv=get("linear_conv_kernel_dim"),
+    )
+    if fields["linear_v_heads"] % fields["linear_k_heads"]:
+        raise UserError(
+            f"config.json linear_num_value_heads {fields['linear_v_heads']} is not a multiple "
+            f"of linear_num_key_heads {fields['linear_k_heads']}"
+        )
+    return fields
+
+
+def _write_linear(args: ModelArgs, cfg: dict) -> None:
+    cfg.update(
+        linear_num_key_heads=args.linear_k_heads,
+        linear_num_value_heads=args.linear_v_heads,
+        linear_key_head_dim=args.linear_k_dim,
+        linear_value_head_dim=args.linear_v_dim,
+        linear_conv_kernel_dim=args.linear_conv,
+    )
 
 
 def _top_k(get: Get, n_experts: int) -> int:
@@ -336,6 +371,34 @@ FAMILIES: dict[str, Family] = {
             local_rope=True,
             writes_attention_bias=True,
             layer_kinds=_olmo3_kinds,
+        ),
+        Family(
+            "qwen3_5_text",
+            "Qwen3_5ForCausalLM",
+            {
+                "vocab_size": 248320,
+                "hidden_size": 4096,
+                "intermediate_size": 12288,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 4,
+                "head_dim": 256,
+                "max_position_embeddings": 32768,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False,
+                "partial_rotary_factor": 0.25,
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32,
+            },
+            qk_norm=True,
+            linear_layers=True,
+            writes_attention_bias=True,
+            layer_kinds=_qwen3_5_kinds,
+            read_extra=_read_linear,
+            write_extra=_write_linear,
         ),
         Family(
             "qwen3_moe",

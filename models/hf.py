@@ -72,6 +72,21 @@ _BLOCK_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    # Gated DeltaNet layers (models/linear_attention.py)
+    **{
+        f"attention.{name}": f"linear_attn.{name}"
+        for name in (
+            "in_proj_qkv.weight",
+            "in_proj_z.weight",
+            "in_proj_b.weight",
+            "in_proj_a.weight",
+            "conv1d.weight",
+            "dt_bias",
+            "A_log",
+            "norm.weight",
+            "out_proj.weight",
+        )
+    },
 }
 # Gemma's four norms: HF's post_attention_layernorm is the one *after* attention there.
 _GEMMA_BLOCK_NAMES = {
@@ -271,7 +286,7 @@ def _open_safetensors(file: Path) -> Any:
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."))
 _TEXT_HEADS = ("language_model.lm_head.weight",)
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
-_NOT_TEXT += ("model.multi_modal_projector.",)
+_NOT_TEXT += ("model.multi_modal_projector.", "model.visual.", "mtp.")
 
 
 def _text_tensor_name(stored: str) -> str | None:

@@ -26,7 +26,10 @@ from .families import BY_ARCHITECTURE, FAMILIES, MOE_FAMILIES, Family
 ARCHITECTURES = {arch: f.model_type for arch, f in BY_ARCHITECTURE.items()}
 _FAMILY_ARCH = {name: f.architecture for name, f in FAMILIES.items()}
 # Multimodal checkpoints whose text model is one of the above (weights renamed at load).
-_TEXT_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+_TEXT_OF = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+}
 # Expert-count fields: set in a config of a family without MoE support, they are refused.
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
@@ -394,14 +397,14 @@ def _layer_types(cfg: dict, family: Family, n_layers: int) -> tuple[str, ...] | 
     """Per-layer "full"/"sliding" for the families that mix them (Gemma), else None."""
     listed = cfg.get("layer_types")
     if listed:
-        if len(listed) != n_layers or any(
-            t not in ("full_attention", "sliding_attention") for t in listed
-        ):
+        kinds = ("full_attention", "sliding_attention")
+        kinds += ("linear_attention",) if family.linear_layers else ()
+        if len(listed) != n_layers or any(t not in kinds for t in listed):
             raise UserError(
-                "config.json layer_types must list 'full_attention' or 'sliding_attention' for "
+                f"config.json layer_types must list one of {', '.join(map(repr, kinds))} for "
                 f"each of the {n_layers} layers"
             )
-        return tuple("sliding" if t == "sliding_attention" else "full" for t in listed)
+        return tuple(t.removesuffix("_attention") for t in listed)
     return family.layer_kinds(cfg, n_layers) if family.layer_kinds else None
 
 
@@ -498,8 +501,8 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     window = cfg.get("sliding_window", defaults.get("sliding_window")) if fam.windows else None
     if fam.window_flag and not get("use_sliding_window", False):
         window = None
-    layer_types = _layer_types(cfg, fam, n_layers) if window else None
-    if layer_types is not None and "sliding" not in layer_types:
+    layer_types = _layer_types(cfg, fam, n_layers) if window or fam.linear_layers else None
+    if layer_types is not None and not {"sliding", "linear"} & set(layer_types):
         window, layer_types = None, None
     local_theta = None
     if fam.local_rope:
@@ -525,9 +528,10 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         layer_types=layer_types,
         family=fam.model_type,
         qk_norm=fam.qk_norm,
-        norm_plus_one=fam.gemma,
+        norm_plus_one=fam.gemma or fam.linear_layers,
         embed_scale=fam.gemma,
         activation=_activation(cfg, fam, get),
+        attn_output_gate=fam.linear_layers,
         sandwich_norms=fam.gemma or fam.olmo,
         pre_norms=not fam.olmo,
         norm_weight_fp32=fam.olmo,

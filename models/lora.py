@@ -41,12 +41,14 @@ from compiletune.errors import UserError
 from compiletune.ops.grouped_mm import grouped_mm
 
 from .decoder import ModelArgs, RMSNorm, Transformer
+from .linear_attention import GatedRMSNorm
 from .moe import Experts
 from .names import strip_wrappers
 from .nf4 import BLOCK, dequantize_nf4, quantize_nf4
 
-# short name -> (attribute path inside a block, HF module name). The last two exist only in
-# models with fused projections (Phi-3), where they stand for q+k+v and gate+up.
+# short name -> (attribute path inside a block, HF module name). A block has the ones of its
+# kind: q/k/v/o in attention layers, in_proj_* / out_proj in linear-attention layers; the last
+# two exist only in models with fused projections (Phi-3), where they stand for q+k+v and gate+up.
 TARGETS: dict[str, tuple[str, str]] = {
     "q": ("attention.wq", "q_proj"),
     "k": ("attention.wk", "k_proj"),
@@ -55,12 +57,19 @@ TARGETS: dict[str, tuple[str, str]] = {
     "gate": ("feed_forward.w1", "gate_proj"),
     "up": ("feed_forward.w3", "up_proj"),
     "down": ("feed_forward.w2", "down_proj"),
+    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their projections by PEFT's names
+    "in_proj_qkv": ("attention.in_proj_qkv", "in_proj_qkv"),
+    "in_proj_z": ("attention.in_proj_z", "in_proj_z"),
+    "in_proj_b": ("attention.in_proj_b", "in_proj_b"),
+    "in_proj_a": ("attention.in_proj_a", "in_proj_a"),
+    "out_proj": ("attention.out_proj", "out_proj"),
     "qkv": ("attention.wqkv", "qkv_proj"),
     "gate_up": ("feed_forward.w13", "gate_up_proj"),
 }
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # A fused projection is adapted when all of its parts are targets (PEFT adapts qkv_proj whole).
 FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
-# What a LoRASpec / --lora-targets names: the seven projections (fused ones via their parts).
+# What a LoRASpec / --lora-targets names: every projection (fused ones via their parts).
 SPEC_TARGETS = tuple(t for t in TARGETS if t not in FUSED_PARTS)
 QUANTIZE = choices(Quantize)
 
@@ -434,7 +443,7 @@ def block_adapter(
         if isinstance(getattr(moe, "experts", None), Experts):
             _adapt_experts(moe, spec, base_dtype, quantize, dtype, generator)
         for module in block.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, RMSNorm | GatedRMSNorm):
                 module.weight.data = module.weight.data.to(dtype)
 
     return adapt

@@ -426,6 +426,21 @@ PRESETS: dict[str, ModelArgs] = {
     "debug_window": _debug_like(family="mistral", sliding_window=256),
     # SmolLM3's NoPE layer (the last of four); OLMo 3's norms and pattern (3 windowed, 1 full)
     "debug_smollm3": _debug_like(family="smollm3", tie_embeddings=True, nope_layers=(3,)),
+    # Qwen3.5's layers: three Gated DeltaNet layers per gated full-attention one, (1 + w)
+    # norms, a quarter of each head rotated
+    "debug_qwen3_5": _debug_like(
+        family="qwen3_5_text",
+        head_dim=64,
+        qk_norm=True,
+        norm_plus_one=True,
+        attn_output_gate=True,
+        rotary_dim=16,
+        layer_types=("linear", "linear", "linear", "full"),
+        linear_k_heads=2,
+        linear_v_heads=4,
+        linear_k_dim=32,
+        linear_v_dim=32,
+    ),
     "debug_olmo3": _debug_like(
         sliding_window=256,
         layer_types=("sliding", "sliding", "sliding", "full"),
@@ -475,10 +490,21 @@ def num_params(args: ModelArgs) -> int:
         attention += q_out + 2 * kv_out
     if args.qk_norm:
         attention += q_out + kv_out if args.qk_norm_whole else 2 * hd
+    if args.attn_output_gate:
+        attention += d * q_out  # q_proj's gate rows
+    key_dim, value_dim = (
+        args.linear_k_heads * args.linear_k_dim,
+        args.linear_v_heads * args.linear_v_dim,
+    )
+    conv = 2 * key_dim + value_dim
+    linear = d * (conv + value_dim + 2 * args.linear_v_heads) + value_dim * d  # projections
+    linear += conv * args.linear_conv + 2 * args.linear_v_heads + args.linear_v_dim
+    n_linear = sum(args.layer_kind(i) == "linear" for i in range(args.n_layers))
     norms = 2 * args.pre_norms + 2 * args.sandwich_norms
     dense = 3 * d * args.ffn_dim  # fused or not: the same weights
     moe = args.n_experts * (d + 3 * d * args.moe_ffn_dim)  # router row + SwiGLU, per expert
     n_moe = sum(args.is_moe(i) for i in range(args.n_layers))
-    blocks = args.n_layers * (attention + norms * d) + n_moe * moe + (args.n_layers - n_moe) * dense
+    blocks = args.n_layers * norms * d + (args.n_layers - n_linear) * attention + n_linear * linear
+    blocks += n_moe * moe + (args.n_layers - n_moe) * dense
     embeddings = args.vocab_size * d * (1 if args.tie_embeddings else 2)
     return embeddings + blocks + d  # + final norm

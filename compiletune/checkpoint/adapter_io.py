@@ -41,6 +41,7 @@ from compiletune.models.hf import to_hf_name, to_native_name
 from compiletune.models.hf_config import brief, read_json
 from compiletune.models.lora import (
     FUSED_PARTS,
+    LINEAR_ATTENTION_TARGETS,
     SPEC_TARGETS,
     TARGETS,
     LoRASpec,
@@ -54,6 +55,7 @@ MERGED_DIR = "merged"  # OUTPUT_DIR/merged: the --merge export
 PEFT_PREFIX = "base_model.model."
 _HF_TO_SHORT = {hf: short for short, (_, hf) in TARGETS.items()}
 _PATH_TO_SHORT = {path: short for short, (path, _) in TARGETS.items()}
+_ATTENTION_SHORTS = {"q", "k", "v", "o", "qkv"}
 # MoE experts: transformers 5 keeps each MoE layer's experts as 3-D parameters of one module
 # (`model.layers.N.mlp.experts`, Mixtral too), and PEFT adapts them as `target_parameters`.
 # Two adapted parameters of one module nest: the first registered (gate_up_proj) is the inner
@@ -249,14 +251,20 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
         mlp = {s for w in experts for s in _EXPERT_SHORTS[w]}
         union = set().union(*per_block.values())
         per_block = {b: v | mlp if union - v <= mlp else v for b, v in per_block.items()}
-    kinds = {frozenset(v) for v in per_block.values()}
-    if len(kinds) != 1:
+    # Blocks of one kind carry the same projections; attention and linear-attention layers
+    # (Qwen3.5) each have their own, beside the same MLP ones.
+    linear = set(LINEAR_ATTENTION_TARGETS)
+    mlp = {frozenset(v - linear - _ATTENTION_SHORTS) for v in per_block.values()}
+    attention = {frozenset(v & _ATTENTION_SHORTS) for v in per_block.values()} - {frozenset()}
+    mixers = {frozenset(v & linear) for v in per_block.values()} - {frozenset()}
+    if len(mlp) != 1 or len(attention) > 1 or len(mixers) > 1:
         raise UserError(
             f"{weights}: the blocks carry adapters on different projections; compiletune "
             "applies the same targets to every block"
         )
     # in --lora-targets' terms: a fused projection (Phi-3's qkv_proj) stands for its parts
-    present = {p for t in next(iter(kinds)) for p in FUSED_PARTS.get(t, (t,))}
+    union = set().union(*per_block.values())
+    present = {p for t in union for p in FUSED_PARTS.get(t, (t,))}
     targets = tuple(t for t in SPEC_TARGETS if t in present)
     return LoRASpec(
         rank=int(cfg["r"]),

@@ -22,7 +22,7 @@ from compiletune.errors import UserError
 from compiletune.generate import generate_ids
 from compiletune.loss.head import LossHead
 from compiletune.models import args_from_hf_config, from_hf, save_hf
-from compiletune.models.lora import LoRASpec, apply_lora
+from compiletune.models.lora import LoRASpec, apply_lora, parse_targets
 
 peft = pytest.importorskip("peft")
 
@@ -120,6 +120,21 @@ CASES = {
         dict(SMALL, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=8)
         | {"num_hidden_layers": 4},
     ),
+    # Qwen3.5: Gated DeltaNet on three layers of four (4 value heads over 2 key heads), a gated
+    # full-attention layer with (1 + w) q/k norms and a quarter of each head rotated
+    "qwen3_5": (
+        transformers.Qwen3_5TextConfig,
+        dict(
+            SMALL,
+            num_hidden_layers=4,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            tie_word_embeddings=True,
+        ),
+    ),
     # OLMo 3: norms after attention and MLP only, q/k norms over the whole projection, three
     # windowed layers per full one with their own rope base, yarn on the full layers
     "olmo3": (
@@ -182,8 +197,10 @@ def lm_loss(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), t[:, 1:].flatten())
 
 
-def assert_parity(ours, hf, seqs=(12, 40)) -> None:
-    for seq in seqs:  # 12: inside the windows (and longrope's short factors); 40: past them
+def assert_parity(ours, hf, seqs=(12, 40, 150)) -> None:
+    # 12: inside the windows (and longrope's short factors); 40: past them; 150: past two
+    # chunks of the gated delta rule
+    for seq in seqs:
         t = tokens(seq)
         with torch.no_grad():
             want, got = hf(t).logits, ours(t)
@@ -218,7 +235,9 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
     assert list(generate_ids(from_hf(folder).eval(), prompt, 34)) == want
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "phi3", "qwen3", "smollm3_window", "olmo3"])
+@pytest.mark.parametrize(
+    "case", ["gemma2", "gemma3", "phi3", "qwen3", "smollm3_window", "olmo3", "qwen3_5"]
+)
 def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
     _, folder = checkpoint(tmp_path, case)
     model = from_hf(folder)
@@ -247,10 +266,12 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
     assert fuse["matched"] == 1, fuse
 
 
-@pytest.mark.parametrize("case", ["phi3", "gemma2", "qwen3", "smollm3", "olmo3"])
+@pytest.mark.parametrize("case", ["phi3", "gemma2", "qwen3", "smollm3", "olmo3", "qwen3_5"])
 def test_lora_adapter_loads_in_peft(case, tmp_path):
     hf, folder = checkpoint(tmp_path, case)
     spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    if case == "qwen3_5":  # and the linear-attention layers' projections, by PEFT's names
+        spec = LoRASpec(rank=4, alpha=8.0, targets=parse_targets("all-linear"))
     model = apply_lora(from_hf(folder), spec, dtype=torch.float32, seed=3).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -261,6 +282,8 @@ def test_lora_adapter_loads_in_peft(case, tmp_path):
     config = json.loads((tmp_path / "adapter" / adapter_io.ADAPTER_CONFIG).read_text())
     if case == "phi3":  # PEFT's names for the fused projections
         assert config["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    if case == "qwen3_5":
+        assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj"} <= set(config["target_modules"])
     t = tokens(20)
     with torch.no_grad():
         ours = model(t)
@@ -340,3 +363,22 @@ def test_phi3_longrope_original_context_and_saved_form(tmp_path):
     saved = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert sorted(saved["rope_scaling"]) == ["long_factor", "short_factor", "type"]
     assert saved["original_max_position_embeddings"] == 16
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "olmo3", "smollm3_window"])
+def test_packed_documents_equal_each_document_alone(case, tmp_path):
+    """A row packing three documents (document ids, positions restarting) gives each document
+    what it gives alone: no attention, convolution or recurrent state crosses a boundary."""
+    _, folder = checkpoint(tmp_path, case)
+    model = from_hf(folder)
+    lengths = (70, 9, 61)  # the second document inside one chunk of the gated delta rule
+    row = tokens(sum(lengths))[:1]
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(row, positions, doc_ids)
+        start = 0
+        for n in lengths:
+            alone = model(row[:, start : start + n])
+            assert rel(packed[:, start : start + n], alone) <= 1e-5, (case, start)
+            start += n
