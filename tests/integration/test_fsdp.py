@@ -257,6 +257,7 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
     from_dir = {k: v for k, v in base.items() if k != "n_layers"} | {"model_dir": tied_dir}
     moe = {**base, "model": "debug_moe", "router_aux_coef": 0.1}
     dpo = {**base, "data": str(tmp / "pairs.jsonl"), "objective": "dpo", "seq_len": 128}
+    four = {**base, "n_layers": 4}
     dpo |= {"val_split": 0.1, "eval_every": 3}
     dpo_lc = {**dpo, "lora_rank": 4, "compile": True, "compile_backend": "aot_eager"}
     kd = {**base, "objective": "kd", "teacher_dir": tied_dir, "kd_ratio": 0.5}
@@ -287,14 +288,20 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
             {**base, "model": "debug_phi3", "lora_rank": 4},
             {**base, "model": "debug_phi3", "lora_rank": 4},
         ),
-        # OLMo 3's norms after, whole-projection q/k norms and windows; SmolLM3's NoPE layer
+        # all four layers of the new families' patterns: OLMo 3's norms after, whole-projection
+        # q/k norms and windows; Qwen3.5's Gated DeltaNet layers beside gated attention;
+        # SmolLM3's NoPE layer
         "olmo3-compiled": (
-            {**base, "model": "debug_olmo3", "compile": True, "compile_backend": "aot_eager"},
-            {**base, "model": "debug_olmo3"},
+            {**four, "model": "debug_olmo3", "compile": True, "compile_backend": "aot_eager"},
+            {**four, "model": "debug_olmo3"},
+        ),
+        "qwen3_5-compiled": (
+            {**four, "model": "debug_qwen3_5", "compile": True, "compile_backend": "aot_eager"},
+            {**four, "model": "debug_qwen3_5"},
         ),
         "smollm3-lora": (
-            {**base, "model": "debug_smollm3", "lora_rank": 4},
-            {**base, "model": "debug_smollm3", "lora_rank": 4},
+            {**four, "model": "debug_smollm3", "lora_rank": 4},
+            {**four, "model": "debug_smollm3", "lora_rank": 4},
         ),
         # MoE (each block one unit, experts included). The router losses are means over each
         # rank's rows, so the reference takes the same rows as two accumulated micro-batches.
