@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compiletune.ops.gated_delta import gated_delta_forward, gated_delta_rule
+from compiletune.ops.gated_delta import CHUNK, gated_delta_forward, gated_delta_rule
 
 
 def causal_conv(x: Tensor, weight: Tensor, doc_ids: Tensor | None, past: Tensor | None = None):
@@ -132,5 +132,9 @@ class GatedDeltaNet(nn.Module):
         keep = self.conv1d.weight.shape[-1] - 1
         cache.conv[layer] = torch.cat((past, projected), dim=1)[:, -keep:]
         q, k, v, g, beta = self._heads(mixed, x)
-        o, cache.state[layer] = gated_delta_forward(q, k, v, g, beta, None, cache.state[layer])
+        # a decode step of one token is a chunk of one (no padding to a whole chunk)
+        chunk = min(CHUNK, x.shape[1])
+        o, cache.state[layer] = gated_delta_forward(
+            q, k, v, g, beta, None, cache.state[layer], chunk=chunk
+        )
         return self._out(o, x)
