@@ -362,8 +362,11 @@ def run_step(step: Step, fill: dict[str, str], dry: bool, limit: float) -> dict[
     argv = [_fill(a, fill) for a in (step.dry_argv if dry else step.argv)]
     record: dict[str, Any] = {"name": step.name, "part": step.part, "argv": argv}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if dry:  # the plumbing: every bench run shares one Inductor cache (bench/common.py)
+    if dry:  # the plumbing: every bench run shares one Inductor cache (bench/common.py), and
+        # the fused head's chunks run eagerly (the same numbers; the compiled chunks are the unit
+        # tests' business, and compiling them costs each toy step seconds)
         env[SHARED_CACHE_ENV] = str(Path(tempfile.gettempdir()) / "compiletune-dry-run-inductor")
+        env["COMPILETUNE_LCE_EAGER"] = "1"
     t0 = time.perf_counter()
     # Its own process group: at the time limit every process of the step goes (pytest-xdist's
     # workers and the ladder's training runs too, which would go on using the GPU and skew the
