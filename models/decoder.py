@@ -129,6 +129,8 @@ class ModelArgs:
     norm_topk: bool = True  # top-k weights renormalised to sum 1 (Mixtral; Qwen3 norm_topk_prob)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE mlp_only_layers)
     router_aux_coef: float = 0.0  # the checkpoint's router_aux_loss_coef (--router-aux-coef)
+    shared_ffn_dim: int = 0  # a shared expert beside the routed ones (Qwen3.5-MoE); 0: none
+    shared_expert_gate: bool = False  # ... scaled per token by sigmoid(x . gate)
 
     @property
     def hd(self) -> int:
@@ -505,7 +507,13 @@ class TransformerBlock(nn.Module):
         self.feed_forward: FeedForward | MoE
         if self.moe:
             self.feed_forward = MoE(
-                args.dim, args.moe_ffn_dim, args.n_experts, args.top_k, args.norm_topk
+                args.dim,
+                args.moe_ffn_dim,
+                args.n_experts,
+                args.top_k,
+                args.norm_topk,
+                args.shared_ffn_dim,
+                args.shared_expert_gate,
             )
         else:
             self.feed_forward = FeedForward(

@@ -169,6 +169,37 @@ def _read_qwen3_moe(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
     )
 
 
+def _read_qwen3_5_moe(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    n_experts = get("num_experts")
+    return dict(
+        n_experts=n_experts,
+        top_k=_top_k(get, n_experts),
+        moe_ffn_dim=get("moe_intermediate_size"),
+        ffn_dim=get("moe_intermediate_size"),  # no dense layer: the experts' width stands in
+        norm_topk=True,
+        dense_layers=(),
+        router_aux_coef=float(get("router_aux_loss_coef")),
+        shared_ffn_dim=get("shared_expert_intermediate_size"),
+        shared_expert_gate=True,
+    )
+
+
+def _write_qwen3_5_moe(args: ModelArgs, cfg: dict) -> None:
+    if args.dense_layers or not args.norm_topk or not args.shared_expert_gate:
+        raise UserError(
+            "a Qwen3.5-MoE model has a MoE feed-forward in every layer, renormalised top-k "
+            "weights and a gated shared expert; these args have no Qwen3.5-MoE checkpoint"
+        )
+    cfg.update(
+        num_experts=args.n_experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_ffn_dim,
+        shared_expert_intermediate_size=args.shared_ffn_dim,
+        router_aux_loss_coef=args.router_aux_coef,
+    )
+    cfg.pop("intermediate_size", None)
+
+
 def _write_qwen3_moe(args: ModelArgs, cfg: dict) -> None:
     cfg.update(
         num_experts=args.n_experts,
@@ -397,6 +428,40 @@ FAMILIES: dict[str, Family] = {
             linear_layers=True,
             writes_attention_bias=True,
             layer_kinds=_qwen3_5_kinds,
+            read_extra=_read_linear,
+            write_extra=_write_linear,
+        ),
+        Family(
+            "qwen3_5_moe_text",
+            "Qwen3_5MoeForCausalLM",
+            {
+                "vocab_size": 248320,
+                "hidden_size": 2048,
+                "num_hidden_layers": 40,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 2,
+                "head_dim": 256,
+                "max_position_embeddings": 32768,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False,
+                "partial_rotary_factor": 0.25,
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32,
+                "moe_intermediate_size": 512,
+                "shared_expert_intermediate_size": 512,
+                "num_experts_per_tok": 8,
+                "num_experts": 256,
+                "router_aux_loss_coef": 0.001,
+            },
+            qk_norm=True,
+            linear_layers=True,
+            writes_attention_bias=True,
+            layer_kinds=_qwen3_5_kinds,
+            read_moe=_read_qwen3_5_moe,
+            write_moe=_write_qwen3_5_moe,
             read_extra=_read_linear,
             write_extra=_write_linear,
         ),

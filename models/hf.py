@@ -113,12 +113,25 @@ _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # MoE blocks: the router, and the experts the hub stores one tensor per expert and projection:
 # (module path of the experts, names of gate, up and down); native experts.w13 holds gate and
 # up of every expert, experts.w2 down (models/moe.py).
-_ROUTER_NAMES = {"qwen3_moe": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"}
+_ROUTER_NAMES = {
+    "qwen3_moe": "mlp.gate.weight",
+    "qwen3_5_moe_text": "mlp.gate.weight",
+    "mixtral": "block_sparse_moe.gate.weight",
+}
 _EXPERT_NAMES = {
     "qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_5_moe_text": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2")),
 }
 _NATIVE_EXPERTS = ("feed_forward.experts.w13", "feed_forward.experts.w2")
+# the gated shared expert beside the routed ones (Qwen3.5-MoE)
+_SHARED_EXPERT = ("qwen3_5_moe_text",)
+_SHARED_NAMES = {
+    "feed_forward.shared.w1.weight": "mlp.shared_expert.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "feed_forward.shared.gate.weight": "mlp.shared_expert_gate.weight",
+}
 _GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 
@@ -128,7 +141,8 @@ def _block_names(family: str) -> dict[str, str]:
     if family == "olmo3":
         return _OLMO_BLOCK_NAMES
     if family in _ROUTER_NAMES:
-        return {**_BLOCK_NAMES, "feed_forward.router.weight": _ROUTER_NAMES[family]}
+        names = {**_BLOCK_NAMES, "feed_forward.router.weight": _ROUTER_NAMES[family]}
+        return {**names, **_SHARED_NAMES} if family in _SHARED_EXPERT else names
     return _BLOCK_NAMES
 
 

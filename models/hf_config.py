@@ -29,6 +29,7 @@ _FAMILY_ARCH = {name: f.architecture for name, f in FAMILIES.items()}
 _TEXT_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 # Expert-count fields: set in a config of a family without MoE support, they are refused.
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -513,13 +514,13 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         value = cfg.get(key, defaults.get(key))
         return float(value) if value else None
 
-    return ModelArgs(
+    fields: dict[str, Any] = dict(
         dim=dim,
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=get("num_key_value_heads", n_heads),
         vocab_size=get("vocab_size", required=True),
-        ffn_dim=get("intermediate_size", required=True),
+        ffn_dim=get("intermediate_size", required=not fam.moe),
         head_dim=head_dim if head_dim != dim // n_heads else None,
         norm_eps=float(get("rms_norm_eps")),
         qkv_bias=fam.qkv_bias,
@@ -542,9 +543,11 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         local_rope_theta=local_theta,
         fused_projections=fam.fused_projections,
         **_rotary(cfg, get, head_dim),
-        **(fam.read_moe(cfg, n_layers, get) if fam.read_moe else {}),
-        **(fam.read_extra(cfg, n_layers, get) if fam.read_extra else {}),
     )
+    # the family's own fields (a hook may also settle a shared one: Qwen3.5-MoE's ffn_dim)
+    fields.update(fam.read_moe(cfg, n_layers, get) if fam.read_moe else {})
+    fields.update(fam.read_extra(cfg, n_layers, get) if fam.read_extra else {})
+    return ModelArgs(**fields)
 
 
 def _local_theta(cfg: dict, get: Callable[..., Any]) -> float:

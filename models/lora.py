@@ -104,6 +104,21 @@ def parse_targets(text: str) -> tuple[str, ...]:
     return tuple(t for t in SPEC_TARGETS if t in names)
 
 
+def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """`targets` less the projections no layer of this model has: q/k/v/o live in attention
+    layers, in_proj_* / out_proj in linear-attention ones. A target none of the model's layers
+    has is refused (one line naming it)."""
+    kinds = {args.layer_kind(i) for i in range(args.n_layers)}
+    linear = set(LINEAR_ATTENTION_TARGETS)
+    attention = bool(kinds - {"linear"})
+    keep = tuple(t for t in targets if ("linear" in kinds if t in linear else attention))
+    if not keep:
+        raise UserError(
+            f"--lora-targets {','.join(targets)}: this model has none of these projections"
+        )
+    return keep
+
+
 class _FrozenMatmul(torch.autograd.Function):
     """x [..., in] @ W^T -> [..., out] for a frozen W stored in another form: a float tensor of
     another dtype (`scales` None) or NF4 codes + scales. W is rebuilt in x's dtype in forward

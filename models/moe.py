@@ -1,5 +1,6 @@
-"""Mixture-of-experts feed-forward (Mixtral, Qwen3-MoE): a router picks `top_k` of `n_experts`
-SwiGLU experts per token, and the chosen experts' outputs are summed with the router's weights.
+"""Mixture-of-experts feed-forward (Mixtral, Qwen3-MoE, Qwen3.5-MoE): a router picks `top_k` of
+`n_experts` SwiGLU experts per token, and the chosen experts' outputs are summed with the
+router's weights; Qwen3.5-MoE adds a shared expert every token goes through, gated per token.
 
     logits = x Wr^T                       [t, E]   (t = b * s tokens)
     probs  = softmax(fp32 logits)         [t, E]
@@ -58,16 +59,42 @@ class Experts(nn.Module):
 ROUTER_STATS = ("tokens", "prob_sum", "z_sum", "n")
 
 
-class MoE(nn.Module):
-    """Router + experts; `forward(x)` -> (y, router statistics)."""
+class SharedExpert(nn.Module):
+    """The SwiGLU MLP every token goes through beside its routed experts (Qwen3.5-MoE), times
+    sigmoid(x . gate) when the family gates it: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, norm_topk: bool) -> None:
+    def __init__(self, dim: int, ffn_dim: int, gated: bool) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        self.gate = nn.Linear(dim, 1, bias=False) if gated else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
+
+
+class MoE(nn.Module):
+    """Router + experts (+ a shared expert); `forward(x)` -> (y, router statistics)."""
+
+    def __init__(
+        self,
+        dim: int,
+        ffn_dim: int,
+        n_experts: int,
+        top_k: int,
+        norm_topk: bool,
+        shared_ffn_dim: int = 0,
+        shared_gate: bool = False,
+    ) -> None:
         super().__init__()
         if not 0 < top_k <= n_experts:
             raise ValueError(f"top_k {top_k} must be in 1..n_experts ({n_experts})")
         self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = Experts(n_experts, dim, ffn_dim)
+        self.shared = SharedExpert(dim, shared_ffn_dim, shared_gate) if shared_ffn_dim else None
 
     def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """flat [t, d] -> (weights [t, k] in x's dtype, experts [t, k], stats [2E + 2] fp32)."""
@@ -99,6 +126,8 @@ class MoE(nn.Module):
         out = self.experts(flat[token], offs)  # [t*k, d]
         out = out * weights.flatten()[order, None]
         y = torch.zeros_like(flat).index_add(0, token, out)
+        if self.shared is not None:
+            y = y + self.shared(flat)
         return y.view(b, s, d), stats
 
 

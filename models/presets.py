@@ -441,6 +441,27 @@ PRESETS: dict[str, ModelArgs] = {
         linear_k_dim=32,
         linear_v_dim=32,
     ),
+    # Qwen3.5-MoE's: those layers with 8 experts (2 per token) and a gated shared expert
+    "debug_qwen3_5_moe": _debug_like(
+        family="qwen3_5_moe_text",
+        head_dim=64,
+        qk_norm=True,
+        norm_plus_one=True,
+        attn_output_gate=True,
+        rotary_dim=16,
+        layer_types=("linear", "linear", "linear", "full"),
+        linear_k_heads=2,
+        linear_v_heads=4,
+        linear_k_dim=32,
+        linear_v_dim=32,
+        ffn_dim=256,  # = moe_ffn_dim: no dense layer
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=256,
+        shared_ffn_dim=256,
+        shared_expert_gate=True,
+        router_aux_coef=0.001,
+    ),
     "debug_olmo3": _debug_like(
         sliding_window=256,
         layer_types=("sliding", "sliding", "sliding", "full"),
@@ -503,6 +524,8 @@ def num_params(args: ModelArgs) -> int:
     norms = 2 * args.pre_norms + 2 * args.sandwich_norms
     dense = 3 * d * args.ffn_dim  # fused or not: the same weights
     moe = args.n_experts * (d + 3 * d * args.moe_ffn_dim)  # router row + SwiGLU, per expert
+    if args.shared_ffn_dim:
+        moe += 3 * d * args.shared_ffn_dim + d * args.shared_expert_gate
     n_moe = sum(args.is_moe(i) for i in range(args.n_layers))
     blocks = args.n_layers * norms * d + (args.n_layers - n_linear) * attention + n_linear * linear
     blocks += n_moe * moe + (args.n_layers - n_moe) * dense

@@ -51,7 +51,14 @@ from compiletune.models import (
 from compiletune.models.attention import attention_backend
 from compiletune.models.generation_config import load_generation_config
 from compiletune.models.hf_config import brief
-from compiletune.models.lora import LoRASpec, apply_lora, block_adapter, nf4_unfit, parse_targets
+from compiletune.models.lora import (
+    LoRASpec,
+    apply_lora,
+    block_adapter,
+    model_targets,
+    nf4_unfit,
+    parse_targets,
+)
 from compiletune.optim import ADAMW_BETAS, Optimizer
 from compiletune.train.inputs import build_data, build_pairs
 
@@ -167,14 +174,15 @@ def resolve_model_args(cfg: TrainConfig) -> ModelArgs:
     return args
 
 
-def lora_spec(cfg: TrainConfig) -> LoRASpec | None:
-    """What the --lora-* flags ask for (None: full fine-tuning). Values were checked in config."""
+def lora_spec(cfg: TrainConfig, args: ModelArgs) -> LoRASpec | None:
+    """What the --lora-* flags ask for on this model (None: full fine-tuning): the targets it
+    has (`all-linear` on a model without linear-attention layers leaves theirs out). Values
+    were checked in config."""
     lo = cfg.lora
     if not lo.rank:
         return None
-    return LoRASpec(
-        rank=lo.rank, alpha=float(lo.alpha), dropout=lo.dropout, targets=parse_targets(lo.targets)
-    )
+    targets = model_targets(args, parse_targets(lo.targets))
+    return LoRASpec(rank=lo.rank, alpha=float(lo.alpha), dropout=lo.dropout, targets=targets)
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> Any:
@@ -490,7 +498,7 @@ def build_run(
     if probe is not None and probe.depth is not None:  # the first `depth` blocks only
         types = args.layer_types[: probe.depth] if args.layer_types else None
         args = dataclasses.replace(args, n_layers=probe.depth, layer_types=types)
-    spec = lora_spec(cfg)
+    spec = lora_spec(cfg, args)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
     inputs = _read_inputs(cfg, env, args, spec) if probe is None else _probe_inputs(cfg, env, args)

@@ -257,7 +257,8 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
     from_dir = {k: v for k, v in base.items() if k != "n_layers"} | {"model_dir": tied_dir}
     moe = {**base, "model": "debug_moe", "router_aux_coef": 0.1}
     dpo = {**base, "data": str(tmp / "pairs.jsonl"), "objective": "dpo", "seq_len": 128}
-    four = {**base, "n_layers": 4}
+    four = {**base, "n_layers": 4, "max_steps": 2}
+    q35 = {**four, "model": "debug_qwen3_5_moe", "router_aux_coef": 0.1}
     dpo |= {"val_split": 0.1, "eval_every": 3}
     dpo_lc = {**dpo, "lora_rank": 4, "compile": True, "compile_backend": "aot_eager"}
     kd = {**base, "objective": "kd", "teacher_dir": tied_dir, "kd_ratio": 0.5}
@@ -295,9 +296,11 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
             {**four, "model": "debug_olmo3", "compile": True, "compile_backend": "aot_eager"},
             {**four, "model": "debug_olmo3"},
         ),
-        "qwen3_5-compiled": (
-            {**four, "model": "debug_qwen3_5", "compile": True, "compile_backend": "aot_eager"},
-            {**four, "model": "debug_qwen3_5"},
+        # (Qwen3.5-MoE: the linear-attention layers with routed and shared experts; the
+        # router losses are per rank's rows, so the reference takes two micro-batches)
+        "qwen3_5_moe-compiled": (
+            {**q35, "compile": True, "compile_backend": "aot_eager"},
+            {**q35, "grad_accum": 2},
         ),
         "smollm3-lora": (
             {**four, "model": "debug_smollm3", "lora_rank": 4},

@@ -135,6 +135,23 @@ CASES = {
             tie_word_embeddings=True,
         ),
     ),
+    # Qwen3.5-MoE: those layers, 8 experts of which 2 per token, a gated shared expert
+    "qwen3_5_moe": (
+        transformers.Qwen3_5MoeTextConfig,
+        dict(
+            SMALL,
+            num_hidden_layers=4,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ),
     # OLMo 3: norms after attention and MLP only, q/k norms over the whole projection, three
     # windowed layers per full one with their own rope base, yarn on the full layers
     "olmo3": (
@@ -237,7 +254,8 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["gemma2", "gemma3", "phi3", "qwen3", "smollm3_window", "olmo3", "qwen3_5"]
+    "case",
+    ["gemma2", "gemma3", "phi3", "qwen3", "smollm3_window", "olmo3", "qwen3_5", "qwen3_5_moe"],
 )
 def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
     _, folder = checkpoint(tmp_path, case)
@@ -267,11 +285,13 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
     assert fuse["matched"] == 1, fuse
 
 
-@pytest.mark.parametrize("case", ["phi3", "gemma2", "qwen3", "smollm3", "olmo3", "qwen3_5"])
+@pytest.mark.parametrize(
+    "case", ["phi3", "gemma2", "qwen3", "smollm3", "olmo3", "qwen3_5", "qwen3_5_moe"]
+)
 def test_lora_adapter_loads_in_peft(case, tmp_path):
     hf, folder = checkpoint(tmp_path, case)
     spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
-    if case == "qwen3_5":  # and the linear-attention layers' projections, by PEFT's names
+    if case.startswith("qwen3_5"):  # and the linear-attention layers' projections
         spec = LoRASpec(rank=4, alpha=8.0, targets=parse_targets("all-linear"))
     model = apply_lora(from_hf(folder), spec, dtype=torch.float32, seed=3).eval()
     g = torch.Generator().manual_seed(1)
@@ -283,7 +303,7 @@ def test_lora_adapter_loads_in_peft(case, tmp_path):
     config = json.loads((tmp_path / "adapter" / adapter_io.ADAPTER_CONFIG).read_text())
     if case == "phi3":  # PEFT's names for the fused projections
         assert config["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
-    if case == "qwen3_5":
+    if case.startswith("qwen3_5"):
         assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj"} <= set(config["target_modules"])
     t = tokens(20)
     with torch.no_grad():

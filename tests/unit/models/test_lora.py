@@ -15,13 +15,15 @@ from safetensors.torch import load_file
 
 from compiletune.checkpoint import adapter_io
 from compiletune.compiler.regions import CompileOptions, compile_regions
+from compiletune.errors import UserError
 from compiletune.loss.head import LossHead
-from compiletune.models import build_model, from_hf, save_hf
+from compiletune.models import build_model, from_hf, from_name, save_hf
 from compiletune.models.lora import (
     FrozenLinear,
     LoRALinear,
     LoRASpec,
     apply_lora,
+    model_targets,
     parse_targets,
 )
 from compiletune.models.nf4 import BLOCK, CODE, MAX_ABS_ERROR, dequantize_nf4, quantize_nf4
@@ -111,7 +113,14 @@ def test_frozen_linear_matches_float_reference(stored):
 
 
 def test_parse_targets():
-    assert parse_targets("all-linear") == ("q", "k", "v", "o", "gate", "up", "down")
+    seven = ("q", "k", "v", "o", "gate", "up", "down")
+    linear = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    assert parse_targets("all-linear") == seven + linear
+    # what a model has of them: a Llama no linear-attention projections, Qwen3.5 both kinds
+    assert model_targets(from_name("debug"), parse_targets("all-linear")) == seven
+    assert model_targets(from_name("debug_qwen3_5"), parse_targets("all-linear")) == seven + linear
+    with pytest.raises(UserError, match="none of these projections"):
+        model_targets(from_name("debug"), ("in_proj_z", "out_proj"))
     assert parse_targets("v, q,down") == ("q", "v", "down")
     with pytest.raises(ValueError, match="'x'"):
         parse_targets("q,x")
