@@ -116,6 +116,7 @@ class ModelArgs:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     linear_conv: int = 4  # the causal convolution's kernel
+    linear_fused: bool = False  # Qwen3-Next: in_proj_qkvz / in_proj_ba, grouped per key head
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not hd
     attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c)
     final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)

@@ -200,6 +200,23 @@ def _write_qwen3_5_moe(args: ModelArgs, cfg: dict) -> None:
     cfg.pop("intermediate_size", None)
 
 
+def _read_qwen3_next(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    fields = _read_qwen3_moe(cfg, n_layers, get)
+    fields.update(
+        shared_ffn_dim=get("shared_expert_intermediate_size"),
+        shared_expert_gate=True,
+        **_read_linear(cfg, n_layers, get),
+        linear_fused=True,
+    )
+    return fields
+
+
+def _write_qwen3_next(args: ModelArgs, cfg: dict) -> None:
+    _write_qwen3_moe(args, cfg)
+    cfg["shared_expert_intermediate_size"] = args.shared_ffn_dim
+    cfg.pop("num_local_experts", None)
+
+
 def _write_qwen3_moe(args: ModelArgs, cfg: dict) -> None:
     cfg.update(
         num_experts=args.n_experts,
@@ -463,6 +480,43 @@ FAMILIES: dict[str, Family] = {
             read_moe=_read_qwen3_5_moe,
             write_moe=_write_qwen3_5_moe,
             read_extra=_read_linear,
+            write_extra=_write_linear,
+        ),
+        Family(
+            "qwen3_next",
+            "Qwen3NextForCausalLM",
+            {
+                "vocab_size": 151936,
+                "hidden_size": 2048,
+                "intermediate_size": 5632,
+                "num_hidden_layers": 48,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 2,
+                "head_dim": 256,
+                "max_position_embeddings": 32768,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False,
+                "partial_rotary_factor": 0.25,
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32,
+                "decoder_sparse_step": 1,
+                "moe_intermediate_size": 512,
+                "shared_expert_intermediate_size": 512,
+                "num_experts_per_tok": 10,
+                "num_experts": 512,
+                "num_local_experts": 512,
+                "norm_topk_prob": True,
+                "router_aux_loss_coef": 0.001,
+            },
+            qk_norm=True,
+            linear_layers=True,
+            writes_attention_bias=True,
+            layer_kinds=_qwen3_5_kinds,
+            read_moe=_read_qwen3_next,
+            write_moe=_write_qwen3_next,
             write_extra=_write_linear,
         ),
         Family(

@@ -78,6 +78,8 @@ _BLOCK_NAMES = {
         for name in (
             "in_proj_qkv.weight",
             "in_proj_z.weight",
+            "in_proj_qkvz.weight",
+            "in_proj_ba.weight",
             "in_proj_b.weight",
             "in_proj_a.weight",
             "conv1d.weight",
@@ -116,16 +118,18 @@ _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _ROUTER_NAMES = {
     "qwen3_moe": "mlp.gate.weight",
     "qwen3_5_moe_text": "mlp.gate.weight",
+    "qwen3_next": "mlp.gate.weight",
     "mixtral": "block_sparse_moe.gate.weight",
 }
 _EXPERT_NAMES = {
     "qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_5_moe_text": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_next": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2")),
 }
 _NATIVE_EXPERTS = ("feed_forward.experts.w13", "feed_forward.experts.w2")
 # the gated shared expert beside the routed ones (Qwen3.5-MoE)
-_SHARED_EXPERT = ("qwen3_5_moe_text",)
+_SHARED_EXPERT = ("qwen3_5_moe_text", "qwen3_next")
 _SHARED_NAMES = {
     "feed_forward.shared.w1.weight": "mlp.shared_expert.gate_proj.weight",
     "feed_forward.shared.w3.weight": "mlp.shared_expert.up_proj.weight",

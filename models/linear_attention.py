@@ -75,10 +75,15 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = args.linear_k_dim, args.linear_v_dim
         key_dim, value_dim = self.k_heads * self.dk, self.v_heads * self.dv
         self.conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(args.dim, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(args.dim, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(args.dim, self.v_heads, bias=False)
-        self.in_proj_a = nn.Linear(args.dim, self.v_heads, bias=False)
+        self.fused = args.linear_fused  # Qwen3-Next: two projections, grouped per key head
+        if self.fused:
+            self.in_proj_qkvz = nn.Linear(args.dim, 2 * key_dim + 2 * value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(args.dim, 2 * self.v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(args.dim, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(args.dim, value_dim, bias=False)
+            self.in_proj_b = nn.Linear(args.dim, self.v_heads, bias=False)
+            self.in_proj_a = nn.Linear(args.dim, self.v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, args.linear_conv, groups=self.conv_dim, bias=False
         )
@@ -93,9 +98,26 @@ class GatedDeltaNet(nn.Module):
         """What `forward` takes: the document ids as they are."""
         return doc_ids
 
-    def _heads(self, mixed: Tensor, x: Tensor) -> tuple[Tensor, ...]:
-        """The convolved projections and x -> q, k [b, s, v_heads, dk], v, g, beta."""
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [b, s, d] -> (q|k|v [b, s, conv_dim] (all q, then all k, then all v), z [b, s,
+        v_heads, dv], the write strengths' and decays' inputs [b, s, v_heads]). Qwen3-Next's two
+        projections hold, per key head, its q, k, then its value heads' v and z (and b, a)."""
         b, s, _ = x.shape
+        if not self.fused:
+            z = self.in_proj_z(x).view(b, s, self.v_heads, self.dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r = self.v_heads // self.k_heads
+        qkvz = self.in_proj_qkvz(x).view(b, s, self.k_heads, -1)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        bb, a = self.in_proj_ba(x).view(b, s, self.k_heads, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([t.reshape(b, s, -1) for t in (q, k, v)], dim=-1)
+        z = z.reshape(b, s, self.v_heads, self.dv)
+        return qkv, z, bb.reshape(b, s, self.v_heads), a.reshape(b, s, self.v_heads)
+
+    def _heads(self, mixed: Tensor, b_in: Tensor, a_in: Tensor) -> tuple[Tensor, ...]:
+        """The convolved projections and the b / a inputs -> q, k [b, s, v_heads, dk], v, g,
+        beta."""
+        b, s, _ = mixed.shape
         key_dim = self.k_heads * self.dk
         q, k, v = mixed.split([key_dim, key_dim, self.v_heads * self.dv], dim=-1)
         q, k = (
@@ -107,34 +129,34 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(self.v_heads // self.k_heads, dim=2)
         q = q * self.dk**-0.5
         v = v.reshape(b, s, self.v_heads, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = torch.sigmoid(b_in)
+        g = -self.A_log.float().exp() * F.softplus(a_in.float() + self.dt_bias)
         return q, k, v, g, beta
 
-    def _out(self, o: Tensor, x: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        z = self.in_proj_z(x).view(b, s, self.v_heads, self.dv)
+    def _out(self, o: Tensor, z: Tensor) -> Tensor:
+        b, s = o.shape[:2]
         return self.out_proj(self.norm(o, z).reshape(b, s, -1))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Any = None) -> Tensor:
         """x [b, s, d], doc_ids [b, s] or None -> [b, s, d]."""
-        mixed = F.silu(causal_conv(self.in_proj_qkv(x), self.conv1d.weight, doc_ids))
-        q, k, v, g, beta = self._heads(mixed, x)
+        qkv, z, b_in, a_in = self._project(x)
+        mixed = F.silu(causal_conv(qkv, self.conv1d.weight, doc_ids))
+        q, k, v, g, beta = self._heads(mixed, b_in, a_in)
         o = gated_delta_rule(q, k, v, g, beta, doc_ids)  # fp32 inside, v's dtype out
-        return self._out(o, x)
+        return self._out(o, z)
 
     def forward_cached(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Any, layer: int):
         """Inference: x [b, s, d] after the cached tokens; the cache holds this layer's last
         K - 1 projected inputs (the convolution's) and its recurrent state."""
-        projected = self.in_proj_qkv(x)
+        projected, z, b_in, a_in = self._project(x)
         past = cache.conv[layer]
         mixed = F.silu(causal_conv(projected, self.conv1d.weight, None, past))
         keep = self.conv1d.weight.shape[-1] - 1
         cache.conv[layer] = torch.cat((past, projected), dim=1)[:, -keep:]
-        q, k, v, g, beta = self._heads(mixed, x)
+        q, k, v, g, beta = self._heads(mixed, b_in, a_in)
         # a decode step of one token is a chunk of one (no padding to a whole chunk)
         chunk = min(CHUNK, x.shape[1])
         o, cache.state[layer] = gated_delta_forward(
             q, k, v, g, beta, None, cache.state[layer], chunk=chunk
         )
-        return self._out(o, x)
+        return self._out(o, z)

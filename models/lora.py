@@ -63,10 +63,13 @@ TARGETS: dict[str, tuple[str, str]] = {
     "in_proj_b": ("attention.in_proj_b", "in_proj_b"),
     "in_proj_a": ("attention.in_proj_a", "in_proj_a"),
     "out_proj": ("attention.out_proj", "out_proj"),
+    "in_proj_qkvz": ("attention.in_proj_qkvz", "in_proj_qkvz"),  # Qwen3-Next's fused ones
+    "in_proj_ba": ("attention.in_proj_ba", "in_proj_ba"),
     "qkv": ("attention.wqkv", "qkv_proj"),
     "gate_up": ("feed_forward.w13", "gate_up_proj"),
 }
 LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+LINEAR_ATTENTION_TARGETS += ("in_proj_qkvz", "in_proj_ba")
 # A fused projection is adapted when all of its parts are targets (PEFT adapts qkv_proj whole).
 FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 # What a LoRASpec / --lora-targets names: every projection (fused ones via their parts).
@@ -110,8 +113,13 @@ def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     has is refused (one line naming it)."""
     kinds = {args.layer_kind(i) for i in range(args.n_layers)}
     linear = set(LINEAR_ATTENTION_TARGETS)
+    fused = {"in_proj_qkvz", "in_proj_ba"}
+    has = {t for t in linear if "linear" in kinds and t != "out_proj"}
+    has = {t for t in has if (t in fused) == args.linear_fused} | {"out_proj"} & (
+        {"out_proj"} if "linear" in kinds else set()
+    )
     attention = bool(kinds - {"linear"})
-    keep = tuple(t for t in targets if ("linear" in kinds if t in linear else attention))
+    keep = tuple(t for t in targets if (t in has if t in linear else attention))
     if not keep:
         raise UserError(
             f"--lora-targets {','.join(targets)}: this model has none of these projections"

@@ -249,8 +249,7 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
         per_block.setdefault(block, set()).update(shorts)
     if experts:  # a MoE model's dense layers carry no MLP adapters (models/lora.py)
         mlp = {s for w in experts for s in _EXPERT_SHORTS[w]}
-        union = set().union(*per_block.values())
-        per_block = {b: v | mlp if union - v <= mlp else v for b, v in per_block.items()}
+        per_block = {b: v | mlp for b, v in per_block.items()}
     # Blocks of one kind carry the same projections; attention and linear-attention layers
     # (Qwen3.5) each have their own, beside the same MLP ones.
     linear = set(LINEAR_ATTENTION_TARGETS)

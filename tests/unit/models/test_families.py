@@ -22,7 +22,7 @@ from compiletune.errors import UserError
 from compiletune.generate import generate_ids
 from compiletune.loss.head import LossHead
 from compiletune.models import args_from_hf_config, from_hf, save_hf
-from compiletune.models.lora import LoRASpec, apply_lora, parse_targets
+from compiletune.models.lora import LoRASpec, apply_lora, model_targets, parse_targets
 
 peft = pytest.importorskip("peft")
 
@@ -152,6 +152,25 @@ CASES = {
             shared_expert_intermediate_size=48,
         ),
     ),
+    # Qwen3-Next: the same layers with fused projections grouped per key head, experts in
+    # layers 0, 2, 3 (layer 1 dense: mlp_only_layers) and a gated shared expert
+    "qwen3_next": (
+        transformers.Qwen3NextConfig,
+        dict(
+            SMALL,
+            num_hidden_layers=4,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        ),
+    ),
     # OLMo 3: norms after attention and MLP only, q/k norms over the whole projection, three
     # windowed layers per full one with their own rope base, yarn on the full layers
     "olmo3": (
@@ -255,7 +274,7 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
 
 @pytest.mark.parametrize(
     "case",
-    ["gemma2", "gemma3", "phi3", "qwen3", "smollm3_window", "olmo3", "qwen3_5", "qwen3_5_moe"],
+    ["gemma2", "gemma3", "phi3", "qwen3", "smollm3_window", "olmo3", "qwen3_5_moe", "qwen3_next"],
 )
 def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
     _, folder = checkpoint(tmp_path, case)
@@ -276,7 +295,7 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
         assert rel(loss, want_loss) <= 1e-5
         assert all(rel(g, w) <= 1e-4 for g, w in zip(grads, want_grads, strict=True))
     stats = regions.stats()
-    kinds = {layer.region for layer in model.layers}
+    kinds = {(layer.region, layer.moe) for layer in model.layers}  # a MoE model's dense layers
     blocks = {k: v for k, v in stats["regions"].items() if k.startswith("block")}
     assert len(blocks) == len(kinds) and stats["recompiles"] == 0, stats
     # The soft-capped head was fused all the same: no [N, V] logits.
@@ -286,14 +305,16 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["phi3", "gemma2", "qwen3", "smollm3", "olmo3", "qwen3_5", "qwen3_5_moe"]
+    "case", ["phi3", "gemma2", "qwen3", "smollm3", "olmo3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 )
 def test_lora_adapter_loads_in_peft(case, tmp_path):
     hf, folder = checkpoint(tmp_path, case)
     spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
-    if case.startswith("qwen3_5"):  # and the linear-attention layers' projections
-        spec = LoRASpec(rank=4, alpha=8.0, targets=parse_targets("all-linear"))
-    model = apply_lora(from_hf(folder), spec, dtype=torch.float32, seed=3).eval()
+    base = from_hf(folder)
+    if case.startswith("qwen3"):  # and the linear-attention layers' projections
+        targets = model_targets(base.args, parse_targets("all-linear"))
+        spec = LoRASpec(rank=4, alpha=8.0, targets=targets)
+    model = apply_lora(base, spec, dtype=torch.float32, seed=3).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -305,6 +326,8 @@ def test_lora_adapter_loads_in_peft(case, tmp_path):
         assert config["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     if case.startswith("qwen3_5"):
         assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj"} <= set(config["target_modules"])
+    if case == "qwen3_next":
+        assert {"in_proj_qkvz", "in_proj_ba", "out_proj"} <= set(config["target_modules"])
     t = tokens(20)
     with torch.no_grad():
         ours = model(t)
@@ -386,7 +409,7 @@ def test_phi3_longrope_original_context_and_saved_form(tmp_path):
     assert saved["original_max_position_embeddings"] == 16
 
 
-@pytest.mark.parametrize("case", ["qwen3_5", "olmo3", "smollm3_window"])
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_next", "olmo3", "smollm3_window"])
 def test_packed_documents_equal_each_document_alone(case, tmp_path):
     """A row packing three documents (document ids, positions restarting) gives each document
     what it gives alone: no attention, convolution or recurrent state crosses a boundary."""
