@@ -135,9 +135,7 @@ def test_compiled_once_and_declares_its_memory():
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize(
-    ("s", "h", "dk", "dv"), [(300, 4, 32, 48), (1500, 4, 32, 48), (700, 2, 128, 128)]
-)
+@pytest.mark.parametrize(("s", "h", "dk", "dv"), [(1500, 4, 32, 48), (700, 2, 128, 128)])
 def test_declared_memory_covers_what_the_op_allocates(s, h, dk, dv):
     """What the estimate adds for each op (ops/op_memory.py) against the allocator's peak of a
     call above its inputs and outputs: never less, at most a third more."""
