@@ -50,6 +50,9 @@ def _cfg(**flags) -> object:
         {"grad_accum": 2, "dtype": "bf16"},
         {"lora_rank": 8},
         {"lora_rank": 8, "quantize_base": "nf4", "ac": "full"},
+        # Gated DeltaNet layers (the op's declared memory) and a shared expert
+        {"model": "debug_qwen3_5", "n_layers": 4, "loss": "plain"},
+        {"model": "debug_qwen3_5_moe", "n_layers": 4, "loss": "plain", "lora_rank": 8},
     ],
     ids=[
         "plain",
@@ -60,6 +63,8 @@ def _cfg(**flags) -> object:
         "accum-bf16",
         "lora",
         "qlora-ac-full",
+        "qwen3_5",
+        "qwen3_5_moe-lora",
     ],
 )
 def test_estimate_matches_the_real_cpu_step(flags: dict) -> None:
