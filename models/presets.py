@@ -316,6 +316,23 @@ def _olmo3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int)
     )
 
 
+# Qwen3.5's layers: three Gated DeltaNet layers per gated full-attention one, (1 + w) norms, a
+# quarter of each head rotated
+_QWEN3_5 = dict(
+    family="qwen3_5_text",
+    head_dim=64,
+    qk_norm=True,
+    norm_plus_one=True,
+    attn_output_gate=True,
+    rotary_dim=16,
+    layer_types=("linear", "linear", "linear", "full"),
+    linear_k_heads=2,
+    linear_v_heads=4,
+    linear_k_dim=32,
+    linear_v_dim=32,
+)
+
+
 def _debug(vocab_size: int) -> ModelArgs:
     return ModelArgs(
         dim=256,
@@ -428,32 +445,10 @@ PRESETS: dict[str, ModelArgs] = {
     "debug_smollm3": _debug_like(family="smollm3", tie_embeddings=True, nope_layers=(3,)),
     # Qwen3.5's layers: three Gated DeltaNet layers per gated full-attention one, (1 + w)
     # norms, a quarter of each head rotated
-    "debug_qwen3_5": _debug_like(
-        family="qwen3_5_text",
-        head_dim=64,
-        qk_norm=True,
-        norm_plus_one=True,
-        attn_output_gate=True,
-        rotary_dim=16,
-        layer_types=("linear", "linear", "linear", "full"),
-        linear_k_heads=2,
-        linear_v_heads=4,
-        linear_k_dim=32,
-        linear_v_dim=32,
-    ),
+    "debug_qwen3_5": _debug_like(**_QWEN3_5),
     # Qwen3.5-MoE's: those layers with 8 experts (2 per token) and a gated shared expert
     "debug_qwen3_5_moe": _debug_like(
-        family="qwen3_5_moe_text",
-        head_dim=64,
-        qk_norm=True,
-        norm_plus_one=True,
-        attn_output_gate=True,
-        rotary_dim=16,
-        layer_types=("linear", "linear", "linear", "full"),
-        linear_k_heads=2,
-        linear_v_heads=4,
-        linear_k_dim=32,
-        linear_v_dim=32,
+        **{**_QWEN3_5, "family": "qwen3_5_moe_text"},
         ffn_dim=256,  # = moe_ffn_dim: no dense layer
         n_experts=8,
         top_k=2,

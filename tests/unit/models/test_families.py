@@ -40,6 +40,12 @@ SMALL = dict(
     pad_token_id=0,
 )
 GEMMA = dict(SMALL, num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=24)
+# Gated DeltaNet on three layers of four (4 value heads over 2 key heads) and the experts of
+# the MoE ones (8, 2 per token, a shared one)
+LINEAR = dict(SMALL, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2)
+LINEAR |= dict(linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12)
+EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+EXPERTS |= dict(shared_expert_intermediate_size=48)
 
 CASES = {
     # q/k norms, head_dim 32 != 64 / 4, tied embeddings
@@ -122,55 +128,12 @@ CASES = {
     ),
     # Qwen3.5: Gated DeltaNet on three layers of four (4 value heads over 2 key heads), a gated
     # full-attention layer with (1 + w) q/k norms and a quarter of each head rotated
-    "qwen3_5": (
-        transformers.Qwen3_5TextConfig,
-        dict(
-            SMALL,
-            num_hidden_layers=4,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, dict(LINEAR, tie_word_embeddings=True)),
     # Qwen3.5-MoE: those layers, 8 experts of which 2 per token, a gated shared expert
-    "qwen3_5_moe": (
-        transformers.Qwen3_5MoeTextConfig,
-        dict(
-            SMALL,
-            num_hidden_layers=4,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-        ),
-    ),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, dict(LINEAR, **EXPERTS)),
     # Qwen3-Next: the same layers with fused projections grouped per key head, experts in
     # layers 0, 2, 3 (layer 1 dense: mlp_only_layers) and a gated shared expert
-    "qwen3_next": (
-        transformers.Qwen3NextConfig,
-        dict(
-            SMALL,
-            num_hidden_layers=4,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            mlp_only_layers=[1],
-        ),
-    ),
+    "qwen3_next": (transformers.Qwen3NextConfig, dict(LINEAR, **EXPERTS, mlp_only_layers=[1])),
     # OLMo 3: norms after attention and MLP only, q/k norms over the whole projection, three
     # windowed layers per full one with their own rope base, yarn on the full layers
     "olmo3": (
