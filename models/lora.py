@@ -112,14 +112,17 @@ def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     layers, in_proj_* / out_proj in linear-attention ones. A target none of the model's layers
     has is refused (one line naming it)."""
     kinds = {args.layer_kind(i) for i in range(args.n_layers)}
-    linear = set(LINEAR_ATTENTION_TARGETS)
-    fused = {"in_proj_qkvz", "in_proj_ba"}
-    has = {t for t in linear if "linear" in kinds and t != "out_proj"}
-    has = {t for t in has if (t in fused) == args.linear_fused} | {"out_proj"} & (
-        {"out_proj"} if "linear" in kinds else set()
-    )
-    attention = bool(kinds - {"linear"})
-    keep = tuple(t for t in targets if (t in has if t in linear else attention))
+    fused = ("in_proj_qkvz", "in_proj_ba")
+    mixer = (*(fused if args.linear_fused else LINEAR_ATTENTION_TARGETS[:4]), "out_proj")
+
+    def present(t: str) -> bool:
+        if t in LINEAR_ATTENTION_TARGETS:
+            return "linear" in kinds and t in mixer
+        if t in ("q", "k", "v", "o"):
+            return bool(kinds - {"linear"})
+        return True  # the MLP's
+
+    keep = tuple(t for t in targets if present(t))
     if not keep:
         raise UserError(
             f"--lora-targets {','.join(targets)}: this model has none of these projections"
