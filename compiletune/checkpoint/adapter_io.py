@@ -253,10 +253,10 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
     # Blocks of one kind carry the same projections; attention and linear-attention layers
     # (Qwen3.5) each have their own, beside the same MLP ones.
     linear = set(LINEAR_ATTENTION_TARGETS)
-    mlp = {frozenset(v - linear - _ATTENTION_SHORTS) for v in per_block.values()}
+    mlps = {frozenset(v - linear - _ATTENTION_SHORTS) for v in per_block.values()}
     attention = {frozenset(v & _ATTENTION_SHORTS) for v in per_block.values()} - {frozenset()}
     mixers = {frozenset(v & linear) for v in per_block.values()} - {frozenset()}
-    if len(mlp) != 1 or len(attention) > 1 or len(mixers) > 1:
+    if len(mlps) != 1 or len(attention) > 1 or len(mixers) > 1:
         raise UserError(
             f"{weights}: the blocks carry adapters on different projections; compiletune "
             "applies the same targets to every block"

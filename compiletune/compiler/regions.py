@@ -132,8 +132,8 @@ def compile_regions(
     for index, block in enumerate(model.layers):
         # Blocks under the policy and blocks outside it are two regions (two compiles); within a
         # region one backend object serves every block, so each region compiles once.
-        # Sliding-window layers (a layer kind) and layers without rope are regions of their
-        # own: one graph per kind of block.
+        # Sliding-window, linear-attention and rope-less layers are regions of their own
+        # (`block.region`): one graph per kind of block.
         with_policy = opts.ac.applies_to(index)
         name = "block" if with_policy or opts.ac.kind == "none" else "block.no_ac"
         region = getattr(block, "region", "full")
