@@ -6,6 +6,7 @@ One command from one process to many nodes: `torchrun --nproc-per-node N -m comp
 Units (torchtitan's order: compile first, then `fully_shard` per unit, then the root):
     each transformer block                 gathered for its forward, freed after (full/hybrid)
     the token embedding                    its own unit (untied models)
+    the per-layer inputs (Gemma 4)         their own unit (an embedding as large as the rest)
     final norm + output projection         one unit; the loss head reads the output weight
                                            directly, so this unit stays gathered from the
                                            norm's forward to the end of backward
@@ -183,6 +184,8 @@ def apply_fsdp(
     reshard = sharding in ("full", "hybrid")
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard, **common)
+    if model.per_layer_inputs is not None:  # Gemma 4's embedding per layer: large, used once
+        fully_shard(model.per_layer_inputs, reshard_after_forward=reshard, **common)
     if not model.args.tie_embeddings:
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **common)
         if fsdp_completes_partial_groups():

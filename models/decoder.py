@@ -32,7 +32,7 @@ from .attention import attention_backend, causal_attention, flex_block_mask, vis
 from .linear_attention import GatedDeltaNet, GatedRMSNorm
 from .moe import Experts, MoE
 
-ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")
+ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "proportional")
 
 
 @dataclass
@@ -46,6 +46,9 @@ class RopeScaling:
               set by `beta_fast` / `beta_slow`; cos/sin scaled by `attention_factor`
     longrope  Phi-3: per-frequency `short_factor` (up to `original_max_position_embeddings`
               positions) or `long_factor` (beyond); cos/sin scaled by `attention_factor`
+    proportional  Gemma 4's full layers: the first `partial` of the head's frequency pairs
+              rotate at the frequencies of the whole head dim, the rest not at all; all
+              divided by `factor`
 
     `attention_factor` None means the published default for the type (derived from `factor`).
     """
@@ -61,6 +64,7 @@ class RopeScaling:
     attention_factor: float | None = None
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    partial: float = 1.0  # proportional: the fraction of frequency pairs that rotate
 
     def cos_sin_scale(self) -> float:
         """The factor cos and sin are multiplied by (yarn, longrope; 1 otherwise)."""
@@ -132,6 +136,19 @@ class ModelArgs:
     router_aux_coef: float = 0.0  # the checkpoint's router_aux_loss_coef (--router-aux-coef)
     shared_ffn_dim: int = 0  # a shared expert beside the routed ones (Qwen3.5-MoE); 0: none
     shared_expert_gate: bool = False  # ... scaled per token by sigmoid(x . gate)
+    # Gemma 4: full layers with a head size and kv heads of their own, values from the key
+    # projection there; values RMS-normed (no weight); the last `kv_shared_layers` layers attend
+    # over the keys and values of the last earlier layer of their kind (and may have an MLP
+    # twice as wide); a small embedding per layer fed into each block; a stored scalar per block
+    global_head_dim: int | None = None  # full layers' head dim (None: hd)
+    global_kv_heads: int | None = None  # full layers' kv heads (None: n_kv_heads)
+    kv_from_k: bool = False  # full layers: v = the key projection (before k's norm and rope)
+    v_norm: bool = False
+    kv_shared_layers: int = 0
+    wide_shared_mlp: bool = False
+    ple_dim: int = 0  # per-layer input width (0: none)
+    ple_vocab: int = 0  # ... and its vocabulary
+    layer_scalar: bool = False
 
     @property
     def hd(self) -> int:
@@ -151,6 +168,31 @@ class ModelArgs:
     def window(self, index: int) -> int:
         """Sliding window of layer `index` (0: none)."""
         return (self.sliding_window or 0) if self.layer_kind(index) == "sliding" else 0
+
+    def head_dim_of(self, kind: str) -> int:
+        """Head dimension of the layers of `kind`."""
+        return self.global_head_dim or self.hd if kind == "full" else self.hd
+
+    def kv_heads_of(self, kind: str) -> int:
+        """Key/value heads of the layers of `kind`."""
+        return self.global_kv_heads or self.n_kv_heads if kind == "full" else self.n_kv_heads
+
+    def kv_mode(self, index: int) -> str | None:
+        """None, "store" (a later layer attends over this layer's keys and values) or "reuse"
+        (this layer attends over those of the last "store" layer of its kind), as Gemma 4."""
+        first = self.n_layers - self.kv_shared_layers
+        if not self.kv_shared_layers:
+            return None
+        if index >= first:
+            return "reuse"
+        kind = self.layer_kind(index)
+        later = [i for i in range(index + 1, first) if self.layer_kind(i) == kind]
+        return None if later else "store"
+
+    def ffn_dim_of(self, index: int) -> int:
+        """MLP width of layer `index`."""
+        wide = self.wide_shared_mlp and self.kv_mode(index) == "reuse"
+        return self.ffn_dim * (2 if wide else 1)
 
     def is_moe(self, index: int) -> bool:
         """Is layer `index` a mixture-of-experts layer?"""
@@ -221,8 +263,14 @@ def rope_inv_freq(
     Computed in the same order of fp32 operations as HF so that cos/sin match bit for bit.
     Gemma 3's sliding layers use their own base (`local_rope_theta`) and no scaling.
     """
-    dim = args.rotary_dim or args.hd
     theta, rs = _rope_base(args, kind)
+    hd = args.head_dim_of(kind)
+    if rs is not None and rs.rope_type == "proportional":
+        pairs = int(rs.partial * hd // 2)
+        exponent = torch.arange(0, 2 * pairs, 2, dtype=torch.int64, device=device).float() / hd
+        still = torch.zeros(hd // 2 - pairs, device=device)
+        return torch.cat((1.0 / theta**exponent, still)) / rs.factor
+    dim = args.rotary_dim or hd
     if rs is not None and rs.rope_type == "yarn":
         return _yarn(theta, dim, rs, device)
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
@@ -312,6 +360,12 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
 
+def unit_rms(x: Tensor, eps: float) -> Tensor:
+    """RMSNorm without a weight over the last dim, in fp32 (Gemma 4's values)."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _norm(args: ModelArgs, dim: int) -> RMSNorm:
     """An RMSNorm over `dim` as the family computes it."""
     return RMSNorm(dim, args.norm_eps, args.norm_plus_one, args.norm_weight_fp32)
@@ -326,30 +380,60 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
+        kind = args.layer_kind(layer)
         self.n_heads = args.n_heads
-        self.n_kv_heads = args.n_kv_heads
-        self.head_dim = hd = args.hd
+        self.n_kv_heads = args.kv_heads_of(kind)
+        self.head_dim = hd = args.head_dim_of(kind)
         self.scale = args.attn_scale
         self.window = args.window(layer)
         self.softcap = args.attn_softcap or 0.0
         self.backend: str | None = None  # masked attention's kernel; None: attention_backend
-        q_out, kv_out = args.n_heads * hd, args.n_kv_heads * hd
+        # None, or (Gemma 4) "store": return this layer's keys and values for later layers, or
+        # "reuse": attend over those instead of projecting its own
+        self.kv_mode = args.kv_mode(layer)
+        own_kv = self.kv_mode != "reuse"
+        self.v_from_k = args.kv_from_k and kind == "full"
+        q_out, kv_out = args.n_heads * hd, self.n_kv_heads * hd
         self.fused = args.fused_projections
         self.gated = args.attn_output_gate  # wq's rows: per head, its query then its gate
         if self.fused:
             self.wqkv = nn.Linear(args.dim, q_out + 2 * kv_out, bias=args.qkv_bias)
         else:
             self.wq = nn.Linear(args.dim, q_out * (2 if self.gated else 1), bias=args.qkv_bias)
-            self.wk = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
-            self.wv = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
+            if own_kv:
+                self.wk = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
+            if own_kv and not self.v_from_k:
+                self.wv = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
         self.wo = nn.Linear(q_out, args.dim, bias=False)
         self.rope = args.rope(layer)
         self.qk_norm_whole = args.qk_norm_whole
+        self.q_norm = self.k_norm = None
         if args.qk_norm:  # per head, or (OLMo 3) over the whole projection
             self.q_norm = _norm(args, q_out if args.qk_norm_whole else hd)
-            self.k_norm = _norm(args, kv_out if args.qk_norm_whole else hd)
-        else:
-            self.q_norm = self.k_norm = None
+            if own_kv:
+                self.k_norm = _norm(args, kv_out if args.qk_norm_whole else hd)
+        self.v_norm_eps = args.norm_eps if args.v_norm else 0.0
+
+    def _split_gate(self, q: Tensor) -> tuple[Tensor, Tensor | None]:
+        """wq's output [b, s, rows] -> queries [b, s, h * hd] and a gated family's output gate
+        [b, s, h * hd] (per head, the query's rows then the gate's), else None."""
+        if not self.gated:
+            return q, None
+        b, s, _ = q.shape
+        h, hd = self.n_heads, self.head_dim
+        q, gate = q.view(b, s, h, 2 * hd).split(hd, dim=-1)
+        return q.reshape(b, s, h * hd), gate.reshape(b, s, h * hd)
+
+    def _q(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
+        """x [b, s, d] -> q [b, h, s, hd] (normed and rotated), and a gated family's output gate
+        [b, s, h * hd] (else None): for a layer that reuses another's keys and values."""
+        b, s, _ = x.shape
+        q, gate = self._split_gate(self.wq(x))
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = q.transpose(1, 2)
+        return (apply_rope(q, cos, sin) if self.rope else q), gate
 
     def _qkv(
         self, x: Tensor, cos: Tensor, sin: Tensor
@@ -361,16 +445,16 @@ class Attention(nn.Module):
         if self.fused:
             q, kk, v = self.wqkv(x).split([h * hd, k * hd, k * hd], dim=-1)
         else:
-            q, kk, v = self.wq(x), self.wk(x), self.wv(x)
-        gate = None
-        if self.gated:
-            q, gate = q.view(b, s, h, 2 * hd).split(hd, dim=-1)
-            q, gate = q.reshape(b, s, h * hd), gate.reshape(b, s, h * hd)
+            q, kk = self.wq(x), self.wk(x)
+            v = kk if self.v_from_k else self.wv(x)
+        q, gate = self._split_gate(q)
         if self.q_norm is not None and self.qk_norm_whole:
             q, kk = self.q_norm(q), self.k_norm(kk)  # over all heads at once, before rope
         q, kk, v = q.view(b, s, h, hd), kk.view(b, s, k, hd), v.view(b, s, k, hd)
         if self.q_norm is not None and not self.qk_norm_whole:
             q, kk = self.q_norm(q), self.k_norm(kk)  # per head, before rope
+        if self.v_norm_eps:
+            v = unit_rms(v, self.v_norm_eps)
         q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
         if not self.rope:  # a NoPE layer (SmolLM3)
             return q, kk, v, gate
@@ -400,20 +484,40 @@ class Attention(nn.Module):
             shared[self.window] = flex_block_mask(doc_ids, self.window, *shape, device)
         return shared[self.window]
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Any = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        doc_ids: Any = None,
+        kv: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         """x [b, s, d], cos/sin [b, s, rd], doc_ids [b, s] or None -> [b, s, d].
 
         With `doc_ids`, a token attends only to earlier tokens of its own document. `doc_ids`
-        may instead be the FlexAttention block mask from `mask`.
+        may instead be the FlexAttention block mask from `mask`. A "reuse" layer attends over
+        `kv` (keys, values [b, k, s, hd] of its "store" layer); a "store" layer returns
+        (out, its keys, its values).
         """
         b, s, _ = x.shape
-        q, kk, v, gate = self._qkv(x, cos, sin)
-        kk, v = self._repeat_kv(kk), self._repeat_kv(v)  # [b, h, s, hd]
+        if self.kv_mode == "reuse":
+            assert kv is not None, "a layer that reuses keys and values needs them"
+            (q, gate), (kk, v) = self._q(x, cos, sin), kv
+        else:
+            q, kk, v, gate = self._qkv(x, cos, sin)
         out = causal_attention(
-            q, kk, v, self.scale, doc_ids, self.window, self.softcap, backend=self.backend
+            q,
+            self._repeat_kv(kk),
+            self._repeat_kv(v),
+            self.scale,
+            doc_ids,
+            self.window,
+            self.softcap,
+            backend=self.backend,
         )
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, h * hd]
-        return self.wo(out if gate is None else out * torch.sigmoid(gate))
+        out = self.wo(out if gate is None else out * torch.sigmoid(gate))
+        return (out, kk, v) if self.kv_mode == "store" else out
 
     def forward_cached(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int
@@ -424,10 +528,14 @@ class Attention(nn.Module):
         and new tokens up to itself (within the window, if the layer has one).
         """
         b, s, _ = x.shape
-        q, kk, v, gate = self._qkv(x, cos, sin)
         start, end = cache.length, cache.length + s
-        cache.k[layer][:, :, start:end] = kk
-        cache.v[layer][:, :, start:end] = v
+        if self.kv_mode == "reuse":  # the store layer, earlier in this step, wrote them
+            q, gate = self._q(x, cos, sin)
+            layer = cache.source[layer]
+        else:
+            q, kk, v, gate = self._qkv(x, cos, sin)
+            cache.k[layer][:, :, start:end] = kk
+            cache.v[layer][:, :, start:end] = v
         keys = self._repeat_kv(cache.k[layer][:, :, :end])  # [b, h, end, hd]
         values = self._repeat_kv(cache.v[layer][:, :, :end])
         if start == 0:  # the prompt: the exact segment op (prompt lengths vary; no recompiles)
@@ -486,16 +594,23 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then h + ffn(norm(h)); with sandwich norms
     (Gemma) the attention and MLP outputs are normed again before each residual add; without
-    pre-norms (OLMo 3) only those after are there.
+    pre-norms (OLMo 3) only those after are there. Gemma 4 adds a third residual from the
+    block's per-layer input, and scales the block's output by a stored scalar.
 
-    `kind` is the attention's ("full" / "sliding", which rope it takes); `region` names the
-    compiled graph the block shares with the blocks of the same shape of computation."""
+    `kind` is the attention's ("full" / "sliding" / "linear", which rope it takes); `region`
+    names the compiled graph the block shares with the blocks of the same shape of computation.
+
+    Inputs: (x, cos, sin, doc_ids), then the per-layer input when the family has one, then the
+    keys and values of a "reuse" layer. Output: x, or a tuple (x, the router statistics of a
+    MoE block, the keys and values of a "store" block), in that order, each only when there."""
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.kind = args.layer_kind(layer)
         nope = not args.rope(layer) and self.kind != "linear"
-        self.region = f"{self.kind}.nope" if nope else self.kind
+        self.kv_mode = args.kv_mode(layer)
+        region = [self.kind] + ["nope"] * nope + [self.kv_mode] * (self.kv_mode is not None)
+        self.region = ".".join(region)
         self.attention_norm = _norm(args, args.dim) if args.pre_norms else None
         self.attention: Attention | GatedDeltaNet
         if self.kind == "linear":
@@ -518,48 +633,111 @@ class TransformerBlock(nn.Module):
             )
         else:
             self.feed_forward = FeedForward(
-                args.dim, args.ffn_dim, args.activation, args.fused_projections
+                args.dim, args.ffn_dim_of(layer), args.activation, args.fused_projections
             )
         if args.sandwich_norms:
             self.post_attention_norm = _norm(args, args.dim)
             self.post_ffn_norm = _norm(args, args.dim)
         else:
             self.post_attention_norm = self.post_ffn_norm = None
+        self.per_layer: PerLayerInput | None = None
+        if args.ple_dim:
+            self.per_layer = PerLayerInput(args)
+        self.scalar = (
+            nn.Parameter(torch.ones(1), requires_grad=False) if args.layer_scalar else None
+        )
 
     def _residuals(
-        self, x: Tensor, attention: Callable[[Tensor], Tensor]
-    ) -> tuple[Tensor, Tensor | None]:
+        self, x: Tensor, attention: Callable[[Tensor], Any], ple: Tensor | None
+    ) -> tuple[Tensor, ...]:
         a = attention(x if self.attention_norm is None else self.attention_norm(x))
+        kv: tuple[Tensor, ...] = ()
+        if isinstance(a, tuple):  # a "store" layer's keys and values
+            a, kv = a[0], a[1:]
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
         h = x + a
-        stats = None
+        stats: tuple[Tensor, ...] = ()
         n = h if self.ffn_norm is None else self.ffn_norm(h)
         if self.moe:
-            f, stats = self.feed_forward(n)
+            f, router = self.feed_forward(n)
+            stats = (router,)
         else:
             f = self.feed_forward(n)
         if self.post_ffn_norm is not None:
             f = self.post_ffn_norm(f)
-        return h + f, stats
+        h = h + f
+        if self.per_layer is not None:
+            assert ple is not None, "a block with a per-layer input needs it"
+            h = h + self.per_layer(h, ple)
+        if self.scalar is not None:
+            h = h * self.scalar
+        return (h, *stats, *kv)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Any = None
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Any = None, *extra: Tensor
+    ) -> Any:
         """x [b, s, d], cos/sin [b, s, rd], doc_ids [b, s] (or the block mask from
-        `Attention.mask`) or None -> [b, s, d]; a MoE block returns (that, its router
-        statistics [2E + 2]) (see moe.py)."""
-        h, stats = self._residuals(x, lambda n: self.attention(n, cos, sin, doc_ids))
-        return h if stats is None else (h, stats)
+        `Attention.mask`) or None, then the `extra` inputs (see the class) -> [b, s, d], or the
+        tuple of the class's outputs (a MoE block's router statistics [2E + 2], see moe.py)."""
+        ple = extra[0] if self.per_layer is not None else None
+        kv = tuple(extra[1:] if self.per_layer is not None else extra) or None
+        if self.kind == "linear":
+            out = self._residuals(x, lambda n: self.attention(n, cos, sin, doc_ids), ple)
+        else:
+            out = self._residuals(x, lambda n: self.attention(n, cos, sin, doc_ids, kv), ple)
+        return out[0] if len(out) == 1 else out
 
     def forward_cached(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: KVCache,
+        layer: int,
+        ple: Tensor | None = None,
     ) -> Tensor:
         """`forward` for incremental decoding with a KV cache (see `Attention.forward_cached`)."""
-        h, _ = self._residuals(
-            x, lambda n: self.attention.forward_cached(n, cos, sin, cache, layer)
-        )
-        return h
+        return self._residuals(
+            x, lambda n: self.attention.forward_cached(n, cos, sin, cache, layer), ple
+        )[0]
+
+
+class PerLayerInput(nn.Module):
+    """Gemma 4's per-layer input of one block: h -> norm(up(act(gate(h)) * ple)), added to the
+    residual (gate [p, d], up [d, p]; the block's per-layer input ple [b, s, p])."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.ple_dim, bias=False)
+        self.up = nn.Linear(args.ple_dim, args.dim, bias=False)
+        self.norm = _norm(args, args.dim)
+        self.activation = args.activation
+
+    def forward(self, h: Tensor, ple: Tensor) -> Tensor:
+        g = self.gate(h)
+        g = F.silu(g) if self.activation == "silu" else F.gelu(g, approximate="tanh")
+        return self.norm(self.up(g * ple))
+
+
+class PerLayerInputs(nn.Module):
+    """Gemma 4's per-layer inputs of every block [b, s, L, p], from the tokens (an embedding
+    of L * p per token, times sqrt(p)) and the embedded tokens (projected, times d**-0.5, then
+    RMS-normed per layer), summed and scaled by 2**-0.5."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_layers, self.width, self.dim = args.n_layers, args.ple_dim, args.dim
+        self.embed = nn.Embedding(args.ple_vocab, args.n_layers * args.ple_dim)
+        self.projection = nn.Linear(args.dim, args.n_layers * args.ple_dim, bias=False)
+        self.norm = _norm(args, args.ple_dim)
+
+    def forward(self, tokens: Tensor, h: Tensor) -> Tensor:
+        """tokens [b, s], the embedded tokens h [b, s, d] -> [b, s, L, p]."""
+        shape = (*tokens.shape, self.n_layers, self.width)
+        own = self.embed(tokens) * float(torch.tensor(self.width**0.5).to(h.dtype))
+        proj = self.projection(h) * self.dim**-0.5
+        return (self.norm(proj.reshape(shape)) + own.reshape(shape)) * 2**-0.5
 
 
 class KVCache:
@@ -579,11 +757,24 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (batch, args.n_kv_heads, max_len, args.hd)
-        linear = [args.layer_kind(i) == "linear" for i in range(args.n_layers)]
+        kinds = [args.layer_kind(i) for i in range(args.n_layers)]
+        linear = [kind == "linear" for kind in kinds]
         none = torch.zeros(0, dtype=dtype, device=device)
-        self.k = [none if lin else torch.zeros(shape, dtype=dtype, device=device) for lin in linear]
-        self.v = [none if lin else torch.zeros(shape, dtype=dtype, device=device) for lin in linear]
+        # a "reuse" layer (Gemma 4) reads the cache of the last "store" layer of its kind
+        self.source = list(range(args.n_layers))
+        for i in range(args.n_layers):
+            if args.kv_mode(i) == "store":
+                for j in range(i + 1, args.n_layers):
+                    if args.kv_mode(j) == "reuse" and kinds[j] == kinds[i]:
+                        self.source[j] = i
+        own = [not lin and self.source[i] == i for i, lin in enumerate(linear)]
+
+        def kv(i: int) -> Tensor:
+            shape = (batch, args.kv_heads_of(kinds[i]), max_len, args.head_dim_of(kinds[i]))
+            return torch.zeros(shape, dtype=dtype, device=device) if own[i] else none
+
+        self.k = [kv(i) for i in range(args.n_layers)]
+        self.v = [kv(i) for i in range(args.n_layers)]
         # linear-attention layers: the convolution's last inputs and the recurrent state (fp32)
         conv = (batch, args.linear_conv - 1, 2 * args.linear_k_heads * args.linear_k_dim)
         conv = (*conv[:2], conv[2] + args.linear_v_heads * args.linear_v_dim)
@@ -604,6 +795,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Gemma 4: every block's per-layer input, made once from the tokens
+        self.per_layer_inputs = PerLayerInputs(args) if args.ple_dim else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = _norm(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -660,6 +853,8 @@ class Transformer(nn.Module):
             elif isinstance(module, Experts):
                 normal_(module.w13)
                 normal_(module.w2)
+            elif isinstance(module, TransformerBlock) and module.scalar is not None:
+                module.scalar.fill_(1.0)
 
     def hidden_states(
         self,
@@ -677,19 +872,28 @@ class Transformer(nn.Module):
         MoE blocks' router statistics are appended to `router_stats` when it is given.
         """
         h = self.embed(tokens)  # [b, s, d]
+        ple = self.per_layer_inputs(tokens, h) if self.per_layer_inputs is not None else None
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # [1, s]
         ropes = self.ropes(positions, h.dtype)
         shared_masks: dict = {}  # FlexAttention block masks, one per window size
-        for layer in self.layers:
+        shared_kv: dict[str, tuple[Tensor, ...]] = {}  # a "store" layer's, per kind (Gemma 4)
+        for i, layer in enumerate(self.layers):
             mask = layer.attention.mask(doc_ids, tokens.shape, tokens.device, shared_masks)
-            out = layer(h, *ropes[layer.kind], mask)
-            if isinstance(out, tuple):
-                h, stats = out
-                if router_stats is not None:
-                    router_stats.append(stats)
-            else:
+            extra = () if ple is None else (ple[:, :, i],)
+            if layer.kv_mode == "reuse":
+                extra += shared_kv[layer.kind]
+            out = layer(h, *ropes[layer.kind], mask, *extra)
+            if not isinstance(out, tuple):
                 h = out
+                continue
+            h, rest = out[0], out[1:]
+            if layer.moe:
+                if router_stats is not None:
+                    router_stats.append(rest[0])
+                rest = rest[1:]
+            if layer.kv_mode == "store":
+                shared_kv[layer.kind] = rest
         return self.norm(h)
 
     def embed(self, tokens: Tensor) -> Tensor:
@@ -728,10 +932,12 @@ class Transformer(nn.Module):
         if start + s > cache.max_len:
             raise ValueError(f"KV cache of {cache.max_len} positions cannot take {start + s}")
         h = self.embed(tokens)  # [b, s, d]
+        ple = self.per_layer_inputs(tokens, h) if self.per_layer_inputs is not None else None
         positions = torch.arange(start, start + s, device=tokens.device)[None]  # [1, s]
         ropes = self.ropes(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer.forward_cached(h, *ropes[layer.kind], cache, i)
+            mine = None if ple is None else ple[:, :, i]
+            h = layer.forward_cached(h, *ropes[layer.kind], cache, i, mine)
         cache.length += s
         return self.norm(h)
 
@@ -759,9 +965,12 @@ def build_model(
     if draw:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-    # Parts in init_weights' visiting order: embedding, blocks, final norm and head.
+    # Parts in init_weights' visiting order: embedding(s), blocks, final norm and head.
     head = [model.norm] if args.tie_embeddings else [model.norm, model.output]
-    for part in [[model.tok_embeddings], *[[b] for b in model.layers], head]:
+    embeddings = [model.tok_embeddings]
+    if model.per_layer_inputs is not None:
+        embeddings.append(model.per_layer_inputs)
+    for part in [embeddings, *[[b] for b in model.layers], head]:
         for module in part:
             module.to_empty(device=device)
         model.tie_weights()

@@ -66,6 +66,107 @@ def _gemma3_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
 
 
+def _gemma4_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
+    """Five sliding layers per full one, and the last layer full (transformers' default)."""
+    kinds = _gemma3_kinds({}, n_layers)
+    return (*kinds[:-1], "full")
+
+
+def _read_gemma4(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    """Gemma 4: plain-weight norms applied in fp32, unit scores scale, values normed; the full
+    layers' own head size and kv heads (`global_head_dim` / `num_global_key_value_heads`, or
+    transformers 5.2x's `per_layer_config`), keys as values there (`attention_k_eq_v`); kv
+    sharing, double-wide MLPs, per-layer inputs."""
+    if get("enable_moe_block", False):
+        raise UserError(
+            "config.json sets enable_moe_block: true (Gemma 4's MoE, 26B-A4B), which is not "
+            "supported yet; use a dense Gemma 4 checkpoint (E2B, E4B, 31B)"
+        )
+    kinds = [cfg.get("layer_types") or [], _gemma4_kinds(cfg, n_layers)]
+    kinds = [k.removesuffix("_attention") for k in (kinds[0] or kinds[1])]
+    head_dim = get("head_dim")
+    k_eq_v = bool(get("attention_k_eq_v", False))
+    global_dim = get("global_head_dim")
+    global_kv = get("num_global_key_value_heads") if k_eq_v else None
+    overrides = cfg.get("per_layer_config")
+    if overrides is not None:
+        if not isinstance(overrides, dict):
+            raise UserError("config.json per_layer_config must be an object")
+        full = {str(i) for i, kind in enumerate(kinds) if kind == "full"}
+        values = [overrides.get(i, overrides.get(int(i))) for i in full]
+        extra = set(map(str, overrides)) - full
+        if extra or any(v != values[0] for v in values) or not values:
+            raise UserError(
+                "config.json per_layer_config must give every full-attention layer the same "
+                "overrides and no other layer any (Gemma 4's pattern)"
+            )
+        unknown = set(values[0] or {}) - {"head_dim", "num_key_value_heads"}
+        if unknown:
+            raise UserError(
+                f"config.json per_layer_config sets {sorted(unknown)[0]!r}, which is not supported"
+            )
+        global_dim = (values[0] or {}).get("head_dim", global_dim)
+        global_kv = (values[0] or {}).get("num_key_value_heads", global_kv)
+    shared = int(get("num_kv_shared_layers", 0))
+    if not 0 <= shared < n_layers:
+        raise UserError(
+            f"config.json num_kv_shared_layers {shared} must be below num_hidden_layers {n_layers}"
+        )
+    first = n_layers - shared
+    if shared and set(kinds[first:]) - set(kinds[:first]):
+        raise UserError(
+            "config.json num_kv_shared_layers: a shared layer has no earlier layer of its kind "
+            "to take keys and values from"
+        )
+    ple = int(get("hidden_size_per_layer_input", 0) or 0)
+    rope = cfg.get("rope_parameters") or {}
+    full_rope = rope.get("full_attention") or {} if isinstance(rope, dict) else {}
+    rope_type = full_rope.get("rope_type", "default")
+    fields: dict[str, Any] = dict(
+        norm_plus_one=False,
+        norm_weight_fp32=True,
+        query_pre_attn_scalar=1.0,
+        v_norm=True,
+        global_head_dim=global_dim if global_dim and global_dim != head_dim else None,
+        global_kv_heads=global_kv
+        if global_kv and global_kv != get("num_key_value_heads")
+        else None,
+        kv_from_k=k_eq_v,
+        kv_shared_layers=shared,
+        wide_shared_mlp=bool(get("use_double_wide_mlp", False)),
+        ple_dim=ple,
+        ple_vocab=int(get("vocab_size_per_layer_input") or get("vocab_size")) if ple else 0,
+        layer_scalar=True,
+    )
+    if rope_type == "proportional":
+        fields["rotary_dim"] = None  # the rotated fraction is the rope scaling's own
+    return fields
+
+
+def _write_gemma4(args: ModelArgs, cfg: dict) -> None:
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "rope_local_base_freq"):
+        cfg.pop(key, None)
+    cfg.pop("rope_scaling", None)  # the per-kind rope_parameters say it
+    cfg.pop("partial_rotary_factor", None)
+    global_dim = args.head_dim_of("full")
+    global_kv = args.kv_heads_of("full")
+    overrides = {"head_dim": global_dim}
+    if args.kv_from_k:
+        overrides["num_key_value_heads"] = global_kv
+    full = [i for i in range(args.n_layers) if args.layer_kind(i) == "full"]
+    cfg.update(
+        global_head_dim=global_dim,
+        num_global_key_value_heads=global_kv if args.kv_from_k else None,
+        per_layer_config={str(i): dict(overrides) for i in full},
+        attention_k_eq_v=args.kv_from_k,
+        num_kv_shared_layers=args.kv_shared_layers,
+        use_double_wide_mlp=args.wide_shared_mlp,
+        hidden_size_per_layer_input=args.ple_dim,
+        vocab_size_per_layer_input=args.ple_vocab or args.vocab_size,
+        enable_moe_block=False,
+    )
+
+
 def _olmo3_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
     return tuple("full" if (i + 1) % 4 == 0 else "sliding" for i in range(n_layers))
 
@@ -372,6 +473,29 @@ FAMILIES: dict[str, Family] = {
             local_rope=True,
             writes_attention_bias=True,
             layer_kinds=_gemma3_kinds,
+        ),
+        Family(
+            "gemma4_text",
+            "Gemma4ForCausalLM",
+            {
+                **_GEMMA_DEFAULTS,
+                "vocab_size": 262144,
+                "num_hidden_layers": 30,
+                "max_position_embeddings": 131072,
+                "sliding_window": 512,
+                "query_pre_attn_scalar": None,
+                "global_head_dim": 512,
+                "hidden_size_per_layer_input": 256,
+                "vocab_size_per_layer_input": 262144,
+            },
+            qk_norm=True,
+            gemma=True,
+            windows=True,
+            local_rope=True,
+            writes_attention_bias=True,
+            layer_kinds=_gemma4_kinds,
+            read_extra=_read_gemma4,
+            write_extra=_write_gemma4,
         ),
         Family(
             "phi3",

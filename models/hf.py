@@ -52,6 +52,10 @@ _GLOBAL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    # Gemma 4's per-layer inputs
+    "per_layer_inputs.embed.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_inputs.projection.weight": "model.per_layer_model_projection.weight",
+    "per_layer_inputs.norm.weight": "model.per_layer_projection_norm.weight",
 }
 # native suffix <-> HF suffix inside block i ("layers.{i}." <-> "model.layers.{i}."). A model has
 # only the tensors its ModelArgs give it (q/k norms: Qwen3; wqkv and w13: Phi-3's fused ones).
@@ -97,6 +101,17 @@ _GEMMA_BLOCK_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Gemma 4: a block's per-layer input and its output scalar besides
+_GEMMA4_BLOCK_NAMES = {
+    **_GEMMA_BLOCK_NAMES,
+    "per_layer.gate.weight": "per_layer_input_gate.weight",
+    "per_layer.up.weight": "per_layer_projection.weight",
+    "per_layer.norm.weight": "post_per_layer_input_norm.weight",
+    "scalar": "layer_scalar",
+}
+# ... whose checkpoints keep key/value weights in the layers that reuse an earlier layer's keys
+# and values, unused there (transformers ignores them too)
+_UNUSED_IN_REUSE = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
 # OLMo 3's two norms, both after: no input_layernorm, and post_attention_layernorm is after
 # attention as in Gemma.
 _OLMO_BLOCK_NAMES = {
@@ -140,6 +155,8 @@ _GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 
 def _block_names(family: str) -> dict[str, str]:
+    if family == "gemma4_text":
+        return _GEMMA4_BLOCK_NAMES
     if family.startswith("gemma"):
         return _GEMMA_BLOCK_NAMES
     if family == "olmo3":
@@ -305,6 +322,7 @@ _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.",
 _TEXT_HEADS = ("language_model.lm_head.weight",)
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
 _NOT_TEXT += ("model.multi_modal_projector.", "model.visual.", "mtp.")
+_NOT_TEXT += ("model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 
 def _text_tensor_name(stored: str) -> str | None:
@@ -363,6 +381,8 @@ def from_hf(
                     continue  # vision tower, or the rope buffer old exports saved
                 if args.tie_embeddings and name == "lm_head.weight":
                     continue  # a tied checkpoint may carry the shared tensor twice
+                if name not in expected and _unused(name, args):
+                    continue
                 if name not in expected:
                     to_native_name(name, family)  # raises for names foreign to the family
                     raise UserError(
@@ -392,6 +412,8 @@ def from_hf(
         )
 
     parts: list[tuple[str, nn.Module]] = [("tok_embeddings", model.tok_embeddings)]
+    if model.per_layer_inputs is not None:
+        parts.append(("per_layer_inputs", model.per_layer_inputs))
     parts += [(f"layers.{i}", block) for i, block in enumerate(model.layers)]
     parts += [("norm", model.norm)] + [("output", model.output)] * (not args.tie_embeddings)
     with contextlib.ExitStack() as stack, torch.no_grad():
@@ -408,6 +430,13 @@ def from_hf(
     model.hf_config = cfg
     model.generation_config = load_generation_config(path)
     return model
+
+
+def _unused(name: str, args: ModelArgs) -> bool:
+    """Is checkpoint tensor `name` one the model leaves unused (Gemma 4's key/value weights in a
+    layer that attends over an earlier layer's keys and values)?"""
+    m = _HF_BLOCK.fullmatch(name)
+    return bool(m and args.kv_mode(int(m.group(1))) == "reuse" and m.group(2) in _UNUSED_IN_REUSE)
 
 
 def _read_into(target: Tensor, reader: Any, file: Path, stored: str, dtype: torch.dtype) -> None:

@@ -30,6 +30,7 @@ _TEXT_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
 }
 # Expert-count fields: set in a config of a family without MoE support, they are refused.
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -140,6 +141,9 @@ _POSITIVE_INTS = (
     "num_experts_per_tok",
     "moe_intermediate_size",
     "decoder_sparse_step",
+    "global_head_dim",
+    "num_global_key_value_heads",
+    "vocab_size_per_layer_input",
 )
 _NUMBERS = (
     "rms_norm_eps",
@@ -157,8 +161,10 @@ _BOOLS = (
     "attention_bias",
     "mlp_bias",
     "use_sliding_window",
-    "use_bidirectional_attention",
     "norm_topk_prob",
+    "attention_k_eq_v",
+    "use_double_wide_mlp",
+    "enable_moe_block",
 )
 _STRINGS = ("hidden_act", "hidden_activation", "model_type", "torch_dtype", "dtype")
 _ROPE_NUMBERS = (
@@ -371,6 +377,7 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
         "linear": ("factor",),
         "yarn": (),
         "longrope": ("short_factor", "long_factor"),
+        "proportional": (),
     }[rope_type]
     missing = [k for k in needed if rope.get(k) is None]
     if missing:
@@ -378,6 +385,8 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
             f"config.json rope_scaling ({rope_type}) is missing the field {missing[0]!r}; add it"
         )
     factor = rope.get("factor") or max_seq_len / original
+    if rope_type == "proportional":
+        factor = rope.get("factor", 1.0)
     attention_factor = rope.get("attention_factor")
     return RopeScaling(
         factor=float(factor),
@@ -391,6 +400,9 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
         attention_factor=None if attention_factor is None else float(attention_factor),
         short_factor=tuple(map(float, rope["short_factor"])) if "short_factor" in rope else None,
         long_factor=tuple(map(float, rope["long_factor"])) if "long_factor" in rope else None,
+        partial=float(rope.get("partial_rotary_factor", 1.0))
+        if rope_type == "proportional"
+        else 1.0,
     )
 
 
@@ -433,10 +445,11 @@ def _check_unsupported(cfg: dict, fam: Family, get: Callable[..., Any]) -> None:
             "config.json sets use_sliding_window: true, which is not supported; set it false "
             "(Qwen checkpoints ship with it false)"
         )
-    if fam.gemma and cfg.get("use_bidirectional_attention"):
+    both = cfg.get("use_bidirectional_attention")
+    if fam.gemma and both not in (None, False, "vision"):  # "vision": image tokens only
         raise UserError(
-            "config.json sets use_bidirectional_attention: true (an encoder), which is not "
-            "supported; use a causal checkpoint"
+            f"config.json sets use_bidirectional_attention: {json.dumps(both)} (an encoder), "
+            "which is not supported; use a causal checkpoint"
         )
 
 
@@ -580,8 +593,10 @@ def _rope_dict(rs: RopeScaling | None) -> dict | None:
     out: dict[str, Any] = {"rope_type": rs.rope_type}
     if rs.rope_type == "longrope":
         out.update(short_factor=list(rs.short_factor), long_factor=list(rs.long_factor))
-    else:
+    elif rs.rope_type != "proportional" or rs.factor != 1.0:
         out["factor"] = rs.factor
+    if rs.rope_type == "proportional":
+        out["partial_rotary_factor"] = rs.partial
     if rs.rope_type in ("llama3", "yarn", "longrope"):
         out["original_max_position_embeddings"] = rs.original_max_position_embeddings
     if rs.rope_type == "llama3":

@@ -457,6 +457,28 @@ PRESETS: dict[str, ModelArgs] = {
         shared_expert_gate=True,
         router_aux_coef=0.001,
     ),
+    # Gemma 4's: a full layer with a wider head whose keys are its values, per-layer inputs,
+    # the last two layers attending over earlier layers' keys and values with wider MLPs
+    "debug_gemma4": _debug_like(
+        family="gemma4_text",
+        qk_norm=True,
+        query_pre_attn_scalar=1.0,
+        sliding_window=256,
+        local_rope_theta=10000.0,
+        rope_scaling=RopeScaling(1.0, rope_type="proportional", partial=0.25),
+        **{**_gemma_common(4, ("sliding", "full", "sliding", "full")), "norm_plus_one": False},
+        final_softcap=30.0,
+        norm_weight_fp32=True,
+        v_norm=True,
+        global_head_dim=64,
+        global_kv_heads=1,
+        kv_from_k=True,
+        kv_shared_layers=2,
+        wide_shared_mlp=True,
+        ple_dim=32,
+        ple_vocab=512,
+        layer_scalar=True,
+    ),
     "debug_olmo3": _debug_like(
         sliding_window=256,
         layer_types=("sliding", "sliding", "sliding", "full"),
@@ -497,32 +519,50 @@ def from_name(name: str) -> ModelArgs:
     return copy.deepcopy(PRESETS[name])
 
 
+def _attention_params(args: ModelArgs, index: int) -> int:
+    """Parameters of the softmax-attention mixer of layer `index`."""
+    kind, d = args.layer_kind(index), args.dim
+    hd, kv_heads = args.head_dim_of(kind), args.kv_heads_of(kind)
+    q_out, kv_out = args.n_heads * hd, kv_heads * hd
+    own_kv = args.kv_mode(index) != "reuse"
+    n_kv = own_kv * (1 if args.kv_from_k and kind == "full" else 2)  # k and v projections
+    total = d * q_out + n_kv * d * kv_out + q_out * d
+    if args.qkv_bias:
+        total += q_out + n_kv * kv_out
+    if args.qk_norm:
+        total += q_out + own_kv * kv_out if args.qk_norm_whole else (1 + own_kv) * hd
+    if args.attn_output_gate:
+        total += d * q_out  # q_proj's gate rows
+    return total
+
+
+def _linear_params(args: ModelArgs) -> int:
+    """Parameters of one Gated DeltaNet mixer."""
+    d = args.dim
+    key_dim = args.linear_k_heads * args.linear_k_dim
+    value_dim = args.linear_v_heads * args.linear_v_dim
+    conv = 2 * key_dim + value_dim
+    total = d * (conv + value_dim + 2 * args.linear_v_heads) + value_dim * d  # projections
+    return total + conv * args.linear_conv + 2 * args.linear_v_heads + args.linear_v_dim
+
+
 def num_params(args: ModelArgs) -> int:
     """Parameter count from the shape alone; a tied embedding counts once."""
-    d, hd = args.dim, args.hd
-    q_out, kv_out = args.n_heads * hd, args.n_kv_heads * hd
-    attention = d * q_out + 2 * d * kv_out + q_out * d
-    if args.qkv_bias:
-        attention += q_out + 2 * kv_out
-    if args.qk_norm:
-        attention += q_out + kv_out if args.qk_norm_whole else 2 * hd
-    if args.attn_output_gate:
-        attention += d * q_out  # q_proj's gate rows
-    key_dim, value_dim = (
-        args.linear_k_heads * args.linear_k_dim,
-        args.linear_v_heads * args.linear_v_dim,
-    )
-    conv = 2 * key_dim + value_dim
-    linear = d * (conv + value_dim + 2 * args.linear_v_heads) + value_dim * d  # projections
-    linear += conv * args.linear_conv + 2 * args.linear_v_heads + args.linear_v_dim
-    n_linear = sum(args.layer_kind(i) == "linear" for i in range(args.n_layers))
+    d = args.dim
     norms = 2 * args.pre_norms + 2 * args.sandwich_norms
-    dense = 3 * d * args.ffn_dim  # fused or not: the same weights
     moe = args.n_experts * (d + 3 * d * args.moe_ffn_dim)  # router row + SwiGLU, per expert
     if args.shared_ffn_dim:
         moe += 3 * d * args.shared_ffn_dim + d * args.shared_expert_gate
-    n_moe = sum(args.is_moe(i) for i in range(args.n_layers))
-    blocks = args.n_layers * norms * d + (args.n_layers - n_linear) * attention + n_linear * linear
-    blocks += n_moe * moe + (args.n_layers - n_moe) * dense
+    blocks = 0
+    for i in range(args.n_layers):
+        linear = args.layer_kind(i) == "linear"
+        blocks += _linear_params(args) if linear else _attention_params(args, i)
+        blocks += moe if args.is_moe(i) else 3 * d * args.ffn_dim_of(i)  # fused or not: same
+        blocks += norms * d + args.layer_scalar
+        if args.ple_dim:  # gate, up, norm
+            blocks += 2 * d * args.ple_dim + d
     embeddings = args.vocab_size * d * (1 if args.tie_embeddings else 2)
+    if args.ple_dim:  # embedding, projection, norm
+        width = args.n_layers * args.ple_dim
+        embeddings += args.ple_vocab * width + d * width + args.ple_dim
     return embeddings + blocks + d  # + final norm

@@ -254,7 +254,11 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
     # (Qwen3.5) each have their own, beside the same MLP ones.
     linear = set(LINEAR_ATTENTION_TARGETS)
     mlps = {frozenset(v - linear - _ATTENTION_SHORTS) for v in per_block.values()}
-    attention = {frozenset(v & _ATTENTION_SHORTS) for v in per_block.values()} - {frozenset()}
+    # Gemma 4's layers may lack k and v projections (keys as values, or an earlier layer's):
+    # those count as carrying them
+    kv = {"k", "v"} & set().union(*per_block.values())
+    attention = {frozenset(v & _ATTENTION_SHORTS | kv) for v in per_block.values()}
+    attention -= {frozenset(kv)}
     mixers = {frozenset(v & linear) for v in per_block.values()} - {frozenset()}
     if len(mlps) != 1 or len(attention) > 1 or len(mixers) > 1:
         raise UserError(

@@ -302,6 +302,12 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
             {**q35, "compile": True, "compile_backend": "aot_eager"},
             {**q35, "grad_accum": 2},
         ),
+        # Gemma 4's per-layer inputs (a unit of their own), keys and values handed from block
+        # to block, a full layer's wider head with keys as values
+        "gemma4-compiled": (
+            {**four, "model": "debug_gemma4", "compile": True, "compile_backend": "aot_eager"},
+            {**four, "model": "debug_gemma4"},
+        ),
         "smollm3-lora": (
             {**four, "model": "debug_smollm3", "lora_rank": 4},
             {**four, "model": "debug_smollm3", "lora_rank": 4},

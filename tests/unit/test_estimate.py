@@ -53,6 +53,8 @@ def _cfg(**flags) -> object:
         # Gated DeltaNet layers (the op's declared memory) and a shared expert
         {"model": "debug_qwen3_5", "n_layers": 4, "loss": "plain"},
         {"model": "debug_qwen3_5_moe", "n_layers": 4, "loss": "plain", "lora_rank": 8},
+        # Gemma 4's per-layer inputs and keys/values shared across blocks
+        {"model": "debug_gemma4", "n_layers": 4, "loss": "plain", "ac": "full"},
     ],
     ids=[
         "plain",
@@ -65,6 +67,7 @@ def _cfg(**flags) -> object:
         "qlora-ac-full",
         "qwen3_5",
         "qwen3_5_moe-lora",
+        "gemma4-ac-full",
     ],
 )
 def test_estimate_matches_the_real_cpu_step(flags: dict) -> None:

@@ -46,6 +46,12 @@ LINEAR = dict(SMALL, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2)
 LINEAR |= dict(linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12)
 EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 EXPERTS |= dict(shared_expert_intermediate_size=48)
+# Gemma 4: sliding layers (window 8, head dim 16) and full ones (head dim 32, a quarter of
+# their frequency pairs rotating), values normed, a final soft-cap
+GEMMA4 = dict(SMALL, num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=8)
+GEMMA4 |= dict(final_logit_softcapping=3.0, layer_types=["sliding_attention"] * 2)
+GEMMA4["layer_types"] += ["full_attention", "sliding_attention", "sliding_attention"]
+GEMMA4["layer_types"] += ["full_attention"]
 
 CASES = {
     # q/k norms, head_dim 32 != 64 / 4, tied embeddings
@@ -98,6 +104,18 @@ CASES = {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
         ),
+    ),
+    # Gemma 4 31B's shape: the full layer's keys are its values, with one kv head of its own
+    "gemma4": (
+        transformers.Gemma4TextConfig,
+        dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),
+    ),
+    # Gemma 4 E2B/E4B's: per-layer inputs (8 wide), the last two layers attend over the keys
+    # and values of the last earlier layer of their kind, with MLPs twice as wide
+    "gemma4_e": (
+        transformers.Gemma4TextConfig,
+        dict(GEMMA4, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)
+        | dict(num_kv_shared_layers=2, use_double_wide_mlp=True),
     ),
     # fused qkv/gate_up, partial rotary 0.5, longrope (original context 16), window 12
     "phi3": (
@@ -168,6 +186,9 @@ def make_hf(case: str, seed: int = 0) -> transformers.PreTrainedModel:
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-block output scale
+                b.copy_(0.5 + torch.rand_like(b))
     return model
 
 
@@ -237,7 +258,17 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
 
 @pytest.mark.parametrize(
     "case",
-    ["gemma2", "gemma3", "phi3", "qwen3", "smollm3_window", "olmo3", "qwen3_5_moe", "qwen3_next"],
+    [
+        "gemma2",
+        "gemma3",
+        "gemma4_e",
+        "phi3",
+        "qwen3",
+        "smollm3_window",
+        "olmo3",
+        "qwen3_5_moe",
+        "qwen3_next",
+    ],
 )
 def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
     _, folder = checkpoint(tmp_path, case)
@@ -248,7 +279,7 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
         model.zero_grad()
         loss = head(model.hidden_states(t[:, :-1]), t[:, 1:])
         loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
     batches = [tokens(33, seed=s) for s in range(3)]
     eager = [loss_and_grads(t) for t in batches]
@@ -268,7 +299,19 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["phi3", "gemma2", "qwen3", "smollm3", "olmo3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
+    "case",
+    [
+        "phi3",
+        "gemma2",
+        "gemma4",
+        "gemma4_e",
+        "qwen3",
+        "smollm3",
+        "olmo3",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+    ],
 )
 def test_lora_adapter_loads_in_peft(case, tmp_path):
     hf, folder = checkpoint(tmp_path, case)
@@ -308,8 +351,7 @@ def test_fused_projection_targets_must_be_whole(tmp_path):
         apply_lora(from_hf(folder), LoRASpec(4, 8.0, targets=("q", "v")), dtype=torch.float32)
 
 
-def test_gemma3_vision_checkpoint_loads_its_text_model(tmp_path):
-    text = transformers.Gemma3TextConfig(**CASES["gemma3"][1])
+def _gemma3_vision(case: str) -> transformers.PretrainedConfig:
     vision = transformers.SiglipVisionConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -318,14 +360,37 @@ def test_gemma3_vision_checkpoint_loads_its_text_model(tmp_path):
         image_size=28,
         patch_size=14,
     )
-    config = transformers.Gemma3Config(
+    text = transformers.Gemma3TextConfig(**CASES[case][1])
+    return transformers.Gemma3Config(
         text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
     )
+
+
+def _gemma4_vision(case: str) -> transformers.PretrainedConfig:
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    text = transformers.Gemma4TextConfig(**CASES[case][1])
+    return transformers.Gemma4Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None
+    )
+
+
+@pytest.mark.parametrize(
+    "case, config",
+    [("gemma3", _gemma3_vision), ("gemma4_e", _gemma4_vision)],
+)
+def test_vision_checkpoint_loads_its_text_model(tmp_path, case, config):
     torch.manual_seed(0)
-    mm = transformers.Gemma3ForConditionalGeneration(config).eval()
+    mm = transformers.AutoModelForImageTextToText.from_config(config(case)).eval()
     mm.save_pretrained(tmp_path / "mm")
     ours = from_hf(tmp_path / "mm")
-    assert ours.args.family == "gemma3_text"
+    assert ours.args.family == CASES[case][0].model_type
     t = tokens(20)
     with torch.no_grad():
         assert rel(ours(t), mm(input_ids=t).logits) <= 1e-5
@@ -372,7 +437,7 @@ def test_phi3_longrope_original_context_and_saved_form(tmp_path):
     assert saved["original_max_position_embeddings"] == 16
 
 
-@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_next", "olmo3", "smollm3_window"])
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_next", "olmo3", "smollm3_window", "gemma4_e"])
 def test_packed_documents_equal_each_document_alone(case, tmp_path):
     """A row packing three documents (document ids, positions restarting) gives each document
     what it gives alone: no attention, convolution or recurrent state crosses a boundary."""
