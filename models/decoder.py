@@ -1,20 +1,23 @@
-"""One decoder for every supported family (Llama 2/3/3.x, Qwen2.5, Qwen3, Mistral, Gemma 2/3,
-Phi-3/4, SmolLM3, OLMo 3, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE
+"""One decoder for every supported family (Llama 2/3/3.x, Qwen2.5, Qwen3, Mistral, Gemma 2/3/4,
+Phi-3/4, SmolLM3, OLMo 3, Qwen3.5 / Qwen3-Next with their Gated DeltaNet layers
+(linear_attention.py), and the mixture-of-experts Mixtral, Qwen3-MoE and Qwen3.5-MoE, whose MoE
 feed-forward is moe.py).
 
 The families differ only in data (`ModelArgs`): sizes, GQA ratio, rope base, scaling and
 rotary fraction, layers without rope (SmolLM3), q/k/v bias (Qwen2), q/k norms per head (Qwen3,
 Gemma 3) or over the whole projection (OLMo 3), Gemma's (1 + w) norms, scaled embeddings, GeGLU,
 sandwich norms or norms after attention and MLP only (OLMo 3) and soft-capping, sliding windows
-and their layer pattern, fused q/k/v and gate/up projections (Phi-3) and tied embeddings. Parameter layout follows the HF
-checkpoints, including the "rotate_half" rope convention, so HF weights load by renaming alone
-(see `hf.py`).
+and their layer pattern, fused q/k/v and gate/up projections (Phi-3), tied embeddings, and Gemma
+4's per-kind head sizes, per-layer inputs and keys/values shared across layers. Parameter layout
+follows the HF checkpoints, including the "rotate_half" rope convention, so HF weights load by
+renaming alone (see `hf.py`).
 
 Shapes: b = batch, s = sequence, d = dim, h = n_heads, k = n_kv_heads, hd = head dim, v = vocab.
 
-The model holds parameters only, no buffers: it is built on the meta device and materialised
-later, and rope cos/sin are recomputed from `args` in `forward`, so every block is the same
-module with the same inputs (one compiled graph serves all of them).
+The model holds parameters only, no buffers (Gemma 4's per-block scalars are frozen parameters):
+it is built on the meta device and materialised later, and rope cos/sin are recomputed from
+`args` in `forward`, so every block of a kind is the same module with the same inputs (one
+compiled graph serves all of them).
 """
 
 from __future__ import annotations

@@ -370,7 +370,7 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
     if top is None and _family(cfg) == "phi3":
         top = 4096
     original = int(top or rope.get("original_max_position_embeddings") or max_seq_len)
-    if rope_type == "linear":  # unused by linear scaling: the canonical default
+    if rope_type in ("linear", "proportional"):  # unused by these: the canonical default
         original = RopeScaling.original_max_position_embeddings
     needed = {
         "llama3": ("factor", "low_freq_factor", "high_freq_factor"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any
 
 from compiletune.errors import UserError
 
@@ -333,6 +334,73 @@ _QWEN3_5 = dict(
 )
 
 
+def _qwen3_5(
+    dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, **moe: Any
+) -> ModelArgs:
+    """Qwen3.5 / Qwen3-Next at full size: 256-wide heads, 16 key and 32 value heads of 128 in
+    the Gated DeltaNet layers, rope base 1e7 over 262144 positions."""
+    fields = {
+        **_QWEN3_5,
+        "dim": dim,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "vocab_size": 248320,
+        "ffn_dim": ffn_dim,
+        "head_dim": 256 if dim // n_heads != 256 else None,
+        "rotary_dim": 64,
+        "norm_eps": 1e-6,
+        "rope_theta": 10000000.0,
+        "max_seq_len": 262144,
+        "layer_types": _QWEN3_5["layer_types"] * (n_layers // 4),
+        "linear_k_heads": 16,
+        "linear_v_heads": 32,
+        "linear_k_dim": 128,
+        "linear_v_dim": 128,
+    }
+    if moe:
+        fields |= dict(top_k=8, norm_topk=True, shared_expert_gate=True, router_aux_coef=0.001)
+        fields |= dict(family="qwen3_5_moe_text", **moe)
+    return ModelArgs(**fields)
+
+
+def _gemma4(
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    global_kv_heads: int,
+    ffn_dim: int,
+) -> ModelArgs:
+    """Gemma 4 31B's layout: five 1024-token sliding layers (head 256) per full one (head 512,
+    keys as values, proportional rope over a quarter of the pairs), 262144 positions."""
+    kinds = tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(n_layers))
+    return ModelArgs(
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=262144,
+        ffn_dim=ffn_dim,
+        head_dim=256,
+        rope_theta=1000000.0,
+        rope_scaling=RopeScaling(1.0, rope_type="proportional", partial=0.25),
+        max_seq_len=262144,
+        sliding_window=1024,
+        family="gemma4_text",
+        qk_norm=True,
+        query_pre_attn_scalar=1.0,
+        local_rope_theta=10000.0,
+        final_softcap=30.0,
+        norm_weight_fp32=True,
+        v_norm=True,
+        global_head_dim=512,
+        global_kv_heads=global_kv_heads,
+        kv_from_k=True,
+        layer_scalar=True,
+        **{**_gemma_common(n_layers, kinds), "norm_plus_one": False},
+    )
+
+
 def _debug(vocab_size: int) -> ModelArgs:
     return ModelArgs(
         dim=256,
@@ -409,6 +477,21 @@ PRESETS: dict[str, ModelArgs] = {
     # allenai/Olmo-3-1025-7B: norms after attention and MLP, q/k norms over the projections,
     # a 4096-token window on three layers of four, yarn on the full ones
     "olmo3_7b": _olmo3(4096, 32, 32, 32, 11008),
+    # google/gemma-4-31B (its text model)
+    "gemma4_31b": _gemma4(5376, 60, 32, 16, 4, 21504),
+    # Qwen/Qwen3.5-9B and Qwen3.5-35B-A3B (their text models: the cards' totals add the vision
+    # tower), Qwen/Qwen3-Next-80B-A3B-Base: the shapes transformers' configs default to
+    "qwen3_5_9b": _qwen3_5(4096, 32, 16, 4, 12288),
+    "qwen3_5_35b_a3b": _qwen3_5(
+        2048, 40, 16, 2, 512, n_experts=256, moe_ffn_dim=512, shared_ffn_dim=512
+    ),
+    "qwen3_next_80b_a3b": dataclasses.replace(
+        _qwen3_5(2048, 48, 16, 2, 5120, n_experts=512, moe_ffn_dim=512, shared_ffn_dim=512),
+        family="qwen3_next",
+        vocab_size=151936,
+        top_k=10,
+        linear_fused=True,
+    ),
     # Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B: 128 experts, 8 per token, every layer MoE
     "qwen3_30b_a3b": _qwen3_moe(2048, 48, 32, 6144, 768),
     "qwen3_235b_a22b": _qwen3_moe(4096, 94, 64, 12288, 1536),

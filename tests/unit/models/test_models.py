@@ -12,8 +12,10 @@ from compiletune.models import (
     ModelArgs,
     RopeScaling,
     Transformer,
+    args_from_hf_config,
     build_model,
     from_name,
+    hf_config_from_args,
     num_params,
 )
 from compiletune.models.decoder import rope_inv_freq
@@ -39,7 +41,18 @@ PUBLISHED_PARAMS = {
 }
 # Model cards give these rounded (billions): the shapes must round to them.
 CARD_PARAMS_B = {"qwen3_0_6b": 0.6, "qwen3_1_7b": 1.7, "qwen3_4b": 4.0, "qwen3_14b": 14.8}
-CARD_PARAMS_B |= {"smollm3_3b": 3.1, "olmo3_7b": 7.3}
+CARD_PARAMS_B |= {"smollm3_3b": 3.1, "olmo3_7b": 7.3, "gemma4_31b": 30.7, "qwen3_5_9b": 9.0}
+# ... or in whole billions (Qwen3.5's cards count the vision tower beside the text model)
+CARD_PARAMS_WHOLE_B = {"qwen3_5_35b_a3b": 35, "qwen3_next_80b_a3b": 80}
+# The newer families' presets, and the transformers class that builds the same model.
+HF_CLASSES = {
+    "smollm3_3b": "SmolLM3Config",
+    "olmo3_7b": "Olmo3Config",
+    "gemma4_31b": "Gemma4TextConfig",
+    "qwen3_5_9b": "Qwen3_5TextConfig",
+    "qwen3_5_35b_a3b": "Qwen3_5MoeTextConfig",
+    "qwen3_next_80b_a3b": "Qwen3NextConfig",
+}
 
 
 def tiny_args(**overrides) -> ModelArgs:
@@ -61,6 +74,28 @@ def test_published_param_counts(name):
 @pytest.mark.parametrize("name", sorted(CARD_PARAMS_B))
 def test_card_param_counts(name):
     assert round(num_params(from_name(name)) / 1e9, 1) == CARD_PARAMS_B[name]
+
+
+@pytest.mark.parametrize("name", sorted(CARD_PARAMS_WHOLE_B))
+def test_card_param_counts_whole_billions(name):
+    assert round(num_params(from_name(name)) / 1e9) == CARD_PARAMS_WHOLE_B[name]
+
+
+@pytest.mark.parametrize("name", sorted(HF_CLASSES))
+def test_preset_config_builds_the_same_model_in_transformers(name):
+    """The preset written as config.json is a transformers model of the same size (built on
+    the meta device), and reads back as the preset."""
+    import transformers
+
+    args = from_name(name)
+    cfg = hf_config_from_args(args, torch.bfloat16)
+    config_cls = getattr(transformers, HF_CLASSES[name])
+    hf_cfg = config_cls(**{k: v for k, v in cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    scalars = [b for n, b in model.named_buffers() if n.endswith("layer_scalar")]  # Gemma 4's
+    assert sum(p.numel() for p in [*model.parameters(), *scalars]) == num_params(args)
+    assert args_from_hf_config(cfg) == args
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
