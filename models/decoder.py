@@ -674,7 +674,7 @@ class TransformerBlock(nn.Module):
             assert ple is not None, "a block with a per-layer input needs it"
             h = h + self.per_layer(h, ple)
         if self.scalar is not None:
-            h = h * self.scalar
+            h = h * self.scalar.to(h.dtype)
         return (h, *stats, *kv)
 
     def forward(

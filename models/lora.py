@@ -465,6 +465,12 @@ def block_adapter(
             else:
                 new = FrozenLinear(linear, base_dtype, quantize)
             setattr(parent, attr, new)  # the old weight goes with the old module
+        per_layer = getattr(block, "per_layer", None)  # Gemma 4: frozen, NF4 where it divides
+        if per_layer is not None and not isinstance(per_layer.gate, FrozenLinear):
+            for attr in ("gate", "up"):
+                linear = getattr(per_layer, attr)
+                nf4 = quantize if linear.in_features % BLOCK == 0 else None
+                setattr(per_layer, attr, FrozenLinear(linear, base_dtype, nf4))
         moe = getattr(block, "feed_forward", None)
         if isinstance(getattr(moe, "experts", None), Experts):
             _adapt_experts(moe, spec, base_dtype, quantize, dtype, generator)
@@ -542,6 +548,8 @@ def apply_lora(
             adapt(block)
     for p in (model.tok_embeddings.weight, model.norm.weight, model.output.weight):
         p.requires_grad_(False)
+    if model.per_layer_inputs is not None:  # Gemma 4's per-layer embedding: frozen too
+        model.per_layer_inputs.requires_grad_(False).to(dtype)
     model.norm.weight.data = model.norm.weight.data.to(dtype)
     # The head stays in the compute dtype: storing it narrower would need a full-size converted
     # copy during the loss, which is where memory peaks. An untied embedding (a lookup) is

@@ -321,6 +321,8 @@ def test_lora_adapter_loads_in_peft(case, tmp_path):
         targets = model_targets(base.args, parse_targets("all-linear"))
         spec = LoRASpec(rank=4, alpha=8.0, targets=targets)
     model = apply_lora(base, spec, dtype=torch.float32, seed=3).eval()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)  # Gemma 4's per-layer inputs too
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():

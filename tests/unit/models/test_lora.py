@@ -210,6 +210,28 @@ def test_qlora_merged_is_dequantized_base_plus_adapter(tmp_path):
     )
 
 
+def test_qlora_gemma4_merged_export_loads_in_transformers(tmp_path):
+    """Gemma 4 under QLoRA: the per-layer inputs stay frozen, the blocks' per-layer projections
+    are frozen (NF4 where their width divides), and the merged export is a transformers
+    Gemma 4 that computes what the QLoRA model computes."""
+    transformers = pytest.importorskip("transformers")
+    model = build_model(from_name("debug_gemma4"), seed=4)
+    spec = LoRASpec(rank=2, alpha=2.0)
+    apply_lora(model, spec, dtype=torch.float32, quantize="nf4")
+    randomize_adapters(model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert model.layers[0].per_layer.gate.quantized  # 256 wide: NF4
+    assert not model.layers[0].per_layer.up.quantized  # 32 wide: kept in the base dtype
+    save_hf(model, tmp_path / "merged", merge_lora=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    t = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(hf(t).logits, model(t)) <= 1e-4
+
+
 # --- compile ------------------------------------------------------------------------------------
 
 
