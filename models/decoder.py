@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .attention import attention_backend, causal_attention, flex_block_mask, visible
 from .linear_attention import GatedDeltaNet, GatedRMSNorm
-from .moe import Experts, MoE
+from .moe import Experts, MoE, glu
 
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "proportional")
 
@@ -152,6 +152,9 @@ class ModelArgs:
     ple_dim: int = 0  # per-layer input width (0: none)
     ple_vocab: int = 0  # ... and its vocabulary
     layer_scalar: bool = False
+    # Gemma 4's MoE (26B-A4B): every layer keeps its dense MLP beside the experts, each output
+    # normed, their sum normed; the router reads the un-normed residual (see `MLPAndExperts`)
+    mlp_beside_experts: bool = False
 
     @property
     def hd(self) -> int:
@@ -587,8 +590,38 @@ class FeedForward(nn.Module):
             gate, up = self.w13(x).chunk(2, dim=-1)
         else:
             gate, up = self.w1(x), self.w3(x)
-        gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.w2(gate * up)
+        return self.w2(glu(gate, up, self.activation))
+
+
+class MLPAndExperts(MoE):
+    """Gemma 4's MoE feed-forward: the dense MLP (w1, w3, w2, as `FeedForward`) on the normed
+    input, beside the routed experts on the residual normed their own way, routed from the
+    residual itself; each output normed, then summed. `forward(x, residual)` -> (y, stats)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__(
+            args.dim,
+            args.moe_ffn_dim,
+            args.n_experts,
+            args.top_k,
+            args.norm_topk,
+            activation=args.activation,
+            router_norm_eps=args.norm_eps,
+        )
+        dim, ffn_dim = args.dim, args.ffn_dim_of(layer)
+        self.activation = args.activation
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        self.post_mlp_norm = _norm(args, dim)
+        self.pre_experts_norm = _norm(args, dim)
+        self.post_experts_norm = _norm(args, dim)
+
+    def forward(self, x: Tensor, route_from: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        assert route_from is not None, "the experts read the residual"
+        dense = self.post_mlp_norm(self.w2(glu(self.w1(x), self.w3(x), self.activation)))
+        experts, stats = super().forward(self.pre_experts_norm(route_from), route_from)
+        return dense + self.post_experts_norm(experts), stats
 
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -624,7 +657,9 @@ class TransformerBlock(nn.Module):
         self.moe = args.is_moe(layer)
         self.in_moe_model = args.n_experts > 0  # a dense layer of a MoE model: LoRA skips its MLP
         self.feed_forward: FeedForward | MoE
-        if self.moe:
+        if self.moe and args.mlp_beside_experts:
+            self.feed_forward = MLPAndExperts(args, layer)
+        elif self.moe:
             self.feed_forward = MoE(
                 args.dim,
                 args.moe_ffn_dim,
@@ -663,7 +698,9 @@ class TransformerBlock(nn.Module):
         stats: tuple[Tensor, ...] = ()
         n = h if self.ffn_norm is None else self.ffn_norm(h)
         if self.moe:
-            f, router = self.feed_forward(n)
+            f, router = self.feed_forward(
+                n, h if isinstance(self.feed_forward, MLPAndExperts) else None
+            )
             stats = (router,)
         else:
             f = self.feed_forward(n)
@@ -856,6 +893,8 @@ class Transformer(nn.Module):
             elif isinstance(module, Experts):
                 normal_(module.w13)
                 normal_(module.w2)
+            elif isinstance(module, MoE):
+                module.reset_parameters()
             elif isinstance(module, TransformerBlock) and module.scalar is not None:
                 module.scalar.fill_(1.0)
 

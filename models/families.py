@@ -77,11 +77,6 @@ def _read_gemma4(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
     layers' own head size and kv heads (`global_head_dim` / `num_global_key_value_heads`, or
     transformers 5.2x's `per_layer_config`), keys as values there (`attention_k_eq_v`); kv
     sharing, double-wide MLPs, per-layer inputs."""
-    if get("enable_moe_block", False):
-        raise UserError(
-            "config.json sets enable_moe_block: true (Gemma 4's MoE, 26B-A4B), which is not "
-            "supported yet; use a dense Gemma 4 checkpoint (E2B, E4B, 31B)"
-        )
     kinds = [cfg.get("layer_types") or [], _gemma4_kinds(cfg, n_layers)]
     kinds = [k.removesuffix("_attention") for k in (kinds[0] or kinds[1])]
     head_dim = get("head_dim")
@@ -143,6 +138,25 @@ def _read_gemma4(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
     return fields
 
 
+def _read_gemma4_moe(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    """Gemma 4 26B-A4B: experts beside every layer's dense MLP (`enable_moe_block`)."""
+    if not get("enable_moe_block", False):
+        return {}
+    n_experts = get("num_experts", required=True)
+    top_k = cfg.get("top_k_experts")
+    if not (isinstance(top_k, int) and 0 < top_k <= n_experts):
+        raise UserError(
+            f"config.json top_k_experts {top_k!r} must be between 1 and num_experts {n_experts}"
+        )
+    return dict(
+        n_experts=n_experts,
+        top_k=top_k,
+        moe_ffn_dim=get("moe_intermediate_size", required=True),
+        norm_topk=True,
+        mlp_beside_experts=True,
+    )
+
+
 def _write_gemma4(args: ModelArgs, cfg: dict) -> None:
     for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "rope_local_base_freq"):
         cfg.pop(key, None)
@@ -163,7 +177,10 @@ def _write_gemma4(args: ModelArgs, cfg: dict) -> None:
         use_double_wide_mlp=args.wide_shared_mlp,
         hidden_size_per_layer_input=args.ple_dim,
         vocab_size_per_layer_input=args.ple_vocab or args.vocab_size,
-        enable_moe_block=False,
+        enable_moe_block=args.mlp_beside_experts,
+        num_experts=args.n_experts or None,
+        top_k_experts=args.top_k or None,
+        moe_intermediate_size=args.moe_ffn_dim or None,
     )
 
 
@@ -494,6 +511,7 @@ FAMILIES: dict[str, Family] = {
             local_rope=True,
             writes_attention_bias=True,
             layer_kinds=_gemma4_kinds,
+            read_moe=_read_gemma4_moe,
             read_extra=_read_gemma4,
             write_extra=_write_gemma4,
         ),

@@ -108,6 +108,15 @@ _GEMMA4_BLOCK_NAMES = {
     "per_layer.up.weight": "per_layer_projection.weight",
     "per_layer.norm.weight": "post_per_layer_input_norm.weight",
     "scalar": "layer_scalar",
+    # 26B-A4B: the experts beside the dense MLP, each a single stacked tensor
+    "feed_forward.router.weight": "router.proj.weight",
+    "feed_forward.router_scale": "router.scale",
+    "feed_forward.expert_scale": "router.per_expert_scale",
+    "feed_forward.experts.w13": "experts.gate_up_proj",
+    "feed_forward.experts.w2": "experts.down_proj",
+    "feed_forward.post_mlp_norm.weight": "post_feedforward_layernorm_1.weight",
+    "feed_forward.pre_experts_norm.weight": "pre_feedforward_layernorm_2.weight",
+    "feed_forward.post_experts_norm.weight": "post_feedforward_layernorm_2.weight",
 }
 # ... whose checkpoints keep key/value weights in the layers that reuse an earlier layer's keys
 # and values, unused there (transformers ignores them too)

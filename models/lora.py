@@ -293,6 +293,7 @@ class FrozenExperts(Experts):
     def __init__(self, experts: Experts, base_dtype: torch.dtype, quantize: str | None) -> None:
         nn.Module.__init__(self)
         self.n_experts, self.dim, self.ffn_dim = experts.n_experts, experts.dim, experts.ffn_dim
+        self.activation = experts.activation
         for name in ("w13", "w2"):
             w = getattr(experts, name).detach()
             if quantize == "nf4":
@@ -443,7 +444,7 @@ def block_adapter(
             if linear is None:
                 continue  # the other form (fused or split) of these projections
             adapted = short in spec.targets and short not in FUSED_PARTS
-            if short in EXPERT_WEIGHTS and getattr(block, "in_moe_model", False):
+            if short in EXPERT_WEIGHTS and getattr(block, "in_moe_model", False) and not block.moe:
                 # In a MoE model gate/up/down name the experts' weights: transformers 5 + PEFT
                 # map those names to the experts (target_parameters) and cannot adapt the MLP
                 # of a dense layer, so neither do we (its adapter would not load in PEFT).
@@ -493,6 +494,13 @@ def _adapt_experts(
     frozen in the compute dtype (it is tiny, and routing decisions should not round)."""
     if isinstance(moe.experts, FrozenExperts):
         raise ValueError("this block has LoRA already")
+    for p in (moe.router_scale, moe.expert_scale):  # Gemma 4's router scales
+        if p is not None:
+            p.data = p.data.to(dtype)
+    if hasattr(moe, "w1"):  # Gemma 4: gate/up/down adapt the dense MLP beside frozen experts
+        moe.experts = FrozenExperts(moe.experts, base_dtype, quantize)
+        moe.router.weight.data = moe.router.weight.data.to(dtype)
+        return
     targeted = [t for t in ("gate", "up") if t in spec.targets]
     if len(targeted) == 1:
         raise UserError(

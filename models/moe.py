@@ -32,12 +32,19 @@ from torch import Tensor, nn
 from compiletune.ops.grouped_mm import grouped_mm
 
 
+def glu(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """act(gate) * up, act = silu (SwiGLU) or tanh-GELU (GeGLU)."""
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up
+
+
 class Experts(nn.Module):
     """`n_experts` SwiGLU MLPs as two stacked weights (see the module docstring)."""
 
-    def __init__(self, n_experts: int, dim: int, ffn_dim: int) -> None:
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int, activation: str = "silu") -> None:
         super().__init__()
         self.n_experts, self.dim, self.ffn_dim = n_experts, dim, ffn_dim
+        self.activation = activation  # "silu" (SwiGLU) or "gelu_tanh" (Gemma 4's GeGLU)
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
 
@@ -49,7 +56,7 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, offs: Tensor) -> Tensor:
         """x [n, d] grouped by expert (offs [E] int32: cumulative rows) -> [n, d]."""
         gate, up = self.project("w13", x, offs).chunk(2, dim=-1)
-        return self.project("w2", F.silu(gate) * up, offs)
+        return self.project("w2", glu(gate, up, self.activation), offs)
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, dim={self.dim}, ffn_dim={self.ffn_dim}"
@@ -87,22 +94,44 @@ class MoE(nn.Module):
         norm_topk: bool,
         shared_ffn_dim: int = 0,
         shared_gate: bool = False,
+        activation: str = "silu",
+        router_norm_eps: float = 0.0,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= n_experts:
             raise ValueError(f"top_k {top_k} must be in 1..n_experts ({n_experts})")
         self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
         self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = Experts(n_experts, dim, ffn_dim)
+        self.experts = Experts(n_experts, dim, ffn_dim, activation)
         self.shared = SharedExpert(dim, shared_ffn_dim, shared_gate) if shared_ffn_dim else None
+        # Gemma 4's router: its input RMS-normed (no weight), times a learned scale and d**-0.5;
+        # the chosen experts' weights times a learned scale per expert
+        self.router_norm_eps = router_norm_eps
+        self.router_scale = nn.Parameter(torch.ones(dim)) if router_norm_eps else None
+        self.expert_scale = nn.Parameter(torch.ones(n_experts)) if router_norm_eps else None
+
+    def reset_parameters(self) -> None:
+        """The router's scales start at one (the weights are drawn by `init_weights`)."""
+        for p in (self.router_scale, self.expert_scale):
+            if p is not None:
+                nn.init.ones_(p)
 
     def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """flat [t, d] -> (weights [t, k] in x's dtype, experts [t, k], stats [2E + 2] fp32)."""
-        logits = self.router(flat).float()  # [t, E]
+        x = flat
+        if self.router_scale is not None:
+            y = flat.float()
+            y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.router_norm_eps)).to(
+                x.dtype
+            )
+            x = y * self.router_scale * flat.shape[-1] ** -0.5
+        logits = self.router(x).float()  # [t, E]
         probs = torch.softmax(logits, dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[chosen]
         tokens = torch.zeros(self.n_experts, dtype=torch.float32, device=flat.device)
         tokens = tokens.scatter_add(
             0, chosen.flatten(), torch.ones_like(chosen.flatten(), dtype=torch.float32)
@@ -112,11 +141,14 @@ class MoE(nn.Module):
         stats = torch.cat([tokens.detach(), probs.sum(dim=0), z_sum[None], n])
         return weights.to(flat.dtype), chosen, stats
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [b, s, d] -> (y [b, s, d], router stats [2E + 2] fp32)."""
+    def forward(self, x: Tensor, route_from: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [b, s, d] -> (y [b, s, d], router stats [2E + 2] fp32); the router reads
+        `route_from` [b, s, d] instead of x when given (Gemma 4)."""
         b, s, d = x.shape
         flat = x.reshape(-1, d)
-        weights, chosen, stats = self.route(flat)
+        weights, chosen, stats = self.route(
+            flat if route_from is None else route_from.reshape(-1, d)
+        )
         flat_chosen = chosen.flatten()  # [t*k], pair j is token j // k
         order = torch.argsort(flat_chosen, stable=True)  # pairs grouped by expert
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)

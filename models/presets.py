@@ -477,8 +477,16 @@ PRESETS: dict[str, ModelArgs] = {
     # allenai/Olmo-3-1025-7B: norms after attention and MLP, q/k norms over the projections,
     # a 4096-token window on three layers of four, yarn on the full ones
     "olmo3_7b": _olmo3(4096, 32, 32, 32, 11008),
-    # google/gemma-4-31B (its text model)
+    # google/gemma-4-31B, gemma-4-26B-A4B (their text models; the MoE keeps each layer's dense
+    # MLP beside 128 experts, 8 per token)
     "gemma4_31b": _gemma4(5376, 60, 32, 16, 4, 21504),
+    "gemma4_26b_a4b": dataclasses.replace(
+        _gemma4(2816, 30, 16, 8, 2, 2112),
+        n_experts=128,
+        top_k=8,
+        moe_ffn_dim=704,
+        mlp_beside_experts=True,
+    ),
     # Qwen/Qwen3.5-9B and Qwen3.5-35B-A3B (their text models: the cards' totals add the vision
     # tower), Qwen/Qwen3-Next-80B-A3B-Base: the shapes transformers' configs default to
     "qwen3_5_9b": _qwen3_5(4096, 32, 16, 4, 12288),
@@ -636,11 +644,14 @@ def num_params(args: ModelArgs) -> int:
     moe = args.n_experts * (d + 3 * d * args.moe_ffn_dim)  # router row + SwiGLU, per expert
     if args.shared_ffn_dim:
         moe += 3 * d * args.shared_ffn_dim + d * args.shared_expert_gate
+    if args.mlp_beside_experts:  # Gemma 4: router scales, three norms (+ the dense MLP below)
+        moe += d + args.n_experts + 3 * d
     blocks = 0
     for i in range(args.n_layers):
         linear = args.layer_kind(i) == "linear"
         blocks += _linear_params(args) if linear else _attention_params(args, i)
-        blocks += moe if args.is_moe(i) else 3 * d * args.ffn_dim_of(i)  # fused or not: same
+        dense = 3 * d * args.ffn_dim_of(i)  # fused or not: the same weights
+        blocks += (moe + dense * args.mlp_beside_experts) if args.is_moe(i) else dense
         blocks += norms * d + args.layer_scalar
         if args.ple_dim:  # gate, up, norm
             blocks += 2 * d * args.ple_dim + d

@@ -117,6 +117,12 @@ CASES = {
         dict(GEMMA4, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)
         | dict(num_kv_shared_layers=2, use_double_wide_mlp=True),
     ),
+    # Gemma 4 26B-A4B's: 8 experts (2 per token) beside each layer's dense MLP
+    "gemma4_moe": (
+        transformers.Gemma4TextConfig,
+        dict(GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2)
+        | dict(moe_intermediate_size=32, attention_k_eq_v=True, num_global_key_value_heads=1),
+    ),
     # fused qkv/gate_up, partial rotary 0.5, longrope (original context 16), window 12
     "phi3": (
         transformers.Phi3Config,
@@ -182,7 +188,7 @@ def make_hf(case: str, seed: int = 0) -> transformers.PreTrainedModel:
     ).eval()
     with torch.no_grad():  # non-trivial norms and biases (HF initialises them to 1/0 or 0)
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.05 * torch.randn_like(p))
@@ -262,6 +268,7 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
         "gemma2",
         "gemma3",
         "gemma4_e",
+        "gemma4_moe",
         "phi3",
         "qwen3",
         "smollm3_window",
@@ -305,6 +312,7 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
         "gemma2",
         "gemma4",
         "gemma4_e",
+        "gemma4_moe",
         "qwen3",
         "smollm3",
         "olmo3",
