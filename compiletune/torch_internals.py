@@ -23,6 +23,7 @@ from torch.fx.node import _get_qualified_name
 
 __all__ = [
     "CustomPartitionerFn",
+    "autograd_inside_op",
     "below_inplace_or_view",
     "compile_inductor",
     "compile_no_codegen",
@@ -85,6 +86,20 @@ def below_inplace_or_view() -> contextlib.AbstractContextManager:
     does not trace back to the tensor it came from.
     """
     return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
+@contextlib.contextmanager
+def autograd_inside_op() -> Iterator[None]:
+    """Autograd inside a custom op's implementation, which runs below autograd (its dispatch
+    keys excluded): the op can differentiate a library's autograd function it wraps
+    (ops/gated_delta.py, flash-linear-attention's kernels)."""
+    keys = torch._C.DispatchKey
+    with (
+        torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False),
+        torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False),
+        torch.enable_grad(),
+    ):
+        yield
 
 
 def dynamo_graphs_compiled() -> int:

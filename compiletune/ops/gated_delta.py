@@ -26,11 +26,15 @@ its backward are opaque to the compiler: a compiled block holds one node each.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from compiletune.ops.op_memory import Args, declare_memory
+from compiletune.torch_internals import autograd_inside_op
 
 CHUNK = 64
 BLOCK = 8  # chunks computed at once: a block's temporaries bound the memory at any length
@@ -305,8 +309,94 @@ def gated_delta_rule(
 ) -> Tensor:
     """q, k [b, s, h, dk] (scaled and normalised as the model wants them), v [b, s, h, dv],
     g [b, s, h] (log decay, <= 0), beta [b, s, h], doc_ids [b, s] or None -> o [b, s, h, dv].
-    See the module docstring."""
+    See the module docstring. On CUDA with flash-linear-attention installed (the `linear`
+    extra), its kernels compute it (`gated_delta_rule_fla`)."""
+    if use_fla(q):
+        return gated_delta_rule_fla_op(q, k, v, g, beta, doc_ids)
     return gated_delta_rule_op(q, k, v, g, beta, doc_ids, chunk)
+
+
+# --- flash-linear-attention's kernels, on CUDA where installed ----------------------------------
+# Its chunk_gated_delta_rule takes the documents of all rows laid end to end as one row with
+# their offsets (`cu_seqlens`), so document resets are the kernel's own. Wrapped as an op of
+# ours, opaque to the compiler like the one above: the forward saves its inputs only and the
+# backward recomputes the kernel's forward under autograd (the same memory shape as ours; the
+# estimate counts ours, which it runs on the CPU). COMPILETUNE_NO_FLA=1 turns it off.
+
+
+def fla_kernel() -> Any:
+    """flash-linear-attention's chunk_gated_delta_rule, or None (not installed, or turned off)."""
+    if os.environ.get("COMPILETUNE_NO_FLA"):
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def use_fla(q: Tensor) -> bool:
+    return q.is_cuda and fla_kernel() is not None
+
+
+def document_offsets(doc_ids: Tensor | None, b: int, s: int, device: torch.device) -> Tensor:
+    """cu_seqlens [n + 1] (int64) of the documents of b rows of s tokens laid end to end: every
+    row starts a document, and so does every token whose document id differs from the one
+    before it."""
+    starts = _starts(doc_ids, b, s, device)
+    starts[:, 0] = 1
+    where = starts.flatten().nonzero().flatten()
+    return torch.cat([where, where.new_full((1,), b * s)])
+
+
+def _fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_ids: Tensor | None):
+    b, s = q.shape[:2]
+    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    offsets = document_offsets(doc_ids, b, s, q.device)
+    o, _ = fla_kernel()(*flat, scale=1.0, cu_seqlens=offsets)  # q comes scaled
+    return o.reshape(v.shape)
+
+
+@torch.library.custom_op("compiletune::gated_delta_rule_fla", mutates_args=())
+def gated_delta_rule_fla_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_ids: Tensor | None
+) -> Tensor:
+    with torch.no_grad():
+        return _fla(q, k, v, g, beta, doc_ids).to(v.dtype)
+
+
+@gated_delta_rule_fla_op.register_fake
+def _(q, k, v, g, beta, doc_ids):
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("compiletune::gated_delta_rule_fla_backward", mutates_args=())
+def gated_delta_rule_fla_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_ids: Tensor | None, grad: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with autograd_inside_op():
+        xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+        o = _fla(*xs, doc_ids)
+        grads = torch.autograd.grad(o, xs, grad.to(o.dtype))
+    return tuple(d.to(x.dtype) for d, x in zip(grads, (q, k, v, g, beta), strict=True))
+
+
+@gated_delta_rule_fla_backward_op.register_fake
+def _(q, k, v, g, beta, doc_ids, grad):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+
+
+def _fla_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _fla_backward(ctx, grad: Tensor):
+    q, k, v, g, beta, doc_ids = ctx.saved_tensors
+    grads = gated_delta_rule_fla_backward_op(q, k, v, g, beta, doc_ids, grad.contiguous())
+    return (*grads, None)
+
+
+gated_delta_rule_fla_op.register_autograd(_fla_backward, setup_context=_fla_setup)
 
 
 # --- memory, for the estimate (ops/op_memory.py) -------------------------------------------
