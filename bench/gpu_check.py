@@ -176,6 +176,18 @@ STEPS: list[Step] = [
     ),
     Step(
         2,
+        "linear-attention",
+        # Qwen3-Next's Gated DeltaNet heads: ours, transformers' torch path, fla (if carried)
+        [PY, "bench/linear_attention.py", "--tokens", "4096", "16384", "65536"]
+        + ["--out", "{results}/linear-attention-cuda-{dev}.json"],
+        [PY, "bench/linear_attention.py", "--tokens", "128", "--heads", "2", "--dk", "16"]
+        + ["--dv", "16", "--iters", "1", "--out", "{results}/linear-attention-cuda-{dev}.json"],
+        180,
+        40,
+        result="linear-attention-cuda-{dev}.json",
+    ),
+    Step(
+        2,
         "objectives",
         [PY, "bench/objectives.py", "--iters", "3"]
         + ["--out", "{results}/objectives-cuda-{dev}.json"],

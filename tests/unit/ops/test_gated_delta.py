@@ -193,3 +193,26 @@ def test_fla_path_lays_documents_end_to_end(monkeypatch):
     monkeypatch.undo()  # the real lookup: turned off by the variable
     monkeypatch.setenv("COMPILETUNE_NO_FLA", "1")
     assert gated_delta.fla_kernel() is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_fla_kernels_equal_the_op_on_packed_rows(monkeypatch):
+    """On a GPU with flash-linear-attention: its kernels (documents as offsets) give the op's
+    outputs and gradients on packed rows (bench/gpu_check.py --part 1 runs this)."""
+    from compiletune.ops import gated_delta
+
+    pytest.importorskip("fla")
+    xs = [x.cuda().requires_grad_() for x in inputs(s=300, h=4, dk=64, dv=64)]
+    doc_ids = packed_docs(2, 300).cuda()
+    grad = torch.randn(xs[2].shape, device="cuda")
+    assert gated_delta.use_fla(xs[0])
+    got = gated_delta_rule(*xs, doc_ids)
+    got_grads = torch.autograd.grad(got, xs, grad)
+    monkeypatch.setenv("COMPILETUNE_NO_FLA", "1")
+    want = gated_delta_rule(*xs, doc_ids)
+    want_grads = torch.autograd.grad(want, xs, grad)
+    # fla runs its matmuls in tf32 / bf16 where it can: a looser bound than the CPU checks'
+    assert rel(got, want) <= 2e-3
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert rel(a, b) <= 5e-3
