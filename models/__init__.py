@@ -1,6 +1,7 @@
 """Native decoder models, presets and HF checkpoint mapping."""
 
-from .decoder import ModelArgs, RopeScaling, Transformer, build_model
+from .args import ModelArgs, RopeScaling
+from .decoder import Transformer, build_model
 from .hf import from_hf, save_hf, to_hf_name, write_hf_folder
 from .hf_config import (
     args_from_hf_config,

@@ -99,11 +99,14 @@ def _windowed_pieces(a: int, e: int, window: int) -> list[tuple[int, int, int]]:
 
 def _tile_scores(
     q: Tensor, k: Tensor, qa: int, ka: int, scale: float, softcap: float, window: int
-) -> tuple[Tensor, Tensor]:
-    """Capped scores [.., tq, tk] (fp32, -inf where hidden) and tanh (for the backward)."""
-    raw = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    t = torch.tanh(raw / softcap)
-    scores = softcap * t
+) -> tuple[Tensor, Tensor | None]:
+    """Scores [.., tq, tk] (fp32, -inf where hidden), capped when softcap > 0, and the tanh of
+    the cap (for the backward; None without one)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    t = None
+    if softcap > 0:
+        t = torch.tanh(scores / softcap)
+        scores = softcap * t
     seen = visible(qa, qa + q.shape[-2], ka, ka + k.shape[-2], window, q.device)
     return scores.masked_fill(~seen, -math.inf), t
 
@@ -114,7 +117,7 @@ def _key_tiles(qa: int, qe: int, window: int) -> range:
     return range(first, qe, _TILE)
 
 
-def _softcap_forward(
+def _tiled_forward(
     q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float, window: int
 ) -> tuple[Tensor, Tensor]:
     """One segment, q k v [.., n, hd] -> out [.., n, hd] (q's dtype), lse [.., n] (fp32)."""
@@ -142,8 +145,9 @@ def _softcap_forward(
     return out, lse
 
 
-def _softcap_backward(
+def _tiled_backward(
     grad: Tensor,
+    grad_lse: Tensor | None,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -153,12 +157,16 @@ def _softcap_backward(
     softcap: float,
     window: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one segment of `_softcap_forward`, tile by tile (fp32 accumulators)."""
+    """Gradients of one segment of `_tiled_forward` (given those of out and of lse), tile by
+    tile (fp32 accumulators)."""
     n = q.shape[-2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-    delta = (grad.float() * out.float()).sum(-1)  # [.., n]: rowsum(dO * O)
+    # [.., n]: rowsum(dO * O), less dL/dlse (d lse / d score_ij = p_ij)
+    delta = (grad.float() * out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.float()
     for qa in range(0, n, _TILE):
         qe = min(qa + _TILE, n)
         qt, gt = q[..., qa:qe, :], grad[..., qa:qe, :].float()
@@ -170,13 +178,19 @@ def _softcap_backward(
             dv[..., ka:ke, :] += torch.matmul(p.transpose(-1, -2), gt)
             dp = torch.matmul(gt, vt.float().transpose(-1, -2))
             # through the softmax, then through c * tanh(x / c) (derivative 1 - tanh^2)
-            ds = p * (dp - delta[..., qa:qe, None]) * (1 - t * t) * scale
+            ds = p * (dp - delta[..., qa:qe, None]) * scale
+            if t is not None:
+                ds = ds * (1 - t * t)
             dq[..., qa:qe, :] += torch.matmul(ds, kt.float())
             dk[..., ka:ke, :] += torch.matmul(ds.transpose(-1, -2), qt.float())
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # --- the op ------------------------------------------------------------------------------
+
+
+def _lse_shape(q: Tensor, tiled: bool) -> tuple[int, ...]:
+    return (*q.shape[:-1],) if tiled else (0,)
 
 
 @torch.library.custom_op("compiletune::attention", mutates_args=())
@@ -188,14 +202,18 @@ def attention_op(
     scale: float,
     window: int,
     softcap: float,
+    tiled: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """q, k, v [b, h, s, hd] -> (out [b, h, s, hd], lse [b, h, s] fp32 or [0] without softcap)."""
+    """q, k, v [b, h, s, hd] -> (out [b, h, s, hd], lse [b, h, s] fp32, or [0] from the SDPA
+    paths). The tiled kernel runs with a softcap, or when `tiled` (the log-sum-exp is wanted:
+    attention sinks)."""
+    tiled = tiled or softcap > 0
     out = q.new_empty(q.shape)
-    lse = q.new_empty((*q.shape[:-1],) if softcap > 0 else (0,), dtype=torch.float32)
+    lse = q.new_empty(_lse_shape(q, tiled), dtype=torch.float32)
     for rows, a, e in _segments(q, doc_ids):
         sl = (rows, slice(None), slice(a, e))
-        if softcap > 0:
-            out[sl], lse[sl] = _softcap_forward(q[sl], k[sl], v[sl], scale, softcap, window)
+        if tiled:
+            out[sl], lse[sl] = _tiled_forward(q[sl], k[sl], v[sl], scale, softcap, window)
         elif window <= 0 or e - a <= window:
             out[sl] = _sdpa(q[sl], k[sl], v[sl], scale)
         else:
@@ -208,14 +226,15 @@ def attention_op(
 
 
 @attention_op.register_fake
-def _(q, k, v, doc_ids, scale, window, softcap):
-    lse_shape = (*q.shape[:-1],) if softcap > 0 else (0,)
+def _(q, k, v, doc_ids, scale, window, softcap, tiled=False):
+    lse_shape = _lse_shape(q, tiled or softcap > 0)
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("compiletune::attention_backward", mutates_args=())
 def attention_backward_op(
     grad_out: Tensor,
+    grad_lse: Tensor | None,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -225,8 +244,11 @@ def attention_backward_op(
     scale: float,
     window: int,
     softcap: float,
+    tiled: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) [b, h, s, hd] of `attention`, segment by segment."""
+    """Gradients (dq, dk, dv) [b, h, s, hd] of `attention` (given those of out and, from the
+    tiled kernel, of lse), segment by segment."""
+    tiled = tiled or softcap > 0
     # fp32 accumulators (overlapping windowed chunks add into dk, dv), contiguous as the fake
     # says; cast to the inputs' dtype at the end
     dq, dk, dv = (q.new_zeros(t.shape, dtype=torch.float32) for t in (q, k, v))
@@ -243,9 +265,18 @@ def attention_backward_op(
 
     for rows, a, e in _segments(q, doc_ids):
         sl = (rows, slice(None), slice(a, e))
-        if softcap > 0:
-            dq[sl], dk[sl], dv[sl] = _softcap_backward(
-                grad_out[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], scale, softcap, window
+        if tiled:
+            dq[sl], dk[sl], dv[sl] = _tiled_backward(
+                grad_out[sl],
+                None if grad_lse is None else grad_lse[sl],
+                q[sl],
+                k[sl],
+                v[sl],
+                out[sl],
+                lse[sl],
+                scale,
+                softcap,
+                window,
             )
         elif window <= 0 or e - a <= window:
             vjp(rows, a, e, a, None)
@@ -256,25 +287,28 @@ def attention_backward_op(
 
 
 @attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, doc_ids, scale, window, softcap):
+def _(grad_out, grad_lse, q, k, v, out, lse, doc_ids, scale, window, softcap, tiled=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, doc_ids, scale, window, softcap = inputs
+    q, k, v, doc_ids, scale, window, softcap, tiled = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out if softcap > 0 else None, lse, doc_ids)
-    ctx.constants = (scale, window, softcap)
+    tiled = tiled or softcap > 0
+    ctx.save_for_backward(q, k, v, out if tiled else None, lse, doc_ids)
+    ctx.constants = (scale, window, softcap, tiled)
 
 
-def _backward(ctx, grad_out, _grad_lse):
+def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, doc_ids = ctx.saved_tensors
     if out is None:
         out = q.new_empty(0)
+    if grad_lse is not None and grad_lse.numel() == 0:
+        grad_lse = None
     dq, dk, dv = torch.ops.compiletune.attention_backward(
-        grad_out, q, k, v, out, lse, doc_ids, *ctx.constants
+        grad_out, grad_lse, q, k, v, out, lse, doc_ids, *ctx.constants
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -412,9 +446,11 @@ def causal_attention(
     window: int = 0,
     softcap: float = 0.0,
     backend: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """q, k, v [b, h, s, hd] -> [b, h, s, hd]: causal; within documents when `doc_ids`; within
-    `window` tokens when > 0; scores soft-capped at `softcap` when > 0.
+    `window` tokens when > 0; scores soft-capped at `softcap` when > 0; with `sinks` [h] (gpt-oss)
+    one more logit per head in every softmax's denominator (`_with_sinks`).
 
     With none of them this is plain causal SDPA, the same call as before any of them existed,
     so unmasked runs keep their numerics. Otherwise `backend` ("flex" or "segments"; default:
@@ -422,6 +458,8 @@ def causal_attention(
     also be a prepared FlexAttention block mask (`flex_block_mask`, holding the documents and
     the window), which FlexAttention then uses as it is.
     """
+    if sinks is not None:
+        return _with_sinks(q, k, v, scale, doc_ids, window, softcap, sinks)
     if is_block_mask(doc_ids):
         return flex_causal_attention(q, k, v, scale, softcap=softcap, block_mask=doc_ids)
     if doc_ids is None and window <= 0 and softcap <= 0:
@@ -429,3 +467,26 @@ def causal_attention(
     if (backend or attention_backend(q.device)) == "flex":
         return flex_causal_attention(q, k, v, scale, doc_ids, window, softcap)
     return attention_op(q, k, v, doc_ids, scale, int(window), float(softcap))[0]
+
+
+def _with_sinks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    doc_ids: Tensor | None,
+    window: int,
+    softcap: float,
+    sinks: Tensor,
+) -> Tensor:
+    """Attention with a sink logit per head (gpt-oss): softmax over the visible scores and the
+    sink, the sink's share dropped. With lse the log-sum-exp of the visible scores, that is the
+    plain attention times exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), so the tiled
+    kernel's output and log-sum-exp (differentiable, its backward takes both gradients) give
+    it exactly, on every device and mask (a FlexAttention form is not used yet). `doc_ids` may
+    not be a block mask here: layers with sinks build none (`Attention.mask`)."""
+    if is_block_mask(doc_ids):
+        raise ValueError("attention sinks take doc_ids, not a FlexAttention block mask")
+    out, lse = attention_op(q, k, v, doc_ids, scale, int(window), float(softcap), True)
+    keep = torch.sigmoid(lse - sinks.float()[None, :, None])  # [b, h, s]
+    return (out.float() * keep[..., None]).to(q.dtype)

@@ -22,315 +22,18 @@ compiled graph serves all of them).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .args import ModelArgs
 from .attention import attention_backend, causal_attention, flex_block_mask, visible
 from .linear_attention import GatedDeltaNet, GatedRMSNorm
 from .moe import Experts, MoE, glu
-
-ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "proportional")
-
-
-@dataclass
-class RopeScaling:
-    """Rope frequency scaling (HF `rope_scaling` / `rope_parameters`), by `rope_type`:
-
-    llama3    Llama 3.1: low frequencies divided by `factor`, high ones kept, smooth between
-              (`low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`)
-    linear    every frequency divided by `factor`
-    yarn      Qwen2.5/Qwen3 long context: interpolation blended with extrapolation over a ramp
-              set by `beta_fast` / `beta_slow`; cos/sin scaled by `attention_factor`
-    longrope  Phi-3: per-frequency `short_factor` (up to `original_max_position_embeddings`
-              positions) or `long_factor` (beyond); cos/sin scaled by `attention_factor`
-    proportional  Gemma 4's full layers: the first `partial` of the head's frequency pairs
-              rotate at the frequencies of the whole head dim, the rest not at all; all
-              divided by `factor`
-
-    `attention_factor` None means the published default for the type (derived from `factor`).
-    """
-
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    rope_type: str = "llama3"
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float | None = None
-    short_factor: tuple[float, ...] | None = None
-    long_factor: tuple[float, ...] | None = None
-    partial: float = 1.0  # proportional: the fraction of frequency pairs that rotate
-
-    def cos_sin_scale(self) -> float:
-        """The factor cos and sin are multiplied by (yarn, longrope; 1 otherwise)."""
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.rope_type == "yarn":
-            return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
-        if self.rope_type == "longrope" and self.factor > 1:
-            return math.sqrt(
-                1 + math.log(self.factor) / math.log(self.original_max_position_embeddings)
-            )
-        return 1.0
-
-
-LAYER_KINDS = ("full", "sliding", "linear")
-
-
-@dataclass
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    ffn_dim: int
-    # None -> dim // n_heads (canonical: set only when it differs; read it through `hd`)
-    head_dim: int | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 4096  # HF max_position_embeddings
-    qkv_bias: bool = False  # Qwen2
-    tie_embeddings: bool = False
-    # Tokens a query sees in a sliding layer, itself included (None: no sliding layers).
-    sliding_window: int | None = None
-    # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else
-    # every layer full. Gemma 2 alternates, Gemma 3 has one full layer in six.
-    layer_types: tuple[str, ...] | None = None
-    family: str = "llama"  # the HF architecture save_hf writes (see hf.py)
-    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before rope
-    norm_plus_one: bool = False  # Gemma: norms scale by (1 + w), in fp32
-    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(dim)
-    activation: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
-    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and after the MLP too
-    pre_norms: bool = True  # norms before attention and the MLP (OLMo 3: none; sandwich's only)
-    norm_weight_fp32: bool = False  # OLMo 3: the weight multiplies in fp32, then the cast back
-    qk_norm_whole: bool = False  # OLMo 3: the q/k norms span the whole projection, not a head
-    nope_layers: tuple[int, ...] = ()  # layers without rope (SmolLM3: every fourth)
-    attn_output_gate: bool = False  # Qwen3.5/Qwen3-Next: o = attn * sigmoid(gate from q_proj)
-    # Gated DeltaNet on the "linear" layers (Qwen3.5/Qwen3-Next; models/linear_attention.py)
-    linear_k_heads: int = 0
-    linear_v_heads: int = 0
-    linear_k_dim: int = 0
-    linear_v_dim: int = 0
-    linear_conv: int = 4  # the causal convolution's kernel
-    linear_fused: bool = False  # Qwen3-Next: in_proj_qkvz / in_proj_ba, grouped per key head
-    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not hd
-    attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c)
-    final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
-    local_rope_theta: float | None = None  # Gemma 3: sliding layers' rope base (no scaling)
-    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): leading dims rotated; None: hd
-    fused_projections: bool = False  # Phi-3: one qkv and one gate_up projection
-    # Mixture of experts (Mixtral, Qwen3-MoE; see moe.py). n_experts 0: a dense model.
-    n_experts: int = 0  # routed experts per MoE layer
-    top_k: int = 0  # experts per token
-    moe_ffn_dim: int = 0  # each expert's hidden width
-    norm_topk: bool = True  # top-k weights renormalised to sum 1 (Mixtral; Qwen3 norm_topk_prob)
-    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE mlp_only_layers)
-    router_aux_coef: float = 0.0  # the checkpoint's router_aux_loss_coef (--router-aux-coef)
-    shared_ffn_dim: int = 0  # a shared expert beside the routed ones (Qwen3.5-MoE); 0: none
-    shared_expert_gate: bool = False  # ... scaled per token by sigmoid(x . gate)
-    # Gemma 4: full layers with a head size and kv heads of their own, values from the key
-    # projection there; values RMS-normed (no weight); the last `kv_shared_layers` layers attend
-    # over the keys and values of the last earlier layer of their kind (and may have an MLP
-    # twice as wide); a small embedding per layer fed into each block; a stored scalar per block
-    global_head_dim: int | None = None  # full layers' head dim (None: hd)
-    global_kv_heads: int | None = None  # full layers' kv heads (None: n_kv_heads)
-    kv_from_k: bool = False  # full layers: v = the key projection (before k's norm and rope)
-    v_norm: bool = False
-    kv_shared_layers: int = 0
-    wide_shared_mlp: bool = False
-    ple_dim: int = 0  # per-layer input width (0: none)
-    ple_vocab: int = 0  # ... and its vocabulary
-    layer_scalar: bool = False
-    # Gemma 4's MoE (26B-A4B): every layer keeps its dense MLP beside the experts, each output
-    # normed, their sum normed; the router reads the un-normed residual (see `MLPAndExperts`)
-    mlp_beside_experts: bool = False
-
-    @property
-    def hd(self) -> int:
-        """Resolved head dimension."""
-        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
-
-    def layer_kind(self, index: int) -> str:
-        """ "full" or "sliding" for layer `index`."""
-        if self.layer_types is not None:
-            return self.layer_types[index]
-        return "sliding" if self.sliding_window is not None else "full"
-
-    def rope(self, index: int) -> bool:
-        """Does layer `index` rotate its queries and keys?"""
-        return index not in self.nope_layers and self.layer_kind(index) != "linear"
-
-    def window(self, index: int) -> int:
-        """Sliding window of layer `index` (0: none)."""
-        return (self.sliding_window or 0) if self.layer_kind(index) == "sliding" else 0
-
-    def head_dim_of(self, kind: str) -> int:
-        """Head dimension of the layers of `kind`."""
-        return self.global_head_dim or self.hd if kind == "full" else self.hd
-
-    def kv_heads_of(self, kind: str) -> int:
-        """Key/value heads of the layers of `kind`."""
-        return self.global_kv_heads or self.n_kv_heads if kind == "full" else self.n_kv_heads
-
-    def kv_mode(self, index: int) -> str | None:
-        """None, "store" (a later layer attends over this layer's keys and values) or "reuse"
-        (this layer attends over those of the last "store" layer of its kind), as Gemma 4."""
-        first = self.n_layers - self.kv_shared_layers
-        if not self.kv_shared_layers:
-            return None
-        if index >= first:
-            return "reuse"
-        kind = self.layer_kind(index)
-        later = [i for i in range(index + 1, first) if self.layer_kind(i) == kind]
-        return None if later else "store"
-
-    def ffn_dim_of(self, index: int) -> int:
-        """MLP width of layer `index`."""
-        wide = self.wide_shared_mlp and self.kv_mode(index) == "reuse"
-        return self.ffn_dim * (2 if wide else 1)
-
-    def is_moe(self, index: int) -> bool:
-        """Is layer `index` a mixture-of-experts layer?"""
-        return self.n_experts > 0 and index not in self.dense_layers
-
-    @property
-    def attn_scale(self) -> float:
-        """Multiplier of the attention scores."""
-        if self.query_pre_attn_scalar is not None:
-            return self.query_pre_attn_scalar**-0.5
-        return self.hd**-0.5
-
-
-def _llama3_scale(inv_freq: Tensor, rs: RopeScaling) -> Tensor:
-    # Llama 3.1: keep high frequencies (wavelength < original_ctx / high_freq_factor), divide low
-    # frequencies (wavelength > original_ctx / low_freq_factor) by `factor`, and interpolate
-    # smoothly in between.
-    low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def _yarn(theta: float, dim: int, rs: RopeScaling, device: torch.device | str | None) -> Tensor:
-    # YaRN: frequencies that turn fewer than beta_slow times over the original context are
-    # interpolated (divided by factor), those turning more than beta_fast times are kept, with a
-    # linear ramp over the dimensions in between.
-    def correction_dim(rotations: float) -> float:
-        ctx = rs.original_max_position_embeddings
-        return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
-    if rs.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
-    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rs.factor * pos_freqs)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    keep = 1 - ramp.to(device)
-    return interpolation * (1 - keep) + extrapolation * keep
-
-
-def _rope_base(args: ModelArgs, kind: str) -> tuple[float, RopeScaling | None]:
-    """(base, scaling) of layers of `kind`: Gemma 3's sliding layers have their own base and
-    no scaling; every other layer uses the model's."""
-    if kind == "sliding" and args.local_rope_theta is not None:
-        return args.local_rope_theta, None
-    return args.rope_theta, args.rope_scaling
-
-
-def rope_inv_freq(
-    args: ModelArgs,
-    device: torch.device | str | None = None,
-    kind: str = "full",
-    long: bool = False,
-) -> Tensor:
-    """Rope inverse frequencies [rotary_dim // 2] in fp32 for layers of `kind`, with the
-    configured scaling (`long`: longrope's long factors).
-
-    Computed in the same order of fp32 operations as HF so that cos/sin match bit for bit.
-    Gemma 3's sliding layers use their own base (`local_rope_theta`) and no scaling.
-    """
-    theta, rs = _rope_base(args, kind)
-    hd = args.head_dim_of(kind)
-    if rs is not None and rs.rope_type == "proportional":
-        pairs = int(rs.partial * hd // 2)
-        exponent = torch.arange(0, 2 * pairs, 2, dtype=torch.int64, device=device).float() / hd
-        still = torch.zeros(hd // 2 - pairs, device=device)
-        return torch.cat((1.0 / theta**exponent, still)) / rs.factor
-    dim = args.rotary_dim or hd
-    if rs is not None and rs.rope_type == "yarn":
-        return _yarn(theta, dim, rs, device)
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    if rs is not None and rs.rope_type == "longrope":
-        factors = rs.long_factor if long else rs.short_factor
-        ext = torch.tensor(factors, dtype=torch.float32, device=device)
-        return 1.0 / (ext * theta**exponent)
-    inv_freq = 1.0 / (theta**exponent)
-    if rs is None:
-        return inv_freq
-    if rs.rope_type == "linear":
-        return inv_freq / rs.factor
-    return _llama3_scale(inv_freq, rs)
-
-
-def rope_cos_sin(
-    args: ModelArgs, positions: Tensor, dtype: torch.dtype, kind: str = "full"
-) -> tuple[Tensor, Tensor]:
-    """cos, sin [b, s, rotary_dim] for integer `positions` [b, s] and layers of `kind`, math in
-    fp32, cast to `dtype`.
-
-    longrope picks its long factors when the largest position reaches past the original
-    context (as HF does), with a tensor `where`, so under compile it is data, not a guard.
-    """
-    inv_freq = rope_inv_freq(args, positions.device, kind)
-    _, rs = _rope_base(args, kind)
-    if rs is not None and rs.rope_type == "longrope":
-        long = rope_inv_freq(args, positions.device, kind, long=True)
-        past = positions.max() + 1 > rs.original_max_position_embeddings
-        inv_freq = torch.where(past, long, inv_freq)
-    freqs = positions[..., None].float() * inv_freq  # [b, s, rotary_dim // 2]
-    # rotate_half layout: the two halves of the rotated part share frequencies.
-    emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, rotary_dim]
-    cos, sin = emb.cos(), emb.sin()
-    scale = 1.0 if rs is None else rs.cos_sin_scale()
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    return cos.to(dtype), sin.to(dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [b, heads, s, hd], cos/sin [b, s, rd] -> [b, heads, s, hd]; with partial rotary
-    (rd < hd) the leading rd dims rotate and the rest pass through."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    rot, rest = x[..., :rd], x[..., rd:]
-    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+from .rope import apply_rope, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -410,7 +113,8 @@ class Attention(nn.Module):
                 self.wk = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
             if own_kv and not self.v_from_k:
                 self.wv = nn.Linear(args.dim, kv_out, bias=args.qkv_bias)
-        self.wo = nn.Linear(q_out, args.dim, bias=False)
+        self.wo = nn.Linear(q_out, args.dim, bias=args.o_bias)
+        self.sinks = nn.Parameter(torch.zeros(args.n_heads)) if args.attn_sinks else None
         self.rope = args.rope(layer)
         self.qk_norm_whole = args.qk_norm_whole
         self.q_norm = self.k_norm = None
@@ -484,7 +188,7 @@ class Attention(nn.Module):
         built once and kept in `shared` for the other layers of the same window."""
         if doc_ids is None and self.window <= 0 and self.softcap <= 0:
             return None
-        if (self.backend or attention_backend(device)) != "flex":
+        if self.sinks is not None or (self.backend or attention_backend(device)) != "flex":
             return doc_ids
         if self.window not in shared:
             shared[self.window] = flex_block_mask(doc_ids, self.window, *shape, device)
@@ -520,6 +224,7 @@ class Attention(nn.Module):
             self.window,
             self.softcap,
             backend=self.backend,
+            sinks=self.sinks,
         )
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, h * hd]
         out = self.wo(out if gate is None else out * torch.sigmoid(gate))
@@ -546,17 +251,29 @@ class Attention(nn.Module):
         values = self._repeat_kv(cache.v[layer][:, :, :end])
         if start == 0:  # the prompt: the exact segment op (prompt lengths vary; no recompiles)
             out = causal_attention(
-                q, keys, values, self.scale, None, self.window, self.softcap, backend="segments"
+                q,
+                keys,
+                values,
+                self.scale,
+                None,
+                self.window,
+                self.softcap,
+                backend="segments",
+                sinks=self.sinks,
             )
         else:
             # new token i sits at position start + i and sees keys up to start + i: [s, end]
             seen = visible(start, end, 0, end, self.window, x.device)
-            if self.softcap > 0:
+            if self.softcap > 0 or self.sinks is not None:
                 scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
-                scores = self.softcap * torch.tanh(scores / self.softcap)
+                if self.softcap > 0:
+                    scores = self.softcap * torch.tanh(scores / self.softcap)
                 scores = scores.masked_fill(~seen, float("-inf"))
+                if self.sinks is not None:  # one more logit per head, its share dropped
+                    sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1)
+                    scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-                out = torch.matmul(probs, values)
+                out = torch.matmul(probs[..., : keys.shape[-2]], values)
             else:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=seen, scale=self.scale
@@ -668,6 +385,9 @@ class TransformerBlock(nn.Module):
                 args.norm_topk,
                 args.shared_ffn_dim,
                 args.shared_expert_gate,
+                bias=args.expert_bias,
+                clamp=args.swiglu_limit,
+                alpha=args.swiglu_alpha,
             )
         else:
             self.feed_forward = FeedForward(
@@ -893,6 +613,11 @@ class Transformer(nn.Module):
             elif isinstance(module, Experts):
                 normal_(module.w13)
                 normal_(module.w2)
+                for bias in (module.b13, module.b2):
+                    if bias is not None:
+                        bias.zero_()
+            elif isinstance(module, Attention) and module.sinks is not None:
+                module.sinks.zero_()
             elif isinstance(module, MoE):
                 module.reset_parameters()
             elif isinstance(module, TransformerBlock) and module.scalar is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from compiletune.errors import UserError
 
-from .decoder import ModelArgs
+from .args import ModelArgs
 
 Get = Callable[..., Any]  # get(key, default=None, required=False): a config value or its default
 
@@ -182,6 +182,43 @@ def _write_gemma4(args: ModelArgs, cfg: dict) -> None:
         top_k_experts=args.top_k or None,
         moe_intermediate_size=args.moe_ffn_dim or None,
     )
+
+
+def _read_gpt_oss_moe(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    n_experts = cfg.get("num_local_experts") or get("num_experts") or get("num_local_experts")
+    return dict(
+        n_experts=n_experts,
+        top_k=_top_k(get, n_experts),
+        moe_ffn_dim=get("intermediate_size"),
+        norm_topk=True,  # softmax over the chosen logits = renormalised top-k probabilities
+        router_aux_coef=float(get("router_aux_loss_coef")),
+    )
+
+
+def _read_gpt_oss(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    """gpt-oss: sinks, o_proj's bias, the experts' biases and clamped SwiGLU, norms whose
+    weight multiplies in fp32."""
+    return dict(
+        attn_sinks=True,
+        o_bias=bool(get("attention_bias", True)),
+        expert_bias=True,
+        swiglu_limit=float(get("swiglu_limit")),
+        swiglu_alpha=float(get("swiglu_alpha")),
+        norm_weight_fp32=True,
+    )
+
+
+def _write_gpt_oss(args: ModelArgs, cfg: dict) -> None:
+    cfg.update(
+        num_local_experts=args.n_experts,
+        num_experts_per_tok=args.top_k,
+        intermediate_size=args.moe_ffn_dim,
+        router_aux_loss_coef=args.router_aux_coef,
+        swiglu_limit=args.swiglu_limit,
+        swiglu_alpha=args.swiglu_alpha,
+        attention_bias=True,
+    )
+    cfg.pop("num_experts", None)
 
 
 def _olmo3_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
@@ -653,6 +690,36 @@ FAMILIES: dict[str, Family] = {
             read_moe=_read_qwen3_next,
             write_moe=_write_qwen3_next,
             write_extra=_write_linear,
+        ),
+        Family(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            {
+                "vocab_size": 201088,
+                "hidden_size": 2880,
+                "intermediate_size": 2880,
+                "num_hidden_layers": 36,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "head_dim": 64,
+                "sliding_window": 128,
+                "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 150000.0,
+                "tie_word_embeddings": False,
+                "num_local_experts": 128,
+                "num_experts_per_tok": 4,
+                "router_aux_loss_coef": 0.001,
+                "swiglu_limit": 7.0,
+                "swiglu_alpha": 1.702,
+                "attention_bias": True,
+            },
+            qkv_bias=True,
+            windows=True,
+            layer_kinds=_gemma2_kinds,
+            read_moe=_read_gpt_oss_moe,
+            write_moe=_write_gpt_oss,
+            read_extra=_read_gpt_oss,
         ),
         Family(
             "qwen3_moe",

@@ -31,7 +31,8 @@ from compiletune import faults
 from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 
-from .decoder import ModelArgs, Transformer, TransformerBlock
+from .args import ModelArgs
+from .decoder import Transformer, TransformerBlock
 from .generation_config import load_generation_config, write_side_files
 from .hf_config import (
     ARCHITECTURES,
@@ -44,6 +45,7 @@ from .hf_config import (
 )
 from .lora import dense_tensors
 from .names import strip_wrappers
+from .quantized import MX_SUFFIXES, dequantize_mxfp4, mxfp4_shape
 
 # --- names -------------------------------------------------------------------------------
 
@@ -118,6 +120,19 @@ _GEMMA4_BLOCK_NAMES = {
     "feed_forward.pre_experts_norm.weight": "pre_feedforward_layernorm_2.weight",
     "feed_forward.post_experts_norm.weight": "post_feedforward_layernorm_2.weight",
 }
+# gpt-oss: biases on o_proj, a sink per head, a router with a bias, experts with biases; the
+# experts as one stacked tensor each, in the hub's layout (`_LAYOUTS`)
+_GPT_OSS_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "attention.sinks": "self_attn.sinks",
+    "feed_forward.router.weight": "mlp.router.weight",
+    "feed_forward.router.bias": "mlp.router.bias",
+    "feed_forward.experts.w13": "mlp.experts.gate_up_proj",
+    "feed_forward.experts.b13": "mlp.experts.gate_up_proj_bias",
+    "feed_forward.experts.w2": "mlp.experts.down_proj",
+    "feed_forward.experts.b2": "mlp.experts.down_proj_bias",
+}
 # ... whose checkpoints keep key/value weights in the layers that reuse an earlier layer's keys
 # and values, unused there (transformers ignores them too)
 _UNUSED_IN_REUSE = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight")
@@ -166,6 +181,8 @@ _GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
 def _block_names(family: str) -> dict[str, str]:
     if family == "gemma4_text":
         return _GEMMA4_BLOCK_NAMES
+    if family == "gpt_oss":
+        return _GPT_OSS_BLOCK_NAMES
     if family.startswith("gemma"):
         return _GEMMA_BLOCK_NAMES
     if family == "olmo3":
@@ -216,6 +233,43 @@ def to_native_name(hf: str, family: str = "llama") -> str:
 Index = tuple[int | slice, ...]
 
 
+# Tensors a family's checkpoints lay out otherwise than the native module: (to native, to HF).
+# gpt-oss keeps its experts' weights transposed ([E, in, out]) with the gate and up columns
+# interleaved (gate, up, gate, up, ...); native w13 is [E, 2F, d], gate rows then up rows.
+def _interleave(t: Tensor, dim: int) -> Tensor:
+    gate, up = t.chunk(2, dim=dim)
+    return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
+
+
+def _deinterleave(t: Tensor, dim: int) -> Tensor:
+    index = [slice(None)] * t.dim()
+    gate, up = (tuple(index[:dim] + [slice(i, None, 2)]) for i in (0, 1))
+    return torch.cat((t[gate], t[up]), dim=dim)
+
+
+_LAYOUTS: dict[str, dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]] = {
+    "gpt_oss": {
+        "feed_forward.experts.w13": (
+            lambda t: _deinterleave(t.transpose(1, 2), 1),
+            lambda t: _interleave(t, 1).transpose(1, 2),
+        ),
+        "feed_forward.experts.b13": (
+            lambda t: _deinterleave(t, 1),
+            lambda t: _interleave(t, 1),
+        ),
+        "feed_forward.experts.w2": (lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2)),
+    }
+}
+
+
+def layout(
+    native: str, family: str
+) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]] | None:
+    """(to native, to HF) for a tensor the family's checkpoints lay out otherwise, else None."""
+    m = _NATIVE_BLOCK.fullmatch(strip_wrappers(native))
+    return _LAYOUTS.get(family, {}).get(m.group(2)) if m else None
+
+
 def hf_pieces(
     native: str, shape: tuple[int, ...], family: str = "llama"
 ) -> list[tuple[str, Index, tuple[int, ...]]]:
@@ -226,6 +280,9 @@ def hf_pieces(
     native = strip_wrappers(native)
     m = _NATIVE_BLOCK.fullmatch(native)
     if not (m and m.group(2) in _NATIVE_EXPERTS and family in _EXPERT_NAMES):
+        convert = layout(native, family)
+        if convert is not None:  # the stored shape
+            shape = tuple(convert[1](torch.empty(shape, device="meta")).shape)
         return [(to_hf_name(native, family), (), tuple(shape))]
     prefix, (gate, up, down) = _EXPERT_NAMES[family]
     base = f"model.layers.{m.group(1)}.{prefix}"
@@ -245,12 +302,13 @@ def state_dict_to_hf(
 ) -> dict[str, Tensor]:
     """Rename a native state dict to HF names (dropping `output.weight` when tied; stacked
     experts split into the hub's per-expert tensors)."""
-    return {
-        hf: v[index]
-        for k, v in sd.items()
-        for hf, index, _ in hf_pieces(k, tuple(v.shape), family)
-        if not (tie_embeddings and hf == "lm_head.weight")
-    }
+    out = {}
+    for k, v in sd.items():
+        convert = layout(k, family)
+        for hf, index, _ in hf_pieces(k, tuple(v.shape), family):
+            if not (tie_embeddings and hf == "lm_head.weight"):
+                out[hf] = v[index] if convert is None else convert[1](v).contiguous()
+    return out
 
 
 # --- weights -----------------------------------------------------------------------------
@@ -382,6 +440,7 @@ def from_hf(
         for hf, _, shape in hf_pieces(n, tuple(p.shape), family)
     }
     where: dict[str, tuple[Path, str]] = {}  # HF name -> (file, name in that file)
+    mx: dict[str, dict[str, tuple[Path, str]]] = {}  # MXFP4: HF name -> its blocks and scales
     for file in files:
         with _open_safetensors(file) as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -391,6 +450,13 @@ def from_hf(
                 if args.tie_embeddings and name == "lm_head.weight":
                     continue  # a tied checkpoint may carry the shared tensor twice
                 if name not in expected and _unused(name, args):
+                    continue
+                base, suffix = name[:-7], name[-7:]
+                if suffix in MX_SUFFIXES and base in expected:  # gpt-oss's MXFP4 experts
+                    mx.setdefault(base, {})[suffix] = (file, stored)
+                    if suffix == "_blocks":
+                        shape = mxfp4_shape(tuple(f.get_slice(stored).get_shape()))
+                        _check_shape(stored, shape, expected[base], file)
                     continue
                 if name not in expected:
                     to_native_name(name, family)  # raises for names foreign to the family
@@ -405,13 +471,11 @@ def from_hf(
                         f"{file}: tensor {stored!r} is stored as {piece.get_dtype()}, but model "
                         "weights are floating point (F32, F16, BF16); re-export the weights"
                     )
-                if list(shape) != list(expected[name]):
-                    raise UserError(
-                        f"{stored}: checkpoint has {_shape(shape)}, model expects "
-                        f"{_shape(expected[name])}; config.json does not match the weights in "
-                        f"{file}"
-                    )
+                _check_shape(stored, shape, expected[name], file)
                 where[name] = (file, stored)
+    for base, parts in mx.items():
+        if len(parts) == 2:
+            where[base] = parts["_blocks"]
     missing = [n for n in expected if n not in where]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -431,14 +495,46 @@ def from_hf(
             module.to_empty(device=device)
             model.tie_weights()
             for name, param in module.named_parameters(prefix=prefix):
+                convert = layout(name, family)
                 for hf, index, _ in hf_pieces(name, tuple(param.shape), family):
                     file, stored = where[hf]
-                    _read_into(param[index], readers[file], file, stored, dtype)
+                    to_native = None if convert is None else convert[0]
+                    if hf in mx:
+                        _read_mxfp4(param[index], readers, mx[hf], dtype, to_native)
+                        continue
+                    _read_into(param[index], readers[file], file, stored, dtype, to_native)
             if on_block is not None and prefix.startswith("layers."):
                 on_block(module)
     model.hf_config = cfg
     model.generation_config = load_generation_config(path)
     return model
+
+
+def _check_shape(stored: str, shape: Any, want: Any, file: Path) -> None:
+    if list(shape) != list(want):
+        raise UserError(
+            f"{stored}: checkpoint has {_shape(shape)}, model expects {_shape(want)}; "
+            f"config.json does not match the weights in {file}"
+        )
+
+
+def _read_mxfp4(
+    target: Tensor,
+    readers: dict[Path, Any],
+    parts: dict[str, tuple[Path, str]],
+    dtype: torch.dtype,
+    to_native: Callable[[Tensor], Tensor] | None,
+) -> None:
+    """Dequantize an MXFP4 tensor ([E, ...] blocks and scales) into `target`, one expert at a
+    time (host memory: one expert's weights)."""
+    (bfile, bname), (sfile, sname) = parts["_blocks"], parts["_scales"]
+    blocks = readers[bfile].get_slice(bname)
+    scales = readers[sfile].get_slice(sname)
+    for e in range(target.shape[0]):
+        dense = dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1], dtype).transpose(-1, -2)
+        target[e : e + 1].copy_(dense if to_native is None else to_native(dense))
+    if not bool(torch.isfinite(target).all()):
+        raise UserError(f"{bfile}: MXFP4 tensor {bname!r} holds NaN or Inf values")
 
 
 def _unused(name: str, args: ModelArgs) -> bool:
@@ -448,8 +544,16 @@ def _unused(name: str, args: ModelArgs) -> bool:
     return bool(m and args.kv_mode(int(m.group(1))) == "reuse" and m.group(2) in _UNUSED_IN_REUSE)
 
 
-def _read_into(target: Tensor, reader: Any, file: Path, stored: str, dtype: torch.dtype) -> None:
-    """Copy tensor `stored` of an open safetensors file into `target`, checking it is finite."""
+def _read_into(
+    target: Tensor,
+    reader: Any,
+    file: Path,
+    stored: str,
+    dtype: torch.dtype,
+    to_native: Callable[[Tensor], Tensor] | None = None,
+) -> None:
+    """Copy tensor `stored` of an open safetensors file into `target` (through `to_native` when
+    the checkpoint lays it out otherwise), checking it is finite."""
     try:
         tensor = reader.get_tensor(stored)
     except Exception as e:  # SafetensorError: data cut short or unreadable
@@ -457,7 +561,7 @@ def _read_into(target: Tensor, reader: Any, file: Path, stored: str, dtype: torc
             f"{file}: cannot read tensor {stored!r} ({brief(e)}); the file is "
             "truncated or corrupt: copy or download it again"
         ) from e
-    target.copy_(tensor)
+    target.copy_(tensor if to_native is None else to_native(tensor))
     # in the load dtype: a value too large for it is as unusable as a NaN
     if not bool(torch.isfinite(target).all()):
         why = "holds NaN or Inf values"
@@ -471,6 +575,10 @@ def _read_into(target: Tensor, reader: Any, file: Path, stored: str, dtype: torc
 
 def _gathered(gather: Callable[[Tensor], Tensor], make: Callable[[], Tensor]) -> Tensor:
     return gather(make())
+
+
+def _converted(to_hf: Callable[[Tensor], Tensor], make: Callable[[], Tensor]) -> Tensor:
+    return to_hf(make()).contiguous()
 
 
 class _Shared:
@@ -505,10 +613,13 @@ def _hf_tensors(
             shared = _Shared(make, len(pieces))
             out += [(hf, piece, functools.partial(shared.piece, i)) for hf, i, piece in pieces]
             continue
-        hf = pieces[0][0]
+        hf, _, stored_shape = pieces[0]
         if args.tie_embeddings and hf == "lm_head.weight":
             continue
-        out.append((hf, shape, make))
+        convert = layout(name, args.family)
+        if convert is not None:
+            make = functools.partial(_converted, convert[1], make)
+        out.append((hf, stored_shape, make))
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 
 from compiletune.errors import UserError
 
-from .decoder import ROPE_TYPES, ModelArgs, RopeScaling
+from .args import ROPE_TYPES, ModelArgs, RopeScaling
 from .families import BY_ARCHITECTURE, FAMILIES, MOE_FAMILIES, Family
 
 ARCHITECTURES = {arch: f.model_type for arch, f in BY_ARCHITECTURE.items()}
@@ -155,6 +155,8 @@ _NUMBERS = (
     "rope_local_base_freq",
     "router_aux_loss_coef",
     "router_jitter_noise",
+    "swiglu_limit",
+    "swiglu_alpha",
 )
 _BOOLS = (
     "tie_word_embeddings",
@@ -445,6 +447,14 @@ def _check_unsupported(cfg: dict, fam: Family, get: Callable[..., Any]) -> None:
             "config.json sets use_sliding_window: true, which is not supported; set it false "
             "(Qwen checkpoints ship with it false)"
         )
+    quant = cfg.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method is not None and not (method == "mxfp4" and fam.model_type == "gpt_oss"):
+        raise UserError(
+            f"config.json quantization_config: {json.dumps(method)} weights are not read; "
+            "gpt-oss's MXFP4 experts are (dequantized as they load). Dequantize the checkpoint "
+            "to bf16 first, or use --quantize-base nf4 on a bf16 one"
+        )
     both = cfg.get("use_bidirectional_attention")
     if fam.gemma and both not in (None, False, "vision"):  # "vision": image tokens only
         raise UserError(
@@ -652,6 +662,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
     cfg = dict(text_config(base) if base else {})
     for key in ("rope_scaling", "rope_theta", "torch_dtype", "sliding_window_pattern"):
         cfg.pop(key, None)
+    cfg.pop("quantization_config", None)  # written dense (a quantized source was dequantized)
     rope_scaling = _rope_dict(args.rope_scaling)
     cfg.update(
         architectures=[fam.architecture],

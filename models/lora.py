@@ -40,7 +40,8 @@ from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 from compiletune.ops.grouped_mm import grouped_mm
 
-from .decoder import ModelArgs, RMSNorm, Transformer
+from .args import ModelArgs
+from .decoder import RMSNorm, Transformer
 from .linear_attention import GatedRMSNorm
 from .moe import Experts
 from .names import strip_wrappers
@@ -109,8 +110,9 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     """`targets` less the projections no layer of this model has: q/k/v/o live in attention
-    layers, in_proj_* / out_proj in linear-attention ones. A target none of the model's layers
-    has is refused (one line naming it)."""
+    layers, in_proj_* / out_proj in linear-attention ones; gpt-oss's MLP is its experts, which
+    LoRA leaves frozen (for now). A target none of the model's layers has is refused (one line
+    naming it)."""
     kinds = {args.layer_kind(i) for i in range(args.n_layers)}
     fused = ("in_proj_qkvz", "in_proj_ba")
     mixer = (*(fused if args.linear_fused else LINEAR_ATTENTION_TARGETS[:4]), "out_proj")
@@ -120,7 +122,7 @@ def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
             return "linear" in kinds and t in mixer
         if t in ("q", "k", "v", "o"):
             return bool(kinds - {"linear"})
-        return True  # the MLP's
+        return not args.expert_bias  # the MLP's
 
     keep = tuple(t for t in targets if present(t))
     if not keep:
@@ -294,6 +296,11 @@ class FrozenExperts(Experts):
         nn.Module.__init__(self)
         self.n_experts, self.dim, self.ffn_dim = experts.n_experts, experts.dim, experts.ffn_dim
         self.activation = experts.activation
+        self.clamp, self.alpha = experts.clamp, experts.alpha
+        self.b13, self.b2 = experts.b13, experts.b2  # gpt-oss's biases: frozen, as they are
+        for bias in (self.b13, self.b2):
+            if bias is not None:
+                bias.requires_grad_(False)
         for name in ("w13", "w2"):
             w = getattr(experts, name).detach()
             if quantize == "nf4":
@@ -497,6 +504,11 @@ def _adapt_experts(
     for p in (moe.router_scale, moe.expert_scale):  # Gemma 4's router scales
         if p is not None:
             p.data = p.data.to(dtype)
+    if moe.experts.b13 is not None:  # gpt-oss: its experts stay frozen under LoRA (for now)
+        moe.experts = FrozenExperts(moe.experts, base_dtype, quantize)
+        moe.router.weight.data = moe.router.weight.data.to(dtype)
+        moe.router.bias.data = moe.router.bias.data.to(dtype)
+        return
     if hasattr(moe, "w1"):  # Gemma 4: gate/up/down adapt the dense MLP beside frozen experts
         moe.experts = FrozenExperts(moe.experts, base_dtype, quantize)
         moe.router.weight.data = moe.router.weight.data.to(dtype)
@@ -621,6 +633,10 @@ def dense_tensors(
                 merged = merge and isinstance(module, LoRAExperts)
                 fn = module.merged_weight if merged else module.dense_weight
                 out.append((prefix + name, module.shape(name), functools.partial(fn, name)))
+            for name in ("b13", "b2"):
+                bias = getattr(module, name)
+                if bias is not None:
+                    out.append((prefix + name, tuple(bias.shape), lambda b=bias: b.detach()))
             continue
         if isinstance(module, FrozenLinear):
             make = (

@@ -38,15 +38,36 @@ def glu(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     return act * up
 
 
+def clamped_glu(gate: Tensor, up: Tensor, limit: float, alpha: float) -> Tensor:
+    """gpt-oss's SwiGLU: gate clamped above at `limit`, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
 class Experts(nn.Module):
     """`n_experts` SwiGLU MLPs as two stacked weights (see the module docstring)."""
 
-    def __init__(self, n_experts: int, dim: int, ffn_dim: int, activation: str = "silu") -> None:
+    def __init__(
+        self,
+        n_experts: int,
+        dim: int,
+        ffn_dim: int,
+        activation: str = "silu",
+        bias: bool = False,
+        clamp: float = 0.0,
+        alpha: float = 1.702,
+    ) -> None:
         super().__init__()
         self.n_experts, self.dim, self.ffn_dim = n_experts, dim, ffn_dim
         self.activation = activation  # "silu" (SwiGLU) or "gelu_tanh" (Gemma 4's GeGLU)
+        # gpt-oss: biases on both projections, and its clamped SwiGLU (`clamped_glu`)
+        self.clamp, self.alpha = clamp, alpha
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.b13 = nn.Parameter(torch.zeros(n_experts, 2 * ffn_dim)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(n_experts, dim)) if bias else None
 
     def project(self, name: str, x: Tensor, offs: Tensor) -> Tensor:
         """Rows of x [n, in] grouped by expert times weight `name` ("w13" | "w2") transposed.
@@ -55,8 +76,18 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, offs: Tensor) -> Tensor:
         """x [n, d] grouped by expert (offs [E] int32: cumulative rows) -> [n, d]."""
-        gate, up = self.project("w13", x, offs).chunk(2, dim=-1)
-        return self.project("w2", glu(gate, up, self.activation), offs)
+        h = self.project("w13", x, offs)
+        expert = None
+        if self.b13 is not None:  # each row's expert, from the cumulative counts
+            rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+            expert = torch.searchsorted(offs, rows, right=True).clamp_max(self.n_experts - 1)
+            h = h + self.b13[expert].to(h.dtype)
+        gate, up = h.chunk(2, dim=-1)
+        if self.clamp:
+            y = self.project("w2", clamped_glu(gate, up, self.clamp, self.alpha), offs)
+        else:
+            y = self.project("w2", glu(gate, up, self.activation), offs)
+        return y if expert is None else y + self.b2[expert].to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, dim={self.dim}, ffn_dim={self.ffn_dim}"
@@ -96,13 +127,17 @@ class MoE(nn.Module):
         shared_gate: bool = False,
         activation: str = "silu",
         router_norm_eps: float = 0.0,
+        bias: bool = False,
+        clamp: float = 0.0,
+        alpha: float = 1.702,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= n_experts:
             raise ValueError(f"top_k {top_k} must be in 1..n_experts ({n_experts})")
         self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
-        self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = Experts(n_experts, dim, ffn_dim, activation)
+        # gpt-oss: the router and the experts have biases
+        self.router = nn.Linear(dim, n_experts, bias=bias)
+        self.experts = Experts(n_experts, dim, ffn_dim, activation, bias, clamp, alpha)
         self.shared = SharedExpert(dim, shared_ffn_dim, shared_gate) if shared_ffn_dim else None
         # Gemma 4's router: its input RMS-normed (no weight), times a learned scale and d**-0.5;
         # the chosen experts' weights times a learned scale per expert

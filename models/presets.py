@@ -14,7 +14,7 @@ from typing import Any
 
 from compiletune.errors import UserError
 
-from .decoder import ModelArgs, RopeScaling
+from .args import ModelArgs, RopeScaling
 
 
 def _llama3_rope(factor: float) -> RopeScaling:
@@ -401,6 +401,40 @@ def _gemma4(
     )
 
 
+def _gpt_oss(n_layers: int, n_experts: int) -> ModelArgs:
+    """openai/gpt-oss: 2880 wide, 64 query and 8 kv heads of 64 with a sink each, 128-token
+    windows on alternate layers (the first windowed), yarn rope, experts with biases and a
+    clamped SwiGLU, 4 per token."""
+    return ModelArgs(
+        dim=2880,
+        n_layers=n_layers,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=201088,
+        ffn_dim=2880,
+        head_dim=64,
+        norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling=RopeScaling(
+            32.0, original_max_position_embeddings=4096, rope_type="yarn", truncate=False
+        ),
+        max_seq_len=131072,
+        qkv_bias=True,
+        sliding_window=128,
+        layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers)),
+        family="gpt_oss",
+        norm_weight_fp32=True,
+        n_experts=n_experts,
+        top_k=4,
+        moe_ffn_dim=2880,
+        router_aux_coef=0.001,
+        attn_sinks=True,
+        o_bias=True,
+        expert_bias=True,
+        swiglu_limit=7.0,
+    )
+
+
 def _debug(vocab_size: int) -> ModelArgs:
     return ModelArgs(
         dim=256,
@@ -500,6 +534,9 @@ PRESETS: dict[str, ModelArgs] = {
         top_k=10,
         linear_fused=True,
     ),
+    # openai/gpt-oss-20b, gpt-oss-120b
+    "gpt_oss_20b": _gpt_oss(24, 32),
+    "gpt_oss_120b": _gpt_oss(36, 128),
     # Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B: 128 experts, 8 per token, every layer MoE
     "qwen3_30b_a3b": _qwen3_moe(2048, 48, 32, 6144, 768),
     "qwen3_235b_a22b": _qwen3_moe(4096, 94, 64, 12288, 1536),
@@ -624,7 +661,7 @@ def _attention_params(args: ModelArgs, index: int) -> int:
         total += q_out + own_kv * kv_out if args.qk_norm_whole else (1 + own_kv) * hd
     if args.attn_output_gate:
         total += d * q_out  # q_proj's gate rows
-    return total
+    return total + d * args.o_bias + args.n_heads * args.attn_sinks
 
 
 def _linear_params(args: ModelArgs) -> int:
@@ -646,6 +683,8 @@ def num_params(args: ModelArgs) -> int:
         moe += 3 * d * args.shared_ffn_dim + d * args.shared_expert_gate
     if args.mlp_beside_experts:  # Gemma 4: router scales, three norms (+ the dense MLP below)
         moe += d + args.n_experts + 3 * d
+    if args.expert_bias:  # gpt-oss: the router's and both projections' biases
+        moe += args.n_experts * (1 + 2 * args.moe_ffn_dim + d)
     blocks = 0
     for i in range(args.n_layers):
         linear = args.layer_kind(i) == "linear"

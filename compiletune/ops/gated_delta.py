@@ -426,3 +426,24 @@ def _(a: Args) -> int:
     b, h, dk, dv, chunk, tokens, blocks = _sizes(a)
     per_token = 10 * dk + 9 * dv + 14 * chunk
     return _F32 * b * h * (tokens * per_token + (BLOCK + 2 + blocks) * dk * dv)
+
+
+def _fla_bytes(a: Args) -> int:
+    # flash-linear-attention's forward (run on CUDA only; the estimate runs the op above): a
+    # [dk, dv] fp32 state per chunk of 64 tokens and head, and the [64, 64] solve per chunk
+    b, s, h, dk = a["k"].shape
+    chunks = -(-s // CHUNK)
+    return _F32 * b * h * chunks * (dk * a["v"].shape[-1] + CHUNK * CHUNK)
+
+
+@declare_memory("compiletune::gated_delta_rule_fla")
+def _(a: Args) -> int:
+    return _fla_bytes(a)
+
+
+@declare_memory("compiletune::gated_delta_rule_fla_backward")
+def _(a: Args) -> int:
+    # the recomputed forward with what its autograd saves (about the inputs again), then the
+    # kernel's backward (about as much as its forward)
+    inputs = sum(a[n].numel() * a[n].element_size() for n in ("q", "k", "v", "g", "beta"))
+    return 2 * _fla_bytes(a) + inputs

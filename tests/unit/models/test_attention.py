@@ -11,8 +11,9 @@ from compiletune.models import attention as attn
 from compiletune.models.attention import causal_attention
 
 
-def reference(q, k, v, scale, doc_ids, window, softcap):
-    """Dense [s, s] scores and mask: what the op must equal."""
+def reference(q, k, v, scale, doc_ids, window, softcap, sinks=None):
+    """Dense [s, s] scores and mask: what the op must equal (with `sinks` [h], transformers'
+    eager gpt-oss formula: the sink as one more logit per row, its share dropped)."""
     s = q.shape[2]
     i = torch.arange(s, device=q.device)[:, None]
     j = torch.arange(s, device=q.device)[None, :]
@@ -25,6 +26,9 @@ def reference(q, k, v, scale, doc_ids, window, softcap):
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return (torch.cat([scores, sink], -1).softmax(-1)[..., :-1] @ v.double()).to(q.dtype)
     return (scores.softmax(-1) @ v.double()).to(q.dtype)
 
 
@@ -64,6 +68,31 @@ def test_matches_brute_force_with_grads(monkeypatch, window, softcap, docs):
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "window, softcap, docs",
+    [
+        (0, 0.0, None),  # sinks alone (plain causal otherwise)
+        (40, 0.0, [[300, 20, 280], [600]]),  # gpt-oss: windows, and documents
+        (40, 4.0, [[50, 500, 50], [1, 599]]),  # with a soft-cap too
+    ],
+)
+def test_sinks_match_the_eager_formula_with_grads(monkeypatch, window, softcap, docs):
+    """Attention sinks (gpt-oss): outputs and the gradients of q, k, v and the sinks."""
+    monkeypatch.setattr(attn, "_TILE", 64)
+    g = torch.Generator().manual_seed(0)
+    b, h, s, hd = 2, 3, 600, 16
+    q, k, v = (torch.randn(b, h, s, hd, generator=g, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(h, generator=g).requires_grad_()
+    doc_ids = doc_ids_for(docs) if docs else None
+    grad = torch.randn(b, h, s, hd, generator=g)
+    out = causal_attention(q, k, v, 0.3, doc_ids, window, softcap, sinks=sinks)
+    got = [out, *torch.autograd.grad(out, (q, k, v, sinks), grad)]
+    ref = reference(q, k, v, 0.3, doc_ids, window, softcap, sinks)
+    want = [ref, *torch.autograd.grad(ref, (q, k, v, sinks), grad)]
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
+
+
 def test_softcap_never_holds_more_than_a_tile_of_scores(monkeypatch):
     """The soft-capped kernel's largest temporary is one [b, h, tile, tile] block, not [s, s]."""
     monkeypatch.setattr(attn, "_TILE", 32)
@@ -88,6 +117,7 @@ def test_opcheck_with_transposed_inputs(window, softcap):
     q, k, v = (torch.randn(2, 64, 3, 8).transpose(1, 2).requires_grad_() for _ in range(3))
     doc_ids = doc_ids_for([[20, 44], [64]])
     torch.library.opcheck(attn.attention_op, (q, k, v, doc_ids, 0.4, window, softcap))
+    torch.library.opcheck(attn.attention_op, (q, k, v, doc_ids, 0.4, window, softcap, True))
 
 
 def test_backend_choice(monkeypatch):

@@ -124,6 +124,24 @@ CASES = {
         dict(GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2)
         | dict(moe_intermediate_size=32, attention_k_eq_v=True, num_global_key_value_heads=1),
     ),
+    # gpt-oss: a sink per head, 8-token windows on alternate layers, yarn past 32 positions,
+    # 8 experts (2 per token) with biases and a SwiGLU clamped at 0.5 (small: it bites)
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(SMALL, num_hidden_layers=4, head_dim=16, sliding_window=8, intermediate_size=32)
+        | dict(num_local_experts=8, num_experts_per_tok=2, swiglu_limit=0.5)
+        | dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+    ),
     # fused qkv/gate_up, partial rotary 0.5, longrope (original context 16), window 12
     "phi3": (
         transformers.Phi3Config,
@@ -193,6 +211,8 @@ def make_hf(case: str, seed: int = 0) -> transformers.PreTrainedModel:
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.05 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # gpt-oss's, at the scale of the scores
+                p.copy_(torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-block output scale
                 b.copy_(0.5 + torch.rand_like(b))
@@ -270,6 +290,7 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
         "gemma3",
         "gemma4_e",
         "gemma4_moe",
+        "gpt_oss",
         "phi3",
         "qwen3",
         "smollm3_window",
@@ -314,6 +335,7 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
         "gemma4",
         "gemma4_e",
         "gemma4_moe",
+        "gpt_oss",
         "qwen3",
         "smollm3",
         "olmo3",
@@ -326,7 +348,7 @@ def test_lora_adapter_loads_in_peft(case, tmp_path):
     hf, folder = checkpoint(tmp_path, case)
     spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
     base = from_hf(folder)
-    if case.startswith("qwen3"):  # and the linear-attention layers' projections
+    if case.startswith("qwen3") or case == "gpt_oss":  # as the model has them
         targets = model_targets(base.args, parse_targets("all-linear"))
         spec = LoRASpec(rank=4, alpha=8.0, targets=targets)
     model = apply_lora(base, spec, dtype=torch.float32, seed=3).eval()
@@ -450,7 +472,9 @@ def test_phi3_longrope_original_context_and_saved_form(tmp_path):
     assert saved["original_max_position_embeddings"] == 16
 
 
-@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_next", "olmo3", "smollm3_window", "gemma4_e"])
+@pytest.mark.parametrize(
+    "case", ["qwen3_5", "qwen3_next", "olmo3", "smollm3_window", "gemma4_e", "gpt_oss"]
+)
 def test_packed_documents_equal_each_document_alone(case, tmp_path):
     """A row packing three documents (document ids, positions restarting) gives each document
     what it gives alone: no attention, convolution or recurrent state crosses a boundary."""

@@ -18,7 +18,7 @@ from compiletune.models import (
     hf_config_from_args,
     num_params,
 )
-from compiletune.models.decoder import rope_inv_freq
+from compiletune.models.rope import rope_inv_freq
 
 # Published totals (model cards / HF safetensors metadata).
 PUBLISHED_PARAMS = {
@@ -42,7 +42,7 @@ PUBLISHED_PARAMS = {
 # Model cards give these rounded (billions): the shapes must round to them.
 CARD_PARAMS_B = {"qwen3_0_6b": 0.6, "qwen3_1_7b": 1.7, "qwen3_4b": 4.0, "qwen3_14b": 14.8}
 CARD_PARAMS_B |= {"smollm3_3b": 3.1, "olmo3_7b": 7.3, "gemma4_31b": 30.7, "qwen3_5_9b": 9.0}
-CARD_PARAMS_B |= {"gemma4_26b_a4b": 25.2}
+CARD_PARAMS_B |= {"gemma4_26b_a4b": 25.2, "gpt_oss_20b": 20.9, "gpt_oss_120b": 116.8}
 # ... or in whole billions (Qwen3.5's cards count the vision tower beside the text model)
 CARD_PARAMS_WHOLE_B = {"qwen3_5_35b_a3b": 35, "qwen3_next_80b_a3b": 80}
 # The newer families' presets, and the transformers class that builds the same model.
@@ -51,6 +51,7 @@ HF_CLASSES = {
     "olmo3_7b": "Olmo3Config",
     "gemma4_31b": "Gemma4TextConfig",
     "gemma4_26b_a4b": "Gemma4TextConfig",
+    "gpt_oss_20b": "GptOssConfig",
     "qwen3_5_9b": "Qwen3_5TextConfig",
     "qwen3_5_35b_a3b": "Qwen3_5MoeTextConfig",
     "qwen3_next_80b_a3b": "Qwen3NextConfig",

@@ -1,0 +1,190 @@
+"""`ModelArgs`: everything by which one family's decoder differs from another's, as data (see
+decoder.py), and the rope scaling it may carry."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "proportional")
+
+
+@dataclass
+class RopeScaling:
+    """Rope frequency scaling (HF `rope_scaling` / `rope_parameters`), by `rope_type`:
+
+    llama3    Llama 3.1: low frequencies divided by `factor`, high ones kept, smooth between
+              (`low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`)
+    linear    every frequency divided by `factor`
+    yarn      Qwen2.5/Qwen3 long context: interpolation blended with extrapolation over a ramp
+              set by `beta_fast` / `beta_slow`; cos/sin scaled by `attention_factor`
+    longrope  Phi-3: per-frequency `short_factor` (up to `original_max_position_embeddings`
+              positions) or `long_factor` (beyond); cos/sin scaled by `attention_factor`
+    proportional  Gemma 4's full layers: the first `partial` of the head's frequency pairs
+              rotate at the frequencies of the whole head dim, the rest not at all; all
+              divided by `factor`
+
+    `attention_factor` None means the published default for the type (derived from `factor`).
+    """
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    partial: float = 1.0  # proportional: the fraction of frequency pairs that rotate
+
+    def cos_sin_scale(self) -> float:
+        """The factor cos and sin are multiplied by (yarn, longrope; 1 otherwise)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.rope_type == "yarn":
+            return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        if self.rope_type == "longrope" and self.factor > 1:
+            return math.sqrt(
+                1 + math.log(self.factor) / math.log(self.original_max_position_embeddings)
+            )
+        return 1.0
+
+
+LAYER_KINDS = ("full", "sliding", "linear")
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_dim: int
+    # None -> dim // n_heads (canonical: set only when it differs; read it through `hd`)
+    head_dim: int | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 4096  # HF max_position_embeddings
+    qkv_bias: bool = False  # Qwen2
+    tie_embeddings: bool = False
+    # Tokens a query sees in a sliding layer, itself included (None: no sliding layers).
+    sliding_window: int | None = None
+    # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else
+    # every layer full. Gemma 2 alternates, Gemma 3 has one full layer in six.
+    layer_types: tuple[str, ...] | None = None
+    family: str = "llama"  # the HF architecture save_hf writes (see hf.py)
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before rope
+    norm_plus_one: bool = False  # Gemma: norms scale by (1 + w), in fp32
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(dim)
+    activation: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and after the MLP too
+    pre_norms: bool = True  # norms before attention and the MLP (OLMo 3: none; sandwich's only)
+    norm_weight_fp32: bool = False  # OLMo 3: the weight multiplies in fp32, then the cast back
+    qk_norm_whole: bool = False  # OLMo 3: the q/k norms span the whole projection, not a head
+    nope_layers: tuple[int, ...] = ()  # layers without rope (SmolLM3: every fourth)
+    attn_output_gate: bool = False  # Qwen3.5/Qwen3-Next: o = attn * sigmoid(gate from q_proj)
+    # Gated DeltaNet on the "linear" layers (Qwen3.5/Qwen3-Next; models/linear_attention.py)
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 4  # the causal convolution's kernel
+    linear_fused: bool = False  # Qwen3-Next: in_proj_qkvz / in_proj_ba, grouped per key head
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not hd
+    attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c)
+    final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
+    local_rope_theta: float | None = None  # Gemma 3: sliding layers' rope base (no scaling)
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): leading dims rotated; None: hd
+    fused_projections: bool = False  # Phi-3: one qkv and one gate_up projection
+    # Mixture of experts (Mixtral, Qwen3-MoE; see moe.py). n_experts 0: a dense model.
+    n_experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0  # experts per token
+    moe_ffn_dim: int = 0  # each expert's hidden width
+    norm_topk: bool = True  # top-k weights renormalised to sum 1 (Mixtral; Qwen3 norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE mlp_only_layers)
+    router_aux_coef: float = 0.0  # the checkpoint's router_aux_loss_coef (--router-aux-coef)
+    shared_ffn_dim: int = 0  # a shared expert beside the routed ones (Qwen3.5-MoE); 0: none
+    shared_expert_gate: bool = False  # ... scaled per token by sigmoid(x . gate)
+    # Gemma 4: full layers with a head size and kv heads of their own, values from the key
+    # projection there; values RMS-normed (no weight); the last `kv_shared_layers` layers attend
+    # over the keys and values of the last earlier layer of their kind (and may have an MLP
+    # twice as wide); a small embedding per layer fed into each block; a stored scalar per block
+    global_head_dim: int | None = None  # full layers' head dim (None: hd)
+    global_kv_heads: int | None = None  # full layers' kv heads (None: n_kv_heads)
+    kv_from_k: bool = False  # full layers: v = the key projection (before k's norm and rope)
+    v_norm: bool = False
+    kv_shared_layers: int = 0
+    wide_shared_mlp: bool = False
+    ple_dim: int = 0  # per-layer input width (0: none)
+    ple_vocab: int = 0  # ... and its vocabulary
+    layer_scalar: bool = False
+    # gpt-oss: a learned sink logit per head in every softmax's denominator; a bias on o_proj
+    attn_sinks: bool = False
+    o_bias: bool = False
+    # ... and its experts: biases on the router and on both projections, a clamped SwiGLU
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0  # 0: the plain activation
+    swiglu_alpha: float = 1.702
+    # Gemma 4's MoE (26B-A4B): every layer keeps its dense MLP beside the experts, each output
+    # normed, their sum normed; the router reads the un-normed residual (see `MLPAndExperts`)
+    mlp_beside_experts: bool = False
+
+    @property
+    def hd(self) -> int:
+        """Resolved head dimension."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    def layer_kind(self, index: int) -> str:
+        """ "full" or "sliding" for layer `index`."""
+        if self.layer_types is not None:
+            return self.layer_types[index]
+        return "sliding" if self.sliding_window is not None else "full"
+
+    def rope(self, index: int) -> bool:
+        """Does layer `index` rotate its queries and keys?"""
+        return index not in self.nope_layers and self.layer_kind(index) != "linear"
+
+    def window(self, index: int) -> int:
+        """Sliding window of layer `index` (0: none)."""
+        return (self.sliding_window or 0) if self.layer_kind(index) == "sliding" else 0
+
+    def head_dim_of(self, kind: str) -> int:
+        """Head dimension of the layers of `kind`."""
+        return self.global_head_dim or self.hd if kind == "full" else self.hd
+
+    def kv_heads_of(self, kind: str) -> int:
+        """Key/value heads of the layers of `kind`."""
+        return self.global_kv_heads or self.n_kv_heads if kind == "full" else self.n_kv_heads
+
+    def kv_mode(self, index: int) -> str | None:
+        """None, "store" (a later layer attends over this layer's keys and values) or "reuse"
+        (this layer attends over those of the last "store" layer of its kind), as Gemma 4."""
+        first = self.n_layers - self.kv_shared_layers
+        if not self.kv_shared_layers:
+            return None
+        if index >= first:
+            return "reuse"
+        kind = self.layer_kind(index)
+        later = [i for i in range(index + 1, first) if self.layer_kind(i) == kind]
+        return None if later else "store"
+
+    def ffn_dim_of(self, index: int) -> int:
+        """MLP width of layer `index`."""
+        wide = self.wide_shared_mlp and self.kv_mode(index) == "reuse"
+        return self.ffn_dim * (2 if wide else 1)
+
+    def is_moe(self, index: int) -> bool:
+        """Is layer `index` a mixture-of-experts layer?"""
+        return self.n_experts > 0 and index not in self.dense_layers
+
+    @property
+    def attn_scale(self) -> float:
+        """Multiplier of the attention scores."""
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar**-0.5
+        return self.hd**-0.5

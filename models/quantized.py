@@ -1,0 +1,39 @@
+"""Quantized checkpoint formats read at load time (dequantized as they load, a tensor at a time).
+
+MXFP4 (gpt-oss's experts): a weight [..., rows, cols] is stored as `<name>_blocks` uint8
+[..., rows, cols / 32, 16], two FP4 (E2M1) values a byte, the low nibble first, and
+`<name>_scales` uint8 [..., rows, cols / 32], one power-of-two scale (E8M0: 2 ** (s - 127)) per
+32 values. The hub's tensors hold [E, out, in] this way; the model's parameter is its transpose
+([E, in, out], transformers' gpt-oss layout), and hf.py maps that to the native one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# the 16 E2M1 codes (sign, two exponent bits, one mantissa bit)
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MX_SUFFIXES = ("_blocks", "_scales")
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """blocks uint8 [..., rows, g, 16], scales uint8 [..., rows, g] -> [..., rows, g * 32] in
+    `dtype` (exact in bf16 and wider: each value is an E2M1 code times a power of two)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match"
+        )
+    table = torch.tensor(FP4_E2M1, dtype=dtype, device=blocks.device)
+    codes = blocks.to(torch.int64)
+    values = torch.stack((table[codes & 0x0F], table[codes >> 4]), dim=-1)  # low nibble first
+    values = values.flatten(-2)  # [..., rows, g, 32]
+    exponent = scales.to(torch.int32) - 127
+    out = torch.ldexp(values, exponent[..., None].to(values.dtype))
+    return out.flatten(-2).to(dtype)
+
+
+def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The [..., in, out] parameter a [..., out, g, 16] block tensor stands for."""
+    *lead, rows, groups, _ = blocks_shape
+    return (*lead, groups * 32, rows)
