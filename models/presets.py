@@ -607,6 +607,24 @@ PRESETS: dict[str, ModelArgs] = {
         ple_vocab=512,
         layer_scalar=True,
     ),
+    # gpt-oss's: sinks, 64-token windows on alternate layers, 8 experts (2 per token) with
+    # biases and the clamped SwiGLU
+    "debug_gpt_oss": _debug_like(
+        family="gpt_oss",
+        qkv_bias=True,
+        o_bias=True,
+        attn_sinks=True,
+        sliding_window=64,
+        layer_types=("sliding", "full", "sliding", "full"),
+        norm_weight_fp32=True,
+        ffn_dim=256,
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=256,
+        expert_bias=True,
+        swiglu_limit=7.0,
+        router_aux_coef=0.001,
+    ),
     "debug_olmo3": _debug_like(
         sliding_window=256,
         layer_types=("sliding", "sliding", "sliding", "full"),

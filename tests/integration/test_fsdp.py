@@ -308,6 +308,13 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
             {**four, "model": "debug_gemma4", "compile": True, "compile_backend": "aot_eager"},
             {**four, "model": "debug_gemma4"},
         ),
+        # gpt-oss's sinks and windows with frozen experts (biases, clamped SwiGLU) under LoRA;
+        # the router losses are per rank's rows, so the reference takes two micro-batches
+        "gpt_oss-lora": (
+            {**four, "model": "debug_gpt_oss", "lora_rank": 4, "router_aux_coef": 0.1},
+            {**four, "model": "debug_gpt_oss", "lora_rank": 4, "router_aux_coef": 0.1}
+            | {"grad_accum": 2},
+        ),
         "smollm3-lora": (
             {**four, "model": "debug_smollm3", "lora_rank": 4},
             {**four, "model": "debug_smollm3", "lora_rank": 4},
