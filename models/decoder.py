@@ -310,6 +310,17 @@ class FeedForward(nn.Module):
         return self.w2(glu(gate, up, self.activation))
 
 
+def moe_options(args: ModelArgs) -> dict[str, Any]:
+    """The `MoE` arguments every family's experts take from ModelArgs."""
+    return dict(
+        dim=args.dim,
+        ffn_dim=args.moe_ffn_dim,
+        n_experts=args.n_experts,
+        top_k=args.top_k,
+        norm_topk=args.norm_topk,
+    )
+
+
 class MLPAndExperts(MoE):
     """Gemma 4's MoE feed-forward: the dense MLP (w1, w3, w2, as `FeedForward`) on the normed
     input, beside the routed experts on the residual normed their own way, routed from the
@@ -317,13 +328,7 @@ class MLPAndExperts(MoE):
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__(
-            args.dim,
-            args.moe_ffn_dim,
-            args.n_experts,
-            args.top_k,
-            args.norm_topk,
-            activation=args.activation,
-            router_norm_eps=args.norm_eps,
+            **moe_options(args), activation=args.activation, router_norm_eps=args.norm_eps
         )
         dim, ffn_dim = args.dim, args.ffn_dim_of(layer)
         self.activation = args.activation
@@ -378,13 +383,9 @@ class TransformerBlock(nn.Module):
             self.feed_forward = MLPAndExperts(args, layer)
         elif self.moe:
             self.feed_forward = MoE(
-                args.dim,
-                args.moe_ffn_dim,
-                args.n_experts,
-                args.top_k,
-                args.norm_topk,
-                args.shared_ffn_dim,
-                args.shared_expert_gate,
+                **moe_options(args),
+                shared_ffn_dim=args.shared_ffn_dim,
+                shared_gate=args.shared_expert_gate,
                 bias=args.expert_bias,
                 clamp=args.swiglu_limit,
                 alpha=args.swiglu_alpha,

@@ -386,43 +386,25 @@ def test_fused_projection_targets_must_be_whole(tmp_path):
         apply_lora(from_hf(folder), LoRASpec(4, 8.0, targets=("q", "v")), dtype=torch.float32)
 
 
-def _gemma3_vision(case: str) -> transformers.PretrainedConfig:
-    vision = transformers.SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
-    text = transformers.Gemma3TextConfig(**CASES[case][1])
-    return transformers.Gemma3Config(
-        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
-    )
-
-
-def _gemma4_vision(case: str) -> transformers.PretrainedConfig:
-    vision = transformers.Gemma4VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    text = transformers.Gemma4TextConfig(**CASES[case][1])
+def _with_vision(case: str) -> transformers.PretrainedConfig:
+    """The multimodal config of case `case`'s text model beside a one-layer vision tower."""
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    text = CASES[case][0](**CASES[case][1]).to_dict()
+    if case.startswith("gemma3"):
+        vision = transformers.SiglipVisionConfig(**tower, image_size=28, patch_size=14)
+        return transformers.Gemma3Config(
+            text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4
+        )
+    vision = transformers.Gemma4VisionConfig(**tower, num_key_value_heads=2, head_dim=16)
     return transformers.Gemma4Config(
-        text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None
+        text_config=text, vision_config=vision.to_dict(), audio_config=None
     )
 
 
-@pytest.mark.parametrize(
-    "case, config",
-    [("gemma3", _gemma3_vision), ("gemma4_e", _gemma4_vision)],
-)
-def test_vision_checkpoint_loads_its_text_model(tmp_path, case, config):
+@pytest.mark.parametrize("case", ["gemma3", "gemma4_e"])
+def test_vision_checkpoint_loads_its_text_model(tmp_path, case):
     torch.manual_seed(0)
-    mm = transformers.AutoModelForImageTextToText.from_config(config(case)).eval()
+    mm = transformers.AutoModelForImageTextToText.from_config(_with_vision(case)).eval()
     mm.save_pretrained(tmp_path / "mm")
     ours = from_hf(tmp_path / "mm")
     assert ours.args.family == CASES[case][0].model_type
