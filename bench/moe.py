@@ -20,7 +20,9 @@ Each step draws a new input, so routings differ from step to step. Time: median 
 steps after --warmup steps, the variants taking turns on each input (a slow spell of a shared
 machine hits them all alike); tokens/s = tokens / time. Peak memory: what one step allocates above
 its inputs and weights (GPU: max_memory_allocated; CPU: torch.profiler allocator events).
-Results: bench/results/moe-<device>.json and a markdown table on stdout.
+With `--block gpt_oss` the block is gpt-oss's (router and expert biases, the clamped SwiGLU) and
+transformers' side its GptOssMLP (same variants).
+Results: bench/results/moe-<device>.json (moe-gpt-oss-<device>.json) and a markdown table.
 """
 
 from __future__ import annotations
@@ -59,6 +61,35 @@ def hf_block(ours: MoE, dim: int, ffn: int, experts: int, top_k: int, impl: str)
         block.gate.weight.copy_(ours.router.weight)
         block.experts.gate_up_proj.copy_(ours.experts.w13)
         block.experts.down_proj.copy_(ours.experts.w2)
+    return block
+
+
+def hf_gpt_oss_block(ours: MoE, dim: int, ffn: int, experts: int, top_k: int, impl: str):
+    """transformers' GptOssMLP on our block's weights (the hub's layout: experts transposed,
+    gate and up columns interleaved; models/hf.py maps it)."""
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from compiletune.models.hf import layout
+
+    cfg = transformers.GptOssConfig(
+        hidden_size=dim, intermediate_size=ffn, num_local_experts=experts
+    )
+    cfg.num_experts_per_tok = top_k
+    cfg._experts_implementation = impl
+    block = GptOssMLP(cfg)
+
+    def hub(name: str, t: torch.Tensor) -> torch.Tensor:
+        convert = layout(f"layers.0.feed_forward.experts.{name}", "gpt_oss")
+        return t if convert is None else convert[1](t)
+
+    with torch.no_grad():
+        block.router.weight.copy_(ours.router.weight)
+        block.router.bias.copy_(ours.router.bias)
+        block.experts.gate_up_proj.copy_(hub("w13", ours.experts.w13))
+        block.experts.gate_up_proj_bias.copy_(hub("b13", ours.experts.b13))
+        block.experts.down_proj.copy_(hub("w2", ours.experts.w2))
+        block.experts.down_proj_bias.copy_(ours.experts.b2)
     return block
 
 
@@ -132,12 +163,20 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--block",
+        choices=["qwen3_moe", "gpt_oss"],
+        default="qwen3_moe",
+        help="gpt_oss: router and expert biases, the clamped SwiGLU (limit 7), against "
+        "transformers' GptOssMLP",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    ours = MoE(a.dim, a.ffn, a.experts, a.top_k, norm_topk=True)
+    gpt_oss = a.block == "gpt_oss"
+    ours = MoE(a.dim, a.ffn, a.experts, a.top_k, norm_topk=True, bias=gpt_oss, clamp=7.0 * gpt_oss)
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(0.0, 0.02)
@@ -149,13 +188,12 @@ def main() -> None:
     ]
     backend = CompiletuneBackend("block", [], mode="inductor")
     compiled = torch.compile(ours, backend=backend, fullgraph=True, dynamic=False)
+    hf = hf_gpt_oss_block if gpt_oss else hf_block
     variants = {
         "compiletune": compiled,
         "compiletune eager": ours,
-        "hf eager": hf_block(ours, a.dim, a.ffn, a.experts, a.top_k, "eager").to(device, dtype),
-        "hf grouped_mm": hf_block(ours, a.dim, a.ffn, a.experts, a.top_k, "grouped_mm").to(
-            device, dtype
-        ),
+        "hf eager": hf(ours, a.dim, a.ffn, a.experts, a.top_k, "eager").to(device, dtype),
+        "hf grouped_mm": hf(ours, a.dim, a.ffn, a.experts, a.top_k, "grouped_mm").to(device, dtype),
     }
     rows = measure(variants, inputs, a.warmup, device)
     reference = next(r["output"] for r in rows if r["variant"] == "hf eager" and "output" in r)
@@ -165,7 +203,10 @@ def main() -> None:
             diff = (out.double() - reference.double()).norm() / reference.double().norm()
             r["rel_diff_vs_hf_eager"] = float(f"{diff.item():.2e}")
     base = next(r for r in rows if r["variant"] == "hf eager")
-    print(f"{a.tokens} tokens, d {a.dim}, F {a.ffn}, {a.experts} experts, top-{a.top_k}, {dtype}")
+    print(
+        f"{a.block} block: {a.tokens} tokens, d {a.dim}, F {a.ffn}, {a.experts} experts, "
+        f"top-{a.top_k}, {dtype}"
+    )
     print("| variant | ms (fwd+bwd) | tokens/s | vs hf eager | peak MiB | vs hf eager |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -178,8 +219,9 @@ def main() -> None:
             f"| {r['variant']} | {r['ms']} | {r['tokens_per_s']} | {speed:.2f}x | "
             f"{r['peak_mib']} | {mem:.2f}x |"
         )
-    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"moe-{device_name()}.json"
-    shape = {k: getattr(a, k) for k in ("tokens", "dim", "ffn", "experts", "top_k")}
+    name = f"moe-{device_name()}.json" if not gpt_oss else f"moe-gpt-oss-{device_name()}.json"
+    out = Path(a.out) if a.out else Path(__file__).parent / "results" / name
+    shape = {k: getattr(a, k) for k in ("block", "tokens", "dim", "ffn", "experts", "top_k")}
     result = {**result_header(), "dtype": str(dtype), "shape": shape, "rows": rows}
     result["compiles"] = backend.compiles
     result["native_grouped_mm"] = uses_native(inputs[0][0], ours.experts.w13.transpose(-2, -1))
