@@ -173,6 +173,15 @@ class ModelArgs:
         later = [i for i in range(index + 1, first) if self.layer_kind(i) == kind]
         return None if later else "store"
 
+    def kv_source(self, index: int) -> int:
+        """The layer whose keys and values layer `index` attends over: itself, or for a
+        "reuse" layer the "store" layer of its kind."""
+        if self.kv_mode(index) != "reuse":
+            return index
+        kind = self.layer_kind(index)
+        first = self.n_layers - self.kv_shared_layers
+        return max(i for i in range(first) if self.layer_kind(i) == kind)
+
     def ffn_dim_of(self, index: int) -> int:
         """MLP width of layer `index`."""
         wide = self.wide_shared_mlp and self.kv_mode(index) == "reuse"

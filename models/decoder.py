@@ -521,13 +521,8 @@ class KVCache:
         kinds = [args.layer_kind(i) for i in range(args.n_layers)]
         linear = [kind == "linear" for kind in kinds]
         none = torch.zeros(0, dtype=dtype, device=device)
-        # a "reuse" layer (Gemma 4) reads the cache of the last "store" layer of its kind
-        self.source = list(range(args.n_layers))
-        for i in range(args.n_layers):
-            if args.kv_mode(i) == "store":
-                for j in range(i + 1, args.n_layers):
-                    if args.kv_mode(j) == "reuse" and kinds[j] == kinds[i]:
-                        self.source[j] = i
+        # a "reuse" layer (Gemma 4) reads the cache of the "store" layer of its kind
+        self.source = [args.kv_source(i) for i in range(args.n_layers)]
         own = [not lin and self.source[i] == i for i, lin in enumerate(linear)]
 
         def kv(i: int) -> Tensor:
