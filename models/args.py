@@ -39,18 +39,28 @@ class RopeScaling:
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
     partial: float = 1.0  # proportional: the fraction of frequency pairs that rotate
+    # yarn (DeepSeek-V3): with both set, cos/sin are scaled by m(mscale) / m(mscale_all_dim),
+    # m(x) = 0.1 x ln(factor) + 1; and MLA's scores by m(mscale_all_dim) ** 2
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
     def cos_sin_scale(self) -> float:
         """The factor cos and sin are multiplied by (yarn, longrope; 1 otherwise)."""
         if self.attention_factor is not None:
             return self.attention_factor
+        if self.rope_type == "yarn" and self.mscale and self.mscale_all_dim:
+            return self.yarn_mscale(self.mscale) / self.yarn_mscale(self.mscale_all_dim)
         if self.rope_type == "yarn":
-            return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+            return self.yarn_mscale(1.0)
         if self.rope_type == "longrope" and self.factor > 1:
             return math.sqrt(
                 1 + math.log(self.factor) / math.log(self.original_max_position_embeddings)
             )
         return 1.0
+
+    def yarn_mscale(self, m: float) -> float:
+        """YaRN's attention scale 0.1 m ln(factor) + 1 (1 when not stretched)."""
+        return 0.1 * m * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 LAYER_KINDS = ("full", "sliding", "linear")
@@ -133,6 +143,20 @@ class ModelArgs:
     # Gemma 4's MoE (26B-A4B): every layer keeps its dense MLP beside the experts, each output
     # normed, their sum normed; the router reads the un-normed residual (see `MLPAndExperts`)
     mlp_beside_experts: bool = False
+    # DeepSeek-V3's multi-head latent attention (models/mla.py; kv_rank > 0): keys and values of
+    # every head from one shared latent of kv_rank (normed) per token, plus one rope key of
+    # `rotary_dim` shared by the heads; queries through a latent of q_rank (0: one projection).
+    # hd is the q/k head dim (nope part + rotary_dim rope part), v_head_dim the values'.
+    kv_rank: int = 0
+    q_rank: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rope dims come in pairs (x0, x1), (x2, x3) ...
+    # DeepSeek-V3 / GLM-4.5 routers: sigmoid scores, a correction bias that only picks experts,
+    # picks limited to the `topk_groups` best of `n_groups` groups, weights times `routed_scale`
+    router_score: str = "softmax"  # "softmax" | "sigmoid"
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scale: float = 1.0
 
     @property
     def hd(self) -> int:
@@ -196,4 +220,7 @@ class ModelArgs:
         """Multiplier of the attention scores."""
         if self.query_pre_attn_scalar is not None:
             return self.query_pre_attn_scalar**-0.5
+        rs = self.rope_scaling
+        if self.kv_rank and rs is not None and rs.rope_type == "yarn" and rs.mscale_all_dim:
+            return self.hd**-0.5 * rs.yarn_mscale(rs.mscale_all_dim) ** 2
         return self.hd**-0.5

@@ -120,16 +120,17 @@ def _key_tiles(qa: int, qe: int, window: int) -> range:
 def _tiled_forward(
     q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float, window: int
 ) -> tuple[Tensor, Tensor]:
-    """One segment, q k v [.., n, hd] -> out [.., n, hd] (q's dtype), lse [.., n] (fp32)."""
+    """One segment, q k [.., n, hd], v [.., n, hv] -> out [.., n, hv] (q's dtype), lse [.., n]
+    (fp32)."""
     n = q.shape[-2]
-    out = torch.empty_like(q)
+    out = q.new_empty(_out_shape(q, v))
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     for qa in range(0, n, _TILE):
         qe = min(qa + _TILE, n)
         qt = q[..., qa:qe, :]
         m = torch.full(qt.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         total = torch.zeros_like(m)
-        acc = torch.zeros(qt.shape, dtype=torch.float32, device=q.device)
+        acc = torch.zeros(_out_shape(qt, v), dtype=torch.float32, device=q.device)
         for ka in _key_tiles(qa, qe, window):
             ke = min(ka + _TILE, qe)
             scores, _ = _tile_scores(qt, k[..., ka:ke, :], qa, ka, scale, softcap, window)
@@ -189,6 +190,11 @@ def _tiled_backward(
 # --- the op ------------------------------------------------------------------------------
 
 
+def _out_shape(q: Tensor, v: Tensor) -> tuple[int, ...]:
+    """The output's shape: q's, with the values' head dim (MLA's differs from the keys')."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
 def _lse_shape(q: Tensor, tiled: bool) -> tuple[int, ...]:
     return (*q.shape[:-1],) if tiled else (0,)
 
@@ -204,11 +210,11 @@ def attention_op(
     softcap: float,
     tiled: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """q, k, v [b, h, s, hd] -> (out [b, h, s, hd], lse [b, h, s] fp32, or [0] from the SDPA
-    paths). The tiled kernel runs with a softcap, or when `tiled` (the log-sum-exp is wanted:
+    """q, k [b, h, s, hd], v [b, h, s, hv] -> (out [b, h, s, hv], lse [b, h, s] fp32, or [0]
+    from the SDPA paths). The tiled kernel runs with a softcap, or when `tiled` (the log-sum-exp is wanted:
     attention sinks)."""
     tiled = tiled or softcap > 0
-    out = q.new_empty(q.shape)
+    out = q.new_empty(_out_shape(q, v))
     lse = q.new_empty(_lse_shape(q, tiled), dtype=torch.float32)
     for rows, a, e in _segments(q, doc_ids):
         sl = (rows, slice(None), slice(a, e))
@@ -228,7 +234,7 @@ def attention_op(
 @attention_op.register_fake
 def _(q, k, v, doc_ids, scale, window, softcap, tiled=False):
     lse_shape = _lse_shape(q, tiled or softcap > 0)
-    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+    return q.new_empty(_out_shape(q, v)), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("compiletune::attention_backward", mutates_args=())

@@ -1,14 +1,15 @@
 """One decoder for every supported family (Llama 2/3/3.x, Qwen2.5, Qwen3, Mistral, Gemma 2/3/4,
 Phi-3/4, SmolLM3, OLMo 3, Qwen3.5 / Qwen3-Next with their Gated DeltaNet layers
-(linear_attention.py), and the mixture-of-experts Mixtral, Qwen3-MoE and Qwen3.5-MoE, whose MoE
-feed-forward is moe.py).
+(linear_attention.py), and the mixture-of-experts Mixtral, Qwen3-MoE, Qwen3.5-MoE, gpt-oss,
+DeepSeek-V3 and GLM-4.5, whose MoE feed-forward is moe.py).
 
 The families differ only in data (`ModelArgs`): sizes, GQA ratio, rope base, scaling and
 rotary fraction, layers without rope (SmolLM3), q/k/v bias (Qwen2), q/k norms per head (Qwen3,
 Gemma 3) or over the whole projection (OLMo 3), Gemma's (1 + w) norms, scaled embeddings, GeGLU,
 sandwich norms or norms after attention and MLP only (OLMo 3) and soft-capping, sliding windows
-and their layer pattern, fused q/k/v and gate/up projections (Phi-3), tied embeddings, and Gemma
-4's per-kind head sizes, per-layer inputs and keys/values shared across layers. Parameter layout
+and their layer pattern, fused q/k/v and gate/up projections (Phi-3), tied embeddings, Gemma
+4's per-kind head sizes, per-layer inputs and keys/values shared across layers, and DeepSeek-V3's
+multi-head latent attention (mla.py). Parameter layout
 follows the HF checkpoints, including the "rotate_half" rope convention, so HF weights load by
 renaming alone (see `hf.py`).
 
@@ -32,52 +33,10 @@ from torch import Tensor, nn
 from .args import ModelArgs
 from .attention import attention_backend, causal_attention, flex_block_mask, visible
 from .linear_attention import GatedDeltaNet, GatedRMSNorm
+from .mla import LatentAttention
 from .moe import Experts, MoE, glu
+from .norm import RMSNorm, norm_for, unit_rms
 from .rope import apply_rope, rope_cos_sin
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dim. `plus_one` (Gemma): the weight is stored as w and applied as
-    (1 + w), in fp32 before the cast back; `weight_fp32` (OLMo): w applied in fp32 before the
-    cast back; otherwise (Llama) the weight multiplies after it."""
-
-    def __init__(
-        self, dim: int, eps: float = 1e-5, plus_one: bool = False, weight_fp32: bool = False
-    ):
-        super().__init__()
-        self.eps = eps
-        self.plus_one = plus_one
-        self.weight_fp32 = weight_fp32
-        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # Same op order as HF (fp32 statistics; Llama casts back before the weight, Gemma after
-        # it) so bf16 runs round identically.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.plus_one:
-            return (x * (1.0 + self.weight.float())).to(dtype)
-        if self.weight_fp32:
-            return (self.weight * x).to(dtype)
-        return self.weight * x.to(dtype)
-
-    def reset_parameters(self) -> None:
-        if self.plus_one:
-            nn.init.zeros_(self.weight)
-        else:
-            nn.init.ones_(self.weight)
-
-
-def unit_rms(x: Tensor, eps: float) -> Tensor:
-    """RMSNorm without a weight over the last dim, in fp32 (Gemma 4's values)."""
-    y = x.float()
-    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _norm(args: ModelArgs, dim: int) -> RMSNorm:
-    """An RMSNorm over `dim` as the family computes it."""
-    return RMSNorm(dim, args.norm_eps, args.norm_plus_one, args.norm_weight_fp32)
 
 
 class Attention(nn.Module):
@@ -119,9 +78,9 @@ class Attention(nn.Module):
         self.qk_norm_whole = args.qk_norm_whole
         self.q_norm = self.k_norm = None
         if args.qk_norm:  # per head, or (OLMo 3) over the whole projection
-            self.q_norm = _norm(args, q_out if args.qk_norm_whole else hd)
+            self.q_norm = norm_for(args, q_out if args.qk_norm_whole else hd)
             if own_kv:
-                self.k_norm = _norm(args, kv_out if args.qk_norm_whole else hd)
+                self.k_norm = norm_for(args, kv_out if args.qk_norm_whole else hd)
         self.v_norm_eps = args.norm_eps if args.v_norm else 0.0
 
     def _split_gate(self, q: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -318,6 +277,10 @@ def moe_options(args: ModelArgs) -> dict[str, Any]:
         n_experts=args.n_experts,
         top_k=args.top_k,
         norm_topk=args.norm_topk,
+        score=args.router_score,
+        n_groups=args.n_groups,
+        topk_groups=args.topk_groups,
+        routed_scale=args.routed_scale,
     )
 
 
@@ -335,9 +298,9 @@ class MLPAndExperts(MoE):
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, ffn_dim, bias=False)
-        self.post_mlp_norm = _norm(args, dim)
-        self.pre_experts_norm = _norm(args, dim)
-        self.post_experts_norm = _norm(args, dim)
+        self.post_mlp_norm = norm_for(args, dim)
+        self.pre_experts_norm = norm_for(args, dim)
+        self.post_experts_norm = norm_for(args, dim)
 
     def forward(self, x: Tensor, route_from: Tensor | None = None) -> tuple[Tensor, Tensor]:
         assert route_from is not None, "the experts read the residual"
@@ -369,13 +332,15 @@ class TransformerBlock(nn.Module):
         self.kv_mode = args.kv_mode(layer)
         region = [self.kind] + ["nope"] * nope + [self.kv_mode] * (self.kv_mode is not None)
         self.region = ".".join(region)
-        self.attention_norm = _norm(args, args.dim) if args.pre_norms else None
-        self.attention: Attention | GatedDeltaNet
+        self.attention_norm = norm_for(args, args.dim) if args.pre_norms else None
+        self.attention: Attention | LatentAttention | GatedDeltaNet
         if self.kind == "linear":
             self.attention = GatedDeltaNet(args, layer)
+        elif args.kv_rank:
+            self.attention = LatentAttention(args, layer)
         else:
             self.attention = Attention(args, layer)
-        self.ffn_norm = _norm(args, args.dim) if args.pre_norms else None
+        self.ffn_norm = norm_for(args, args.dim) if args.pre_norms else None
         self.moe = args.is_moe(layer)
         self.in_moe_model = args.n_experts > 0  # a dense layer of a MoE model: LoRA skips its MLP
         self.feed_forward: FeedForward | MoE
@@ -395,8 +360,8 @@ class TransformerBlock(nn.Module):
                 args.dim, args.ffn_dim_of(layer), args.activation, args.fused_projections
             )
         if args.sandwich_norms:
-            self.post_attention_norm = _norm(args, args.dim)
-            self.post_ffn_norm = _norm(args, args.dim)
+            self.post_attention_norm = norm_for(args, args.dim)
+            self.post_ffn_norm = norm_for(args, args.dim)
         else:
             self.post_attention_norm = self.post_ffn_norm = None
         self.per_layer: PerLayerInput | None = None
@@ -472,7 +437,7 @@ class PerLayerInput(nn.Module):
         super().__init__()
         self.gate = nn.Linear(args.dim, args.ple_dim, bias=False)
         self.up = nn.Linear(args.ple_dim, args.dim, bias=False)
-        self.norm = _norm(args, args.dim)
+        self.norm = norm_for(args, args.dim)
         self.activation = args.activation
 
     def forward(self, h: Tensor, ple: Tensor) -> Tensor:
@@ -491,7 +456,7 @@ class PerLayerInputs(nn.Module):
         self.n_layers, self.width, self.dim = args.n_layers, args.ple_dim, args.dim
         self.embed = nn.Embedding(args.ple_vocab, args.n_layers * args.ple_dim)
         self.projection = nn.Linear(args.dim, args.n_layers * args.ple_dim, bias=False)
-        self.norm = _norm(args, args.ple_dim)
+        self.norm = norm_for(args, args.ple_dim)
 
     def forward(self, tokens: Tensor, h: Tensor) -> Tensor:
         """tokens [b, s], the embedded tokens h [b, s, d] -> [b, s, L, p]."""
@@ -505,7 +470,8 @@ class KVCache:
     """Keys and values of the tokens decoded so far, for generation without recomputing them.
 
     k[i], v[i]: [b, n_kv_heads, max_len, hd] for attention layer i (kv heads, before the GQA
-    expansion, so the cache is n_heads / n_kv_heads times smaller); a linear-attention layer
+    expansion, so the cache is n_heads / n_kv_heads times smaller), or for MLA (models/mla.py)
+    the latent [b, 1, max_len, kv_rank] and the rope key [b, 1, max_len, rotary_dim]; a linear-attention layer
     keeps conv[i] and state[i] instead (models/linear_attention.py); the first `length` positions are
     filled. Lives beside the model: the model itself stays parameters only.
     """
@@ -525,12 +491,16 @@ class KVCache:
         self.source = [args.kv_source(i) for i in range(args.n_layers)]
         own = [not lin and self.source[i] == i for i, lin in enumerate(linear)]
 
-        def kv(i: int) -> Tensor:
-            shape = (batch, args.kv_heads_of(kinds[i]), max_len, args.head_dim_of(kinds[i]))
+        def kv(i: int, width: int) -> Tensor:
+            shape = (batch, args.kv_heads_of(kinds[i]), max_len, width)
+            if args.kv_rank:  # MLA: the latent (k) and the rope key (v), one "head" each
+                shape = (batch, 1, max_len, width)
             return torch.zeros(shape, dtype=dtype, device=device) if own[i] else none
 
-        self.k = [kv(i) for i in range(args.n_layers)]
-        self.v = [kv(i) for i in range(args.n_layers)]
+        k_width = [args.kv_rank or args.head_dim_of(kind) for kind in kinds]
+        v_width = [args.rotary_dim if args.kv_rank else args.head_dim_of(kind) for kind in kinds]
+        self.k = [kv(i, k_width[i]) for i in range(args.n_layers)]
+        self.v = [kv(i, v_width[i]) for i in range(args.n_layers)]
         # linear-attention layers: the convolution's last inputs and the recurrent state (fp32)
         conv = (batch, args.linear_conv - 1, 2 * args.linear_k_heads * args.linear_k_dim)
         conv = (*conv[:2], conv[2] + args.linear_v_heads * args.linear_v_dim)
@@ -554,7 +524,7 @@ class Transformer(nn.Module):
         # Gemma 4: every block's per-layer input, made once from the tokens
         self.per_layer_inputs = PerLayerInputs(args) if args.ple_dim else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
-        self.norm = _norm(args, args.dim)
+        self.norm = norm_for(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
 

@@ -38,6 +38,7 @@ class Family:
     window_flag: bool = False  # sliding_window applies only with use_sliding_window: true
     linear_layers: bool = False  # Gated DeltaNet "linear_attention" layers beside full ones;
     #   (1 + w) norms, gated attention output (Qwen3.5, Qwen3-Next)
+    bias_flag: bool = False  # attention_bias says whether q/k/v have biases (GLM-4.5)
     writes_attention_bias: bool = False  # its config has attention_bias: false written out
     writes_mlp_bias: bool = False  # ... and mlp_bias: false
     # the default layer kinds when the config lists none (Gemma's patterns)
@@ -219,6 +220,108 @@ def _write_gpt_oss(args: ModelArgs, cfg: dict) -> None:
         attention_bias=True,
     )
     cfg.pop("num_experts", None)
+
+
+def _read_sigmoid_moe(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    """DeepSeek-V3 / GLM-4.5: sigmoid routing with a correction bias within expert groups,
+    shared experts, the first `first_k_dense_replace` layers dense."""
+    n_experts = get("n_routed_experts") or get("num_local_experts")
+    first = int(get("first_k_dense_replace") or 0)
+    if not 0 <= first <= n_layers:
+        raise UserError(
+            f"config.json first_k_dense_replace {first} must be within 0..{n_layers} layers"
+        )
+    groups, picked = int(get("n_group") or 1), int(get("topk_group") or 1)
+    if n_experts % groups or not 0 < picked <= groups:
+        raise UserError(
+            f"config.json n_group {groups} / topk_group {picked}: the groups must divide the "
+            f"{n_experts} experts and topk_group be 1..n_group"
+        )
+    return dict(
+        n_experts=n_experts,
+        top_k=_top_k(get, n_experts),
+        moe_ffn_dim=get("moe_intermediate_size"),
+        norm_topk=bool(get("norm_topk_prob")),
+        dense_layers=tuple(range(first)),
+        router_aux_coef=float(get("router_aux_loss_coef", 0.0) or 0.0),
+        shared_ffn_dim=get("moe_intermediate_size") * int(get("n_shared_experts") or 0),
+        router_score="sigmoid",
+        n_groups=groups,
+        topk_groups=picked,
+        routed_scale=float(get("routed_scaling_factor")),
+    )
+
+
+def _write_sigmoid_moe(args: ModelArgs, cfg: dict) -> None:
+    shared, rest = divmod(args.shared_ffn_dim, args.moe_ffn_dim)
+    dense = args.dense_layers == tuple(range(len(args.dense_layers)))
+    if args.router_score != "sigmoid" or rest or not dense or args.shared_expert_gate:
+        raise UserError(
+            f"a {args.family} model routes by sigmoid scores, has ungated shared experts as wide "
+            "as a multiple of the routed ones and its dense layers first; these args have no "
+            f"{args.family} checkpoint"
+        )
+    cfg.update(
+        n_routed_experts=args.n_experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_ffn_dim,
+        n_shared_experts=shared,
+        first_k_dense_replace=len(args.dense_layers),
+        norm_topk_prob=args.norm_topk,
+        n_group=args.n_groups,
+        topk_group=args.topk_groups,
+        routed_scaling_factor=args.routed_scale,
+    )
+    if args.router_aux_coef:
+        cfg["router_aux_loss_coef"] = args.router_aux_coef
+    cfg.pop("num_local_experts", None)
+
+
+def _read_mla(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention: config.json's head_dim is the rope part
+    (transformers sets it so), the q/k head is nope + rope wide."""
+    rope, nope = int(get("qk_rope_head_dim")), int(get("qk_nope_head_dim"))
+    if rope % 2 or rope <= 0 or nope <= 0:
+        raise UserError(
+            f"config.json qk_rope_head_dim {rope} must be even and positive, qk_nope_head_dim "
+            f"{nope} positive"
+        )
+    dim, heads = get("hidden_size"), get("num_attention_heads")
+    return dict(
+        kv_rank=int(get("kv_lora_rank")),
+        q_rank=int(cfg.get("q_lora_rank") or 0),
+        v_head_dim=int(get("v_head_dim")),
+        head_dim=nope + rope if nope + rope != dim // heads else None,
+        rotary_dim=rope,
+        rope_interleave=bool(get("rope_interleave", True)),
+        n_kv_heads=heads,
+    )
+
+
+def _write_mla(args: ModelArgs, cfg: dict) -> None:
+    rope = args.rotary_dim or 0
+    cfg.update(
+        kv_lora_rank=args.kv_rank,
+        q_lora_rank=args.q_rank or None,
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=args.hd - rope,
+        v_head_dim=args.v_head_dim,
+        rope_interleave=args.rope_interleave,
+        head_dim=rope,
+        num_key_value_heads=args.n_heads,
+        attention_bias=False,
+    )
+    cfg.pop("partial_rotary_factor", None)
+    if isinstance(cfg.get("rope_parameters"), dict):
+        cfg["rope_parameters"].pop("partial_rotary_factor", None)
+
+
+def _read_glm4_moe(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
+    return dict(qk_norm=bool(get("use_qk_norm", False)))
+
+
+def _write_glm4_moe(args: ModelArgs, cfg: dict) -> None:
+    cfg.update(use_qk_norm=args.qk_norm, attention_bias=args.qkv_bias)
 
 
 def _olmo3_kinds(cfg: dict, n_layers: int) -> tuple[str, ...]:
@@ -740,6 +843,69 @@ FAMILIES: dict[str, Family] = {
             writes_attention_bias=True,
             read_moe=_read_qwen3_moe,
             write_moe=_write_qwen3_moe,
+        ),
+        Family(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            {
+                "vocab_size": 129280,
+                "hidden_size": 7168,
+                "intermediate_size": 18432,
+                "moe_intermediate_size": 2048,
+                "num_hidden_layers": 61,
+                "num_attention_heads": 128,
+                "n_shared_experts": 1,
+                "n_routed_experts": 256,
+                "routed_scaling_factor": 2.5,
+                "kv_lora_rank": 512,
+                "q_lora_rank": 1536,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 128,
+                "qk_nope_head_dim": 128,
+                "n_group": 8,
+                "topk_group": 4,
+                "num_experts_per_tok": 8,
+                "first_k_dense_replace": 3,
+                "norm_topk_prob": True,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0,
+                "rope_interleave": True,
+            },
+            read_moe=_read_sigmoid_moe,
+            write_moe=_write_sigmoid_moe,
+            read_extra=_read_mla,
+            write_extra=_write_mla,
+        ),
+        Family(
+            "glm4_moe",
+            "Glm4MoeForCausalLM",
+            {
+                "vocab_size": 151552,
+                "hidden_size": 4096,
+                "intermediate_size": 10944,
+                "num_hidden_layers": 46,
+                "num_attention_heads": 96,
+                "num_key_value_heads": 8,
+                "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "moe_intermediate_size": 1408,
+                "num_experts_per_tok": 8,
+                "n_shared_experts": 1,
+                "n_routed_experts": 128,
+                "routed_scaling_factor": 1.0,
+                "n_group": 1,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+                "norm_topk_prob": True,
+            },
+            bias_flag=True,
+            read_moe=_read_sigmoid_moe,
+            write_moe=_write_sigmoid_moe,
+            read_extra=_read_glm4_moe,
+            write_extra=_write_glm4_moe,
         ),
         Family(
             "mixtral",

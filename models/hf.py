@@ -45,7 +45,13 @@ from .hf_config import (
 )
 from .lora import dense_tensors
 from .names import strip_wrappers
-from .quantized import MX_SUFFIXES, dequantize_mxfp4, mxfp4_shape
+from .quantized import (
+    FP8_SCALE,
+    MX_SUFFIXES,
+    dequantize_fp8_blocks,
+    dequantize_mxfp4,
+    mxfp4_shape,
+)
 
 # --- names -------------------------------------------------------------------------------
 
@@ -78,6 +84,13 @@ _BLOCK_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    # multi-head latent attention (DeepSeek-V3, models/mla.py)
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     # Gated DeltaNet layers (models/linear_attention.py)
     **{
         f"attention.{name}": f"linear_attn.{name}"
@@ -159,12 +172,16 @@ _ROUTER_NAMES = {
     "qwen3_5_moe_text": "mlp.gate.weight",
     "qwen3_next": "mlp.gate.weight",
     "mixtral": "block_sparse_moe.gate.weight",
+    "deepseek_v3": "mlp.gate.weight",
+    "glm4_moe": "mlp.gate.weight",
 }
 _EXPERT_NAMES = {
     "qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_5_moe_text": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_next": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2")),
+    "deepseek_v3": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "glm4_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
 }
 _NATIVE_EXPERTS = ("feed_forward.experts.w13", "feed_forward.experts.w2")
 # the gated shared expert beside the routed ones (Qwen3.5-MoE)
@@ -174,6 +191,14 @@ _SHARED_NAMES = {
     "feed_forward.shared.w3.weight": "mlp.shared_expert.up_proj.weight",
     "feed_forward.shared.w2.weight": "mlp.shared_expert.down_proj.weight",
     "feed_forward.shared.gate.weight": "mlp.shared_expert_gate.weight",
+}
+# DeepSeek-V3 / GLM-4.5: the router's correction bias and the (ungated) shared experts
+_SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
+_SIGMOID_NAMES = {
+    "feed_forward.score_bias": "mlp.gate.e_score_correction_bias",
+    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
 _GLOBAL_NAMES_INV = {v: k for k, v in _GLOBAL_NAMES.items()}
 
@@ -189,6 +214,8 @@ def _block_names(family: str) -> dict[str, str]:
         return _OLMO_BLOCK_NAMES
     if family in _ROUTER_NAMES:
         names = {**_BLOCK_NAMES, "feed_forward.router.weight": _ROUTER_NAMES[family]}
+        if family in _SIGMOID_ROUTED:
+            return {**names, **_SIGMOID_NAMES}
         return {**names, **_SHARED_NAMES} if family in _SHARED_EXPERT else names
     return _BLOCK_NAMES
 
@@ -441,6 +468,8 @@ def from_hf(
     }
     where: dict[str, tuple[Path, str]] = {}  # HF name -> (file, name in that file)
     mx: dict[str, dict[str, tuple[Path, str]]] = {}  # MXFP4: HF name -> its blocks and scales
+    fp8: dict[str, tuple[Path, str]] = {}  # block-scaled fp8: HF name -> its scales
+    block = fp8_block(cfg)
     for file in files:
         with _open_safetensors(file) as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -450,6 +479,9 @@ def from_hf(
                 if args.tie_embeddings and name == "lm_head.weight":
                     continue  # a tied checkpoint may carry the shared tensor twice
                 if name not in expected and _unused(name, args):
+                    continue
+                if block and name.endswith(FP8_SCALE) and name[: -len(FP8_SCALE)] in expected:
+                    fp8[name[: -len(FP8_SCALE)]] = (file, stored)
                     continue
                 base, suffix = name[:-7], name[-7:]
                 if suffix in MX_SUFFIXES and base in expected:  # gpt-oss's MXFP4 experts
@@ -502,6 +534,9 @@ def from_hf(
                     if hf in mx:
                         _read_mxfp4(param[index], readers, mx[hf], dtype, to_native)
                         continue
+                    if hf in fp8:
+                        _read_fp8(param[index], readers, (file, stored), fp8[hf], block)
+                        continue
                     _read_into(param[index], readers[file], file, stored, dtype, to_native)
             if on_block is not None and prefix.startswith("layers."):
                 on_block(module)
@@ -538,10 +573,55 @@ def _read_mxfp4(
 
 
 def _unused(name: str, args: ModelArgs) -> bool:
-    """Is checkpoint tensor `name` one the model leaves unused (Gemma 4's key/value weights in a
-    layer that attends over an earlier layer's keys and values)?"""
+    """Is checkpoint tensor `name` one the model leaves unused: Gemma 4's key/value weights in a
+    layer that attends over an earlier layer's keys and values, or the multi-token-prediction
+    layers DeepSeek-V3 and GLM-4.5 store after the last one (transformers skips them too)?"""
     m = _HF_BLOCK.fullmatch(name)
+    if m and int(m.group(1)) >= args.n_layers and args.family in _SIGMOID_ROUTED:
+        return True
     return bool(m and args.kv_mode(int(m.group(1))) == "reuse" and m.group(2) in _UNUSED_IN_REUSE)
+
+
+def fp8_block(cfg: dict) -> tuple[int, int] | None:
+    """The block of a block-scaled fp8 checkpoint (quantization_config quant_method "fp8",
+    weight_block_size [rows, cols]), else None."""
+    quant = cfg.get("quantization_config")
+    if not (isinstance(quant, dict) and quant.get("quant_method") == "fp8"):
+        return None
+    block = quant.get("weight_block_size")
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(n, int) and n > 0 for n in block)
+    ):
+        raise UserError(
+            "config.json quantization_config (fp8) needs weight_block_size [rows, cols]; "
+            "per-tensor fp8 checkpoints are not read: dequantize them to bf16 first"
+        )
+    return block[0], block[1]
+
+
+def _read_fp8(
+    target: Tensor,
+    readers: dict[Path, Any],
+    weight: tuple[Path, str],
+    scales: tuple[Path, str],
+    block: tuple[int, int] | None,
+) -> None:
+    """Dequantize one block-scaled fp8 weight into `target` (host memory: that weight)."""
+    assert block is not None
+    (wfile, wname), (sfile, sname) = weight, scales
+    try:
+        dense = dequantize_fp8_blocks(
+            readers[wfile].get_tensor(wname), readers[sfile].get_tensor(sname), block, target.dtype
+        )
+    except ValueError as e:
+        raise UserError(
+            f"{wfile}: fp8 tensor {wname!r}: {e}; the checkpoint is inconsistent"
+        ) from e
+    target.copy_(dense)
+    if not bool(torch.isfinite(target).all()):
+        raise UserError(f"{wfile}: fp8 tensor {wname!r} holds NaN or Inf values")
 
 
 def _read_into(

@@ -365,7 +365,7 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
             f"default, {', '.join(ROPE_TYPES)}"
         )
     for key in ("mscale", "mscale_all_dim", "long_mscale", "short_mscale"):
-        if rope.get(key):
+        if rope.get(key) and not (rope_type == "yarn" and key in ("mscale", "mscale_all_dim")):
             raise UserError(f"config.json rope_scaling.{key} is not supported; remove it")
     # transformers gives the top-level key priority (Phi-3 keeps it there, default 4096)
     top = cfg.get("original_max_position_embeddings")
@@ -405,6 +405,8 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
         partial=float(rope.get("partial_rotary_factor", 1.0))
         if rope_type == "proportional"
         else 1.0,
+        mscale=float(rope.get("mscale") or 0.0),
+        mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
     )
 
 
@@ -436,7 +438,7 @@ def _check_unsupported(cfg: dict, fam: Family, get: Callable[..., Any]) -> None:
         raise UserError(
             "config.json sets mlp_bias: true, which is not supported; only bias-free MLPs are"
         )
-    if not fam.qkv_bias and get("attention_bias", False):
+    if not (fam.qkv_bias or fam.bias_flag) and get("attention_bias", False):
         # Llama's attention_bias also puts a bias on o_proj, which the decoder does not have.
         raise UserError(
             f"config.json sets attention_bias: true for {fam.model_type}, which is not "
@@ -449,11 +451,16 @@ def _check_unsupported(cfg: dict, fam: Family, get: Callable[..., Any]) -> None:
         )
     quant = cfg.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    if method is not None and not (method == "mxfp4" and fam.model_type == "gpt_oss"):
+    if (
+        method is not None
+        and not (method == "mxfp4" and fam.model_type == "gpt_oss")
+        and method != "fp8"
+    ):
         raise UserError(
             f"config.json quantization_config: {json.dumps(method)} weights are not read; "
-            "gpt-oss's MXFP4 experts are (dequantized as they load). Dequantize the checkpoint "
-            "to bf16 first, or use --quantize-base nf4 on a bf16 one"
+            "gpt-oss's MXFP4 experts and block-scaled fp8 weights are (dequantized as they "
+            "load). Dequantize the checkpoint to bf16 first, or use --quantize-base nf4 on a "
+            "bf16 one"
         )
     both = cfg.get("use_bidirectional_attention")
     if fam.gemma and both not in (None, False, "vision"):  # "vision": image tokens only
@@ -546,7 +553,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         ffn_dim=get("intermediate_size", required=not fam.moe),
         head_dim=head_dim if head_dim != dim // n_heads else None,
         norm_eps=float(get("rms_norm_eps")),
-        qkv_bias=fam.qkv_bias,
+        qkv_bias=fam.qkv_bias or (fam.bias_flag and bool(get("attention_bias", False))),
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         sliding_window=int(window) if window else None,
         layer_types=layer_types,
@@ -613,6 +620,8 @@ def _rope_dict(rs: RopeScaling | None) -> dict | None:
         out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
     if rs.rope_type == "yarn":
         out.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
+        if rs.mscale or rs.mscale_all_dim:
+            out.update(mscale=rs.mscale, mscale_all_dim=rs.mscale_all_dim)
     if rs.attention_factor is not None:
         out["attention_factor"] = rs.attention_factor
     return out
@@ -649,7 +658,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
         raise UserError(
             f"model family {args.family!r} cannot be saved; use one of {', '.join(FAMILIES)}"
         )
-    if args.qkv_bias != fam.qkv_bias:
+    if args.qkv_bias != fam.qkv_bias and not fam.bias_flag:
         raise UserError(
             f"family {fam.model_type!r} with qkv_bias={args.qkv_bias} has no HF architecture; "
             "q/k/v bias is only saveable as family 'qwen2'"

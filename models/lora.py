@@ -66,11 +66,17 @@ TARGETS: dict[str, tuple[str, str]] = {
     "out_proj": ("attention.out_proj", "out_proj"),
     "in_proj_qkvz": ("attention.in_proj_qkvz", "in_proj_qkvz"),  # Qwen3-Next's fused ones
     "in_proj_ba": ("attention.in_proj_ba", "in_proj_ba"),
+    # multi-head latent attention (DeepSeek-V3): its projections by PEFT's names
+    "q_a": ("attention.wq_a", "q_a_proj"),
+    "q_b": ("attention.wq_b", "q_b_proj"),
+    "kv_a": ("attention.wkv_a", "kv_a_proj_with_mqa"),
+    "kv_b": ("attention.wkv_b", "kv_b_proj"),
     "qkv": ("attention.wqkv", "qkv_proj"),
     "gate_up": ("feed_forward.w13", "gate_up_proj"),
 }
 LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 LINEAR_ATTENTION_TARGETS += ("in_proj_qkvz", "in_proj_ba")
+LATENT_TARGETS = ("q_a", "q_b", "kv_a", "kv_b")
 # A fused projection is adapted when all of its parts are targets (PEFT adapts qkv_proj whole).
 FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 # What a LoRASpec / --lora-targets names: every projection (fused ones via their parts).
@@ -110,9 +116,10 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     """`targets` less the projections no layer of this model has: q/k/v/o live in attention
-    layers, in_proj_* / out_proj in linear-attention ones; gpt-oss's MLP is its experts, which
-    LoRA leaves frozen (for now). A target none of the model's layers has is refused (one line
-    naming it)."""
+    layers, in_proj_* / out_proj in linear-attention ones; MLA (DeepSeek-V3) has o, q or
+    q_a/q_b, and kv_a/kv_b instead of k/v; gpt-oss's MLP is its experts, which LoRA leaves
+    frozen (for now). A target none of the model's layers has is refused (one line naming
+    it)."""
     kinds = {args.layer_kind(i) for i in range(args.n_layers)}
     fused = ("in_proj_qkvz", "in_proj_ba")
     mixer = (*(fused if args.linear_fused else LINEAR_ATTENTION_TARGETS[:4]), "out_proj")
@@ -120,6 +127,10 @@ def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     def present(t: str) -> bool:
         if t in LINEAR_ATTENTION_TARGETS:
             return "linear" in kinds and t in mixer
+        if t in LATENT_TARGETS:
+            return bool(args.kv_rank) and (bool(args.q_rank) or not t.startswith("q"))
+        if args.kv_rank and t in ("q", "k", "v"):
+            return t == "q" and not args.q_rank
         if t in ("q", "k", "v", "o"):
             return bool(kinds - {"linear"})
         return not args.expert_bias  # the MLP's

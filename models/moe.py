@@ -1,11 +1,17 @@
-"""Mixture-of-experts feed-forward (Mixtral, Qwen3-MoE, Qwen3.5-MoE): a router picks `top_k` of
-`n_experts` SwiGLU experts per token, and the chosen experts' outputs are summed with the
-router's weights; Qwen3.5-MoE adds a shared expert every token goes through, gated per token.
+"""Mixture-of-experts feed-forward (Mixtral, Qwen3-MoE, Qwen3.5-MoE, gpt-oss, DeepSeek-V3,
+GLM-4.5): a router picks `top_k` of `n_experts` SwiGLU experts per token, and the chosen experts'
+outputs are summed with the router's weights; Qwen3.5-MoE and DeepSeek-V3 add a shared expert
+every token goes through (Qwen's gated per token).
 
     logits = x Wr^T                       [t, E]   (t = b * s tokens)
     probs  = softmax(fp32 logits)         [t, E]
     w, idx = top_k(probs)                 [t, k]   renormalised to sum 1 when `norm_topk`
     y_t    = sum_j w_tj * expert_idx_tj(x_t)
+
+DeepSeek-V3's router ("sigmoid") scores each expert by sigmoid(logit), picks the top k of
+score + a correction bias (within the best `topk_groups` of `n_groups` expert groups) and weighs
+them by their scores (renormalised), times `routed_scale`. The bias only steers the choice; the
+trainer can nudge it towards balanced loads after each step (`update_score_bias`).
 
 Compute is grouped, not looped: the t*k (token, expert) pairs are sorted by expert, the tokens
 gathered into one [t*k, d] matrix in that order, and each projection of every expert runs as
@@ -130,11 +136,36 @@ class MoE(nn.Module):
         bias: bool = False,
         clamp: float = 0.0,
         alpha: float = 1.702,
+        score: str = "softmax",
+        n_groups: int = 1,
+        topk_groups: int = 1,
+        routed_scale: float = 1.0,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= n_experts:
             raise ValueError(f"top_k {top_k} must be in 1..n_experts ({n_experts})")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown router score {score!r}; expected softmax or sigmoid")
+        if n_experts % n_groups or not 0 < topk_groups <= n_groups:
+            raise ValueError(
+                f"{n_experts} experts in {n_groups} groups, {topk_groups} of them picked: the "
+                "groups must divide the experts and the picked groups be 1..groups"
+            )
+        if n_groups > 1 and (
+            n_experts // n_groups < 2 or topk_groups * n_experts < top_k * n_groups
+        ):
+            raise ValueError("each group needs 2+ experts and the picked groups top_k of them")
         self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
+        # DeepSeek-V3 / GLM-4.5: sigmoid scores; a correction bias (frozen; nudged by the
+        # trainer's --router-bias-update-rate) added only to pick experts, among the
+        # `topk_groups` groups of experts whose two best scores sum highest
+        self.score, self.n_groups, self.topk_groups = score, n_groups, topk_groups
+        self.routed_scale = routed_scale
+        self.score_bias = (
+            nn.Parameter(torch.zeros(n_experts), requires_grad=False)
+            if score == "sigmoid"
+            else None
+        )
         # gpt-oss: the router and the experts have biases
         self.router = nn.Linear(dim, n_experts, bias=bias)
         self.experts = Experts(n_experts, dim, ffn_dim, activation, bias, clamp, alpha)
@@ -146,10 +177,35 @@ class MoE(nn.Module):
         self.expert_scale = nn.Parameter(torch.ones(n_experts)) if router_norm_eps else None
 
     def reset_parameters(self) -> None:
-        """The router's scales start at one (the weights are drawn by `init_weights`)."""
+        """The router's scales start at one, the correction bias at zero (the weights are drawn
+        by `init_weights`)."""
         for p in (self.router_scale, self.expert_scale):
             if p is not None:
                 nn.init.ones_(p)
+        if self.score_bias is not None:
+            nn.init.zeros_(self.score_bias)
+
+    def _sigmoid_route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """DeepSeek-V3's router, in fp32: (logits, per-token score shares [t, E], weights [t, k],
+        experts [t, k])."""
+        bias = self.router.bias
+        logits = F.linear(
+            x.float(), self.router.weight.float(), None if bias is None else bias.float()
+        )
+        scores = torch.sigmoid(logits)
+        choice = scores + self.score_bias.float()
+        if self.n_groups > 1:
+            t, g = choice.shape[0], self.n_groups
+            best = choice.view(t, g, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [t, groups]
+            picked = torch.topk(best, self.topk_groups, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter(1, picked, True)
+            keep = keep[:, :, None].expand(t, g, self.n_experts // g).reshape(t, -1)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        chosen = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, scores / scores.sum(dim=-1, keepdim=True), weights, chosen
 
     def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """flat [t, d] -> (weights [t, k] in x's dtype, experts [t, k], stats [2E + 2] fp32)."""
@@ -160,11 +216,16 @@ class MoE(nn.Module):
                 x.dtype
             )
             x = y * self.router_scale * flat.shape[-1] ** -0.5
-        logits = self.router(x).float()  # [t, E]
-        probs = torch.softmax(logits, dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.score == "sigmoid":
+            logits, probs, weights, chosen = self._sigmoid_route(x)
+        else:
+            logits = self.router(x).float()  # [t, E]
+            probs = torch.softmax(logits, dim=-1)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         if self.expert_scale is not None:
             weights = weights * self.expert_scale[chosen]
         tokens = torch.zeros(self.n_experts, dtype=torch.float32, device=flat.device)
@@ -223,3 +284,36 @@ def router_losses(stats: list[Tensor], n_experts: int) -> tuple[Tensor, Tensor]:
     n = total["n"]
     aux = n_experts * (total["tokens"] * total["prob_sum"]).sum() / (n * n)
     return aux, total["z_sum"] / n
+
+
+@torch.no_grad()
+def update_score_bias(model: nn.Module, expert_tokens: Tensor, rate: float) -> int:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after a step: each sigmoid router's
+    correction bias moves by `rate` per expert, up where the expert received fewer tokens than
+    its layer's mean and down where more (`expert_tokens` [MoE layers, E]: the step's counts,
+    every rank's). The bias is kept in fp32 beside the parameter (a bf16 one could not take
+    steps of 1e-3) and written back in its dtype; a sharded (FSDP) bias gets its own shard.
+    Returns the number of routers updated."""
+    routers = [m for m in model.modules() if isinstance(m, MoE)]
+    if len(routers) != expert_tokens.shape[0]:
+        raise ValueError(f"{expert_tokens.shape[0]} layers of counts for {len(routers)} routers")
+    done = 0
+    for moe, load in zip(routers, expert_tokens, strict=True):
+        bias = moe.score_bias
+        if bias is None:
+            continue
+        full = bias.full_tensor() if hasattr(bias, "full_tensor") else bias
+        master = getattr(moe, "_score_bias_fp32", None)
+        if master is None:
+            master = full.detach().float().clone()
+        load = load.to(master.device, torch.float32)
+        master += rate * torch.sign(load.mean() - load)
+        moe._score_bias_fp32 = master
+        value = master.to(bias.dtype)
+        if hasattr(bias, "full_tensor"):
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(value, bias.device_mesh, bias.placements)
+        bias.copy_(value)
+        done += 1
+    return done

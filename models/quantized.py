@@ -37,3 +37,27 @@ def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The [..., in, out] parameter a [..., out, g, 16] block tensor stands for."""
     *lead, rows, groups, _ = blocks_shape
     return (*lead, groups * 32, rows)
+
+
+# fp8 with block scales (DeepSeek-V3's checkpoints, Qwen3's -FP8 ones; quant_method "fp8"):
+# a weight [rows, cols] is stored as float8_e4m3fn beside `<name>_scale_inv` fp32
+# [ceil(rows / br), ceil(cols / bc)], one multiplier per block of br x bc values
+FP8_SCALE = "_scale_inv"
+
+
+def dequantize_fp8_blocks(
+    weight: Tensor, scale_inv: Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> Tensor:
+    """weight fp8 [rows, cols], scale_inv [ceil(rows / br), ceil(cols / bc)] -> [rows, cols] in
+    `dtype` (each value times its block's scale, in fp32)."""
+    rows, cols = weight.shape[-2:]
+    br, bc = block
+    want = (-(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape[-2:]) != want:
+        raise ValueError(
+            f"fp8 weight [{rows}, {cols}] in blocks of {br}x{bc} needs scales {list(want)}, "
+            f"got {list(scale_inv.shape)}"
+        )
+    scale = scale_inv.float().repeat_interleave(br, dim=-2)[..., :rows, :]
+    scale = scale.repeat_interleave(bc, dim=-1)[..., :cols]
+    return (weight.float() * scale).to(dtype)

@@ -93,6 +93,10 @@ def check_optim(section: OptimConfig, cfg: TrainConfig) -> None:
     for flag, value in (("aux", section.router_aux_coef), ("z", section.router_z_coef)):
         if value is not None and value < 0:
             raise UserError(f"--router-{flag}-coef must be >= 0 (0 = off), got {value}")
+    if section.router_bias_update_rate < 0:
+        raise UserError(
+            f"--router-bias-update-rate must be >= 0 (0 = off), got {section.router_bias_update_rate}"
+        )
     from compiletune.optim import (
         check_optimizer_flags,  # lazy: the CLI imports config before torch
     )

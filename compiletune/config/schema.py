@@ -226,6 +226,12 @@ class OptimConfig:
         estimate=False,
     )
     router_z_coef: float = opt(0.0, "weight of the MoE router z-loss", estimate=False)
+    router_bias_update_rate: float = opt(
+        0.0,
+        "DeepSeek-V3-style routers: nudge each expert's correction bias by this after every "
+        "step towards balanced loads (auxiliary-loss-free balancing; 0 = off)",
+        estimate=False,
+    )
 
 
 @dataclass

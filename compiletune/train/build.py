@@ -230,6 +230,11 @@ def _check_shapes(cfg: TrainConfig, args: ModelArgs, tokenizer: Any) -> None:
             f"--seq-len {seq_len} is beyond the model's {args.max_seq_len} positions; "
             f"pass --seq-len {args.max_seq_len} or less"
         )
+    if cfg.optim.router_bias_update_rate and args.router_score != "sigmoid":
+        raise UserError(
+            "--router-bias-update-rate nudges the correction bias of DeepSeek-V3-style "
+            "(sigmoid) routers; this model has none, so leave it 0"
+        )
 
 
 # ----------------------------------------------------------------------------- data

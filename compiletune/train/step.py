@@ -19,7 +19,7 @@ from compiletune.config import TrainConfig
 from compiletune.data.rows import PackedData, check_targets, count_targets, eval_batches
 from compiletune.loss.head import IGNORE_INDEX, LossHead
 from compiletune.metrics import perplexity
-from compiletune.models.moe import router_losses
+from compiletune.models.moe import router_losses, update_score_bias
 from compiletune.train import objective
 from compiletune.train.build import Run
 from compiletune.train.forward import Batch, forward_hidden
@@ -193,6 +193,12 @@ def train_step(
         return StepResult(total, n_targets, grad_norm, stepped=False, router=moe, extras=extras)
     run.optimizer.step()  # a no-op with --optimizer-in-backward: already stepped
     run.optimizer.zero_grad()
+    rate = cfg.optim.router_bias_update_rate
+    if moe is not None and rate:  # the loads of the whole global batch: every rank's
+        tokens = moe.expert_tokens.clone()
+        if run.world > 1:
+            torch.distributed.all_reduce(tokens)
+        update_score_bias(run.model, tokens, rate)
     return StepResult(total, n_targets, grad_norm, router=moe, extras=extras)
 
 

@@ -142,6 +142,46 @@ CASES = {
             }
         ),
     ),
+    # DeepSeek-V3: multi-head latent attention (q and kv latents, an 8-wide interleaved rope
+    # part, values 12 wide), yarn with both mscales past 32 positions; sigmoid routing with a
+    # correction bias over 2 of 4 expert groups, a shared expert, routed scaling, one dense
+    # layer first
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        dict(SMALL, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24)
+        | dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+        | dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)
+        | dict(first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=32)
+        | dict(routed_scaling_factor=2.5)
+        | dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            }
+        ),
+    ),
+    # DeepSeek-V2-Lite's shape of MLA: queries through one projection, no groups
+    "deepseek_v3_lite": (
+        transformers.DeepseekV3Config,
+        dict(SMALL, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16)
+        | dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=8)
+        | dict(num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0)
+        | dict(n_shared_experts=2, moe_intermediate_size=16, rope_interleave=False),
+    ),
+    # GLM-4.5: GQA with q/k/v biases and q/k norms, half the head rotating, the DeepSeek-V3
+    # router without groups, a shared expert, one dense layer first
+    "glm4_moe": (
+        transformers.Glm4MoeConfig,
+        dict(SMALL, num_hidden_layers=3, head_dim=32, attention_bias=True, use_qk_norm=True)
+        | dict(n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1)
+        | dict(n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=1.5),
+    ),
     # fused qkv/gate_up, partial rotary 0.5, longrope (original context 16), window 12
     "phi3": (
         transformers.Phi3Config,
@@ -216,6 +256,8 @@ def make_hf(case: str, seed: int = 0) -> transformers.PreTrainedModel:
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-block output scale
                 b.copy_(0.5 + torch.rand_like(b))
+            elif name.endswith("e_score_correction_bias"):  # large enough to change picks
+                b.copy_(0.1 * torch.randn_like(b))
     return model
 
 
@@ -297,6 +339,8 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
         "olmo3",
         "qwen3_5_moe",
         "qwen3_next",
+        "deepseek_v3",
+        "glm4_moe",
     ],
 )
 def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
@@ -342,13 +386,16 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_next",
+        "deepseek_v3",
+        "deepseek_v3_lite",
+        "glm4_moe",
     ],
 )
 def test_lora_adapter_loads_in_peft(case, tmp_path):
     hf, folder = checkpoint(tmp_path, case)
     spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
     base = from_hf(folder)
-    if case.startswith("qwen3") or case == "gpt_oss":  # as the model has them
+    if case.startswith(("qwen3", "deepseek")) or case == "gpt_oss":  # as the model has them
         targets = model_targets(base.args, parse_targets("all-linear"))
         spec = LoRASpec(rank=4, alpha=8.0, targets=targets)
     model = apply_lora(base, spec, dtype=torch.float32, seed=3).eval()
@@ -421,7 +468,7 @@ def test_vision_checkpoint_loads_its_text_model(tmp_path, case):
         ({"architectures": ["Qwen2MoeForCausalLM"]}, "architectures"),
         ({"num_experts": 8}, "num_experts"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": 0.7}}, "mscale"),
+        ({"rope_scaling": {"rope_type": "longrope", "long_mscale": 1.2}}, "long_mscale"),
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "long_factor"),
     ],
 )
@@ -455,7 +502,8 @@ def test_phi3_longrope_original_context_and_saved_form(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["qwen3_5", "qwen3_next", "olmo3", "smollm3_window", "gemma4_e", "gpt_oss"]
+    "case",
+    ["qwen3_5", "qwen3_next", "olmo3", "smollm3_window", "gemma4_e", "gpt_oss", "deepseek_v3"],
 )
 def test_packed_documents_equal_each_document_alone(case, tmp_path):
     """A row packing three documents (document ids, positions restarting) gives each document

@@ -115,7 +115,8 @@ def test_frozen_linear_matches_float_reference(stored):
 def test_parse_targets():
     seven = ("q", "k", "v", "o", "gate", "up", "down")
     linear = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-    assert parse_targets("all-linear") == seven + linear + ("in_proj_qkvz", "in_proj_ba")
+    latent = ("q_a", "q_b", "kv_a", "kv_b")
+    assert parse_targets("all-linear") == seven + linear + ("in_proj_qkvz", "in_proj_ba") + latent
     # what a model has of them: a Llama no linear-attention projections, Qwen3.5 both kinds
     assert model_targets(from_name("debug"), parse_targets("all-linear")) == seven
     assert model_targets(from_name("debug_qwen3_5"), parse_targets("all-linear")) == seven + linear
