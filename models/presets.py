@@ -435,6 +435,74 @@ def _gpt_oss(n_layers: int, n_experts: int) -> ModelArgs:
     )
 
 
+def _deepseek_v3() -> ModelArgs:
+    """deepseek-ai/DeepSeek-V3 (and V3.1, R1: the same shape): 7168 wide, 61 layers (the first
+    3 dense), MLA with 128 heads (q latent 1536, kv latent 512, heads 128 + 64 rope wide, values
+    128), 256 routed experts of 2048 (8 per token within 4 of 8 groups, weights x 2.5) and one
+    shared, yarn rope x40. The multi-token-prediction layer of the checkpoint is not part of it."""
+    return ModelArgs(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=128,
+        vocab_size=129280,
+        ffn_dim=18432,
+        head_dim=192,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=RopeScaling(
+            40.0,
+            original_max_position_embeddings=4096,
+            rope_type="yarn",
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        max_seq_len=163840,
+        family="deepseek_v3",
+        rotary_dim=64,
+        n_experts=256,
+        top_k=8,
+        moe_ffn_dim=2048,
+        dense_layers=(0, 1, 2),
+        shared_ffn_dim=2048,
+        kv_rank=512,
+        q_rank=1536,
+        v_head_dim=128,
+        rope_interleave=True,
+        router_score="sigmoid",
+        n_groups=8,
+        topk_groups=4,
+        routed_scale=2.5,
+    )
+
+
+def _glm4_5_air() -> ModelArgs:
+    """zai-org/GLM-4.5-Air: 4096 wide, 46 layers (the first dense), 96 query and 8 kv heads of
+    128 with q/k/v biases and half of each head rotating, 128 routed experts of 1408 (8 per
+    token, sigmoid routing) and one shared."""
+    return ModelArgs(
+        dim=4096,
+        n_layers=46,
+        n_heads=96,
+        n_kv_heads=8,
+        vocab_size=151552,
+        ffn_dim=10944,
+        head_dim=128,
+        norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_seq_len=131072,
+        qkv_bias=True,
+        family="glm4_moe",
+        rotary_dim=64,
+        n_experts=128,
+        top_k=8,
+        moe_ffn_dim=1408,
+        dense_layers=(0,),
+        shared_ffn_dim=1408,
+        router_score="sigmoid",
+    )
+
+
 def _debug(vocab_size: int) -> ModelArgs:
     return ModelArgs(
         dim=256,
@@ -537,6 +605,8 @@ PRESETS: dict[str, ModelArgs] = {
     # openai/gpt-oss-20b, gpt-oss-120b
     "gpt_oss_20b": _gpt_oss(24, 32),
     "gpt_oss_120b": _gpt_oss(36, 128),
+    "deepseek_v3": _deepseek_v3(),
+    "glm4_5_air": _glm4_5_air(),
     # Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B: 128 experts, 8 per token, every layer MoE
     "qwen3_30b_a3b": _qwen3_moe(2048, 48, 32, 6144, 768),
     "qwen3_235b_a22b": _qwen3_moe(4096, 94, 64, 12288, 1536),
@@ -625,6 +695,27 @@ PRESETS: dict[str, ModelArgs] = {
         swiglu_limit=7.0,
         router_aux_coef=0.001,
     ),
+    # DeepSeek-V3's: MLA (q latent 128, kv latent 64, rope part 16), sigmoid routing over 2 of
+    # 4 groups of 8 experts (2 per token), a shared expert, the first layer dense
+    "debug_deepseek": _debug_like(
+        family="deepseek_v3",
+        n_kv_heads=8,
+        head_dim=48,
+        rotary_dim=16,
+        kv_rank=64,
+        q_rank=128,
+        v_head_dim=32,
+        rope_interleave=True,
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=256,
+        dense_layers=(0,),
+        shared_ffn_dim=256,
+        router_score="sigmoid",
+        n_groups=4,
+        topk_groups=2,
+        routed_scale=2.5,
+    ),
     "debug_olmo3": _debug_like(
         sliding_window=256,
         layer_types=("sliding", "sliding", "sliding", "full"),
@@ -665,8 +756,18 @@ def from_name(name: str) -> ModelArgs:
     return copy.deepcopy(PRESETS[name])
 
 
+def _latent_attention_params(args: ModelArgs) -> int:
+    """Parameters of one multi-head latent attention mixer (models/mla.py)."""
+    d, h, hd, rd = args.dim, args.n_heads, args.hd, args.rotary_dim or 0
+    q = d * args.q_rank + args.q_rank + args.q_rank * h * hd if args.q_rank else d * h * hd
+    kv = d * (args.kv_rank + rd) + args.kv_rank + args.kv_rank * h * (hd - rd + args.v_head_dim)
+    return q + kv + h * args.v_head_dim * d
+
+
 def _attention_params(args: ModelArgs, index: int) -> int:
     """Parameters of the softmax-attention mixer of layer `index`."""
+    if args.kv_rank:
+        return _latent_attention_params(args)
     kind, d = args.layer_kind(index), args.dim
     hd, kv_heads = args.head_dim_of(kind), args.kv_heads_of(kind)
     q_out, kv_out = args.n_heads * hd, kv_heads * hd
@@ -701,6 +802,8 @@ def num_params(args: ModelArgs) -> int:
         moe += 3 * d * args.shared_ffn_dim + d * args.shared_expert_gate
     if args.mlp_beside_experts:  # Gemma 4: router scales, three norms (+ the dense MLP below)
         moe += d + args.n_experts + 3 * d
+    if args.router_score == "sigmoid":  # the correction bias
+        moe += args.n_experts
     if args.expert_bias:  # gpt-oss: the router's and both projections' biases
         moe += args.n_experts * (1 + 2 * args.moe_ffn_dim + d)
     blocks = 0

@@ -97,6 +97,11 @@ def check_optim(section: OptimConfig, cfg: TrainConfig) -> None:
         raise UserError(
             f"--router-bias-update-rate must be >= 0 (0 = off), got {section.router_bias_update_rate}"
         )
+    if section.router_bias_update_rate and cfg.lora.rank:
+        raise UserError(
+            "--router-bias-update-rate changes the base model's router biases, which a LoRA "
+            "run's adapter folders do not carry; use it in full fine-tuning, or leave it 0"
+        )
     from compiletune.optim import (
         check_optimizer_flags,  # lazy: the CLI imports config before torch
     )

@@ -315,6 +315,13 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
             {**four, "model": "debug_gpt_oss", "lora_rank": 4, "router_aux_coef": 0.1}
             | {"grad_accum": 2},
         ),
+        # DeepSeek-V3's latent attention and sigmoid routing, its correction biases nudged
+        # after each step by the loads of both ranks (DTensor shards of the bias)
+        "deepseek-balanced": (
+            {**four, "model": "debug_deepseek", "router_bias_update_rate": 0.05},
+            {**four, "model": "debug_deepseek", "router_bias_update_rate": 0.05}
+            | {"grad_accum": 2},
+        ),
         "smollm3-lora": (
             {**four, "model": "debug_smollm3", "lora_rank": 4},
             {**four, "model": "debug_smollm3", "lora_rank": 4},

@@ -7,10 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_run import tiny_run
 
 from compiletune.cli import main
+from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
+from compiletune.models import from_hf
 
 TEXT = "\n".join(
     f"Row {i}: experts route tokens, and token {i * 7 % 23} goes to expert {i % 8}."
@@ -86,6 +89,32 @@ def test_resume_is_exact(tmp_path, corpus):
     assert losses(tmp_path / "split") == losses(tmp_path / "whole")
     want = read_metrics(tmp_path / "whole" / "metrics.jsonl")[-1]["expert_load"]
     assert read_metrics(tmp_path / "split" / "metrics.jsonl")[-1]["expert_load"] == want
+
+
+def test_router_bias_balancing_moves_the_biases_by_the_rate(tmp_path, corpus):
+    """--router-bias-update-rate (DeepSeek-V3's auxiliary-loss-free balancing): after each step
+    every expert's correction bias moved by the rate, up where it was underloaded; the saved
+    checkpoint holds the moved biases. Models without such a router, and LoRA runs, refuse it."""
+    rate, steps = 0.25, 3
+    tiny_run(tmp_path, corpus, model="debug_deepseek", max_steps=steps, lr=1e-3)
+    tiny_run(
+        tmp_path / "b",
+        corpus,
+        model="debug_deepseek",
+        max_steps=steps,
+        lr=1e-3,
+        router_bias_update_rate=rate,
+    )
+    plain = from_hf(tmp_path / "run" / f"step_{steps}")
+    moved = from_hf(tmp_path / "b" / "run" / f"step_{steps}")
+    for a, b in zip(plain.layers[1:], moved.layers[1:], strict=True):
+        assert not a.feed_forward.score_bias.any()
+        steps_taken = b.feed_forward.score_bias / rate  # -1, 0 (load exactly the mean), +1
+        assert torch.equal(steps_taken, steps_taken.round()) and steps_taken.abs().max() <= steps
+        assert steps_taken.abs().sum() >= steps  # at least one expert off balance a step
+    for flags in ({"model": "debug_moe"}, {"model": "debug_deepseek", "lora_rank": 4}):
+        with pytest.raises(UserError, match="router-bias-update-rate"):
+            tiny_run(tmp_path / "c", corpus, router_bias_update_rate=rate, max_steps=1, **flags)
 
 
 def test_estimate_memory_counts_every_expert(capsys):

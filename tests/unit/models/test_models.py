@@ -45,6 +45,10 @@ CARD_PARAMS_B |= {"smollm3_3b": 3.1, "olmo3_7b": 7.3, "gemma4_31b": 30.7, "qwen3
 CARD_PARAMS_B |= {"gemma4_26b_a4b": 25.2, "gpt_oss_20b": 20.9, "gpt_oss_120b": 116.8}
 # ... or in whole billions (Qwen3.5's cards count the vision tower beside the text model)
 CARD_PARAMS_WHOLE_B = {"qwen3_5_35b_a3b": 35, "qwen3_next_80b_a3b": 80}
+# (DeepSeek-V3's 671B leaves out its multi-token-prediction layer, as the preset does)
+CARD_PARAMS_WHOLE_B |= {"deepseek_v3": 671}
+# ... or cut to whole billions (GLM-4.5-Air's "106B": 106.85B without its MTP layer)
+CARD_PARAMS_CUT_B = {"glm4_5_air": 106}
 # The newer families' presets, and the transformers class that builds the same model.
 HF_CLASSES = {
     "smollm3_3b": "SmolLM3Config",
@@ -55,6 +59,8 @@ HF_CLASSES = {
     "qwen3_5_9b": "Qwen3_5TextConfig",
     "qwen3_5_35b_a3b": "Qwen3_5MoeTextConfig",
     "qwen3_next_80b_a3b": "Qwen3NextConfig",
+    "deepseek_v3": "DeepseekV3Config",
+    "glm4_5_air": "Glm4MoeConfig",
 }
 
 
@@ -84,6 +90,11 @@ def test_card_param_counts_whole_billions(name):
     assert round(num_params(from_name(name)) / 1e9) == CARD_PARAMS_WHOLE_B[name]
 
 
+@pytest.mark.parametrize("name", sorted(CARD_PARAMS_CUT_B))
+def test_card_param_counts_cut_to_billions(name):
+    assert int(num_params(from_name(name)) / 1e9) == CARD_PARAMS_CUT_B[name]
+
+
 @pytest.mark.parametrize("name", sorted(HF_CLASSES))
 def test_preset_config_builds_the_same_model_in_transformers(name):
     """The preset written as config.json is a transformers model of the same size (built on
@@ -96,7 +107,12 @@ def test_preset_config_builds_the_same_model_in_transformers(name):
     hf_cfg = config_cls(**{k: v for k, v in cfg.items() if k != "architectures"})
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
-    scalars = [b for n, b in model.named_buffers() if n.endswith("layer_scalar")]  # Gemma 4's
+    # Gemma 4's per-block scalars and DeepSeek-V3's correction biases: buffers there
+    scalars = [
+        b
+        for n, b in model.named_buffers()
+        if n.endswith(("layer_scalar", "e_score_correction_bias"))
+    ]
     assert sum(p.numel() for p in [*model.parameters(), *scalars]) == num_params(args)
     assert args_from_hf_config(cfg) == args
 

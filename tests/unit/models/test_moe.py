@@ -15,7 +15,7 @@ from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.errors import UserError
 from compiletune.loss.head import LossHead
 from compiletune.models import args_from_hf_config, from_hf, save_hf
-from compiletune.models.moe import MoE, router_losses
+from compiletune.models.moe import MoE, router_losses, update_score_bias
 from compiletune.ops.grouped_mm import grouped_mm
 
 VOCAB = 96
@@ -381,3 +381,19 @@ def test_greedy_generate_equals_transformers(case, tmp_path):
         pad_token_id=0,
     )[0, len(prompt) :].tolist()
     assert list(generate_ids(from_hf(folder).eval(), prompt, 20)) == want
+
+
+def test_score_bias_update_steps_towards_balance_in_fp32():
+    """Auxiliary-loss-free balancing: underloaded experts' biases go up by the rate, overloaded
+    ones down, an expert at the mean stays; a bf16 bias keeps steps far below its precision
+    (an fp32 copy accumulates them)."""
+    moe = MoE(16, 8, 4, 2, True, score="sigmoid").to(torch.bfloat16)
+    moe.score_bias.data.fill_(1.0)
+    load = torch.tensor([[0.0, 2.0, 6.0, 0.0]])  # mean 2
+    for _ in range(10):
+        assert update_score_bias(moe, load, 1e-3) == 1
+    want = torch.tensor([1.01, 1.0, 0.99, 1.01])
+    assert torch.equal(moe.score_bias, want.to(torch.bfloat16))  # not 1.0: no step was lost
+    assert torch.allclose(moe._score_bias_fp32, want, atol=1e-6)
+    with pytest.raises(ValueError, match="routers"):
+        update_score_bias(moe, torch.zeros(2, 4), 1e-3)
