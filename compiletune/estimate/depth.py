@@ -86,7 +86,7 @@ def period(cfg: TrainConfig, args: ModelArgs) -> int | None:
     kinds = [
         (args.layer_types[i] if args.layer_types else "", policy.applies_to(i)) for i in range(n)
     ]
-    if args.dense_layers:
+    if args.dense_layers and not dense_prefix(args):
         return None
     for p in range(1, n // 4 + 1):
         if all(kinds[i] == kinds[i % p] for i in range(n)):
@@ -94,22 +94,31 @@ def period(cfg: TrainConfig, args: ModelArgs) -> int | None:
     return None
 
 
-def shortcut_depths(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int] | None:
-    """The two depths to run at and the blocks' period, or None when the blocks do not repeat
-    or running the two depths costs about as much as the whole model. `ENDS` periods of
-    blocks at the start and the end differ from the middle: FSDP prefetches nothing past the
-    ends, and in backward the second block still holds what the first block's gather needs;
-    the first block of each kind creates what later ones share, and frees it in backward. The
-    smaller depth has two middle blocks of each kind (to see the step between them); the
+def dense_prefix(args: ModelArgs) -> int:
+    """How many dense layers a MoE model starts with (DeepSeek-V3's first 3, GLM-4.5's first),
+    when those are all its dense layers; else 0."""
+    n = len(args.dense_layers)
+    return n if args.dense_layers == tuple(range(n)) else 0
+
+
+def shortcut_depths(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int, int] | None:
+    """The two depths to run at, the blocks' period and how many periods at the start differ
+    from the middle; None when the blocks do not repeat or running the two depths costs about
+    as much as the whole model. `ENDS` periods of blocks at the start and the end differ from
+    the middle: FSDP prefetches nothing past the ends, and in backward the second block still
+    holds what the first block's gather needs; the first block of each kind creates what later
+    ones share, and frees it in backward. A MoE model's leading dense layers widen the start.
+    The smaller depth has two middle blocks of each kind (to see the step between them); the
     larger is one period more and ends with the same kind of block as the model."""
     n = args.n_layers
     p = period(cfg, args)
     if p is None:
         return None
-    k1 = (sum(ENDS) + 1) * p + 1
+    start = max(ENDS[0], -(-dense_prefix(args) // p))
+    k1 = (start + ENDS[1] + 1) * p + 1
     k1 += (n - k1) % p
     k2 = k1 + p
-    return (k1, k2, p) if k1 + k2 <= 0.75 * n else None
+    return (k1, k2, p, start) if k1 + k2 <= 0.75 * n else None
 
 
 def _canonical(key: Key, depth: int, ends: tuple[int, int]) -> tuple[str, Key]:
@@ -141,12 +150,13 @@ def _plus(base: Vector, *terms: tuple[Vector, int]) -> Vector:
 
 
 def extend(
-    runs: list[list[tuple[Key, Segment]]], depths: tuple[int, int, int], depth: int
+    runs: list[list[tuple[Key, Segment]]], depths: tuple[int, int, int, int], depth: int
 ) -> list[tuple[Key, Segment]] | None:
-    """The segments of the step at `depth` blocks from its segments at the two smaller depths,
-    in the order they run; None when the runs do not follow the model above."""
-    k1, k2, p = depths
-    e = (ENDS[0] * p, ENDS[1] * p)  # blocks at the start and at the end
+    """The segments of the step at `depth` blocks from its segments at the two smaller depths
+    (`shortcut_depths`), in the order they run; None when the runs do not follow the model
+    above."""
+    k1, k2, p, start = depths
+    e = (start * p, ENDS[1] * p)  # blocks at the start and at the end
     t1, t2 = (
         {_canonical(key, k, e): seg.vector() for key, seg in run}
         for k, run in zip((k1, k2), runs, strict=True)

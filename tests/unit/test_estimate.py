@@ -367,6 +367,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         ({"objective": "dpo", "ac": "selective"}, 1),
         ({"model": "debug_gemma2", "n_layers": 30}, 2),  # sliding, full, ...
         ({"n_layers": 32, "ac": "full", "ac_every": 2}, 1),
+        ({"model": "debug_deepseek", "n_layers": 24}, 2),  # a dense layer first
     ],
     ids=[
         "accum",
@@ -377,6 +378,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         "dpo",
         "gemma2",
         "ac-every",
+        "deepseek-fsdp",
     ],
 )
 def test_depth_shortcut_gives_the_whole_models_bytes(
@@ -391,12 +393,20 @@ def test_depth_shortcut_gives_the_whole_models_bytes(
     whole = estimate.estimate_memory(cfg, gpus).to_dict()
     for d in (short, whole):
         d.pop("seconds"), d.pop("notes")
+    if "deepseek" in flags.get("model", ""):
+        # a MoE step's table of expert loads ([MoE layers, E] floats) rounds to the allocator's
+        # 512 bytes, which does not grow exactly by the block: within that, the same numbers
+        assert short["peak_bytes"] == pytest.approx(whole["peak_bytes"], abs=1024)
+        for part, n in whole["parts_bytes"].items():
+            assert short["parts_bytes"][part] == pytest.approx(n, abs=1024), part
+        return
     assert short == whole
 
 
 def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
     """Two short runs that do not follow one step per block (a middle block off by a byte, a
-    stretch missing) give no extension; MoE layers mixed with dense ones have no period."""
+    stretch missing) give no extension; MoE layers mixed with dense ones have no period, unless
+    the dense ones come first."""
     seg = tracker.Segment
 
     def run(depth: int, odd: int = -1) -> list:
@@ -406,7 +416,7 @@ def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
             out.append((("forward", 1, "block", i), seg(200 + 10 * i + depth + extra, {}, -1, {})))
         return out
 
-    depths = (5, 6, 1)
+    depths = (5, 6, 1, 2)
     good = depth.extend([run(5), run(6)], depths, 12)
     assert good is not None
     assert [s.peak for _, s in good] == [100, *(212 + 10 * i for i in range(12))]
@@ -414,6 +424,9 @@ def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
     assert depth.extend([run(5), run(6)[:-1]], depths, 12) is None
     cfg = resolve({}, {"model": "debug", "n_layers": 16})
     args = resolve_model_args(cfg)
-    assert depth.shortcut_depths(cfg, args) == (5, 6, 1)
+    assert depth.shortcut_depths(cfg, args) == (5, 6, 1, 2)
     moe = resolve({}, {"model": "debug_moe", "n_layers": 16})  # a dense MLP in layer 1 only
     assert depth.shortcut_depths(moe, resolve_model_args(moe)) is None
+    # DeepSeek-V3's three dense layers first: a longer start
+    ds = resolve({}, {"model": "deepseek_v3"})
+    assert depth.shortcut_depths(ds, resolve_model_args(ds)) == (6, 7, 1, 3)
