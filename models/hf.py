@@ -263,12 +263,14 @@ Index = tuple[int | slice, ...]
 # Tensors a family's checkpoints lay out otherwise than the native module: (to native, to HF).
 # gpt-oss keeps its experts' weights transposed ([E, in, out]) with the gate and up columns
 # interleaved (gate, up, gate, up, ...); native w13 is [E, 2F, d], gate rows then up rows.
-def _interleave(t: Tensor, dim: int) -> Tensor:
+def interleave(t: Tensor, dim: int) -> Tensor:
+    """The two halves of `dim` (gate, up) -> alternating (gate, up, gate, up ...)."""
     gate, up = t.chunk(2, dim=dim)
     return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
 
 
-def _deinterleave(t: Tensor, dim: int) -> Tensor:
+def deinterleave(t: Tensor, dim: int) -> Tensor:
+    """The inverse of `interleave`."""
     index = [slice(None)] * t.dim()
     gate, up = (tuple(index[:dim] + [slice(i, None, 2)]) for i in (0, 1))
     return torch.cat((t[gate], t[up]), dim=dim)
@@ -277,12 +279,12 @@ def _deinterleave(t: Tensor, dim: int) -> Tensor:
 _LAYOUTS: dict[str, dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]] = {
     "gpt_oss": {
         "feed_forward.experts.w13": (
-            lambda t: _deinterleave(t.transpose(1, 2), 1),
-            lambda t: _interleave(t, 1).transpose(1, 2),
+            lambda t: deinterleave(t.transpose(1, 2), 1),
+            lambda t: interleave(t, 1).transpose(1, 2),
         ),
         "feed_forward.experts.b13": (
-            lambda t: _deinterleave(t, 1),
-            lambda t: _interleave(t, 1),
+            lambda t: deinterleave(t, 1),
+            lambda t: interleave(t, 1),
         ),
         "feed_forward.experts.w2": (lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2)),
     }

@@ -117,9 +117,8 @@ def parse_targets(text: str) -> tuple[str, ...]:
 def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     """`targets` less the projections no layer of this model has: q/k/v/o live in attention
     layers, in_proj_* / out_proj in linear-attention ones; MLA (DeepSeek-V3) has o, q or
-    q_a/q_b, and kv_a/kv_b instead of k/v; gpt-oss's MLP is its experts, which LoRA leaves
-    frozen (for now). A target none of the model's layers has is refused (one line naming
-    it)."""
+    q_a/q_b, and kv_a/kv_b instead of k/v. A target none of the model's layers has is refused
+    (one line naming it)."""
     kinds = {args.layer_kind(i) for i in range(args.n_layers)}
     fused = ("in_proj_qkvz", "in_proj_ba")
     mixer = (*(fused if args.linear_fused else LINEAR_ATTENTION_TARGETS[:4]), "out_proj")
@@ -133,7 +132,7 @@ def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
             return t == "q" and not args.q_rank
         if t in ("q", "k", "v", "o"):
             return bool(kinds - {"linear"})
-        return not args.expert_bias  # the MLP's
+        return True  # the MLP's (or the experts')
 
     keep = tuple(t for t in targets if present(t))
     if not keep:
@@ -515,11 +514,8 @@ def _adapt_experts(
     for p in (moe.router_scale, moe.expert_scale):  # Gemma 4's router scales
         if p is not None:
             p.data = p.data.to(dtype)
-    if moe.experts.b13 is not None:  # gpt-oss: its experts stay frozen under LoRA (for now)
-        moe.experts = FrozenExperts(moe.experts, base_dtype, quantize)
-        moe.router.weight.data = moe.router.weight.data.to(dtype)
+    if moe.router.bias is not None:  # gpt-oss's (its experts' biases stay frozen)
         moe.router.bias.data = moe.router.bias.data.to(dtype)
-        return
     if hasattr(moe, "w1"):  # Gemma 4: gate/up/down adapt the dense MLP beside frozen experts
         moe.experts = FrozenExperts(moe.experts, base_dtype, quantize)
         moe.router.weight.data = moe.router.weight.data.to(dtype)

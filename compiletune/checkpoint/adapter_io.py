@@ -37,7 +37,7 @@ from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 from compiletune.models import save_hf
 from compiletune.models.generation_config import write_side_files
-from compiletune.models.hf import to_hf_name, to_native_name
+from compiletune.models.hf import deinterleave, interleave, to_hf_name, to_native_name
 from compiletune.models.hf_config import brief, read_json
 from compiletune.models.lora import (
     FUSED_PARTS,
@@ -74,6 +74,19 @@ def _expert_keys(module: str, adapted: tuple[str, ...]) -> dict[str, str]:
     if len(adapted) == 1:
         return {adapted[0]: base}
     return {"w13": f"{base}.base_layer", "w2": base}
+
+
+def _interleaved(model: nn.Module) -> set[str]:
+    """PEFT names of the expert adapters' B whose output rows the hub interleaves: gpt-oss keeps
+    gate_up_proj's columns as gate, up, gate, up ... (models/hf.py `interleave`), so the B of
+    its gate+up adapter is stored in that order."""
+    if model.args.family != "gpt_oss":
+        return set()
+    return {
+        _expert_keys(name, m.adapted)["w13"] + ".lora_B.weight"
+        for name, m in lora_experts(model)
+        if "w13" in m.adapted
+    }
 
 
 def _to_peft(kind: str, tensor: Tensor) -> Tensor:
@@ -174,6 +187,8 @@ def save_adapter(
     if base_model is None:
         base_model = getattr(model, "lora_base", None)
     tensors = {k: full_tensor(v).to("cpu") for k, v in adapter_state_dict(model).items()}
+    for k in _interleaved(model):
+        tensors[k] = interleave(tensors[k], 1)
     # an expert adapter (3-D) in PEFT's 2-D layout
     tensors = {
         k: (_to_peft(k.removesuffix(".weight")[-1], v) if v.dim() == 3 else v).contiguous()
@@ -347,6 +362,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
             params[f"{module}:{w}", "B"] = getattr(m, f"lora_b_{w}")
     experts = _expert_params(read_json(path / ADAPTER_CONFIG, "re-export the adapter"))
     loaded = set()
+    interleaved = _interleaved(model)
     weights = path / ADAPTER_WEIGHTS
     with _open(weights) as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -383,7 +399,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
                     f"{path}: {name} has shape {list(tensor.shape)}, the model expects "
                     f"{list(want.shape)}; use the adapter's base model"
                 )
-            param.copy_(_from_peft(kind, tensor, tuple(param.shape)) if weight else tensor)
+            if weight:
+                tensor = _from_peft(kind, tensor, tuple(param.shape))
+                tensor = deinterleave(tensor, 1) if name in interleaved else tensor
+            param.copy_(tensor)
             loaded.add((module, kind))
     missing = [f"{m}.lora_{k}" for m, k in params if (m, k) not in loaded]
     if missing:

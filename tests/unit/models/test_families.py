@@ -395,7 +395,7 @@ def test_lora_adapter_loads_in_peft(case, tmp_path):
     hf, folder = checkpoint(tmp_path, case)
     spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
     base = from_hf(folder)
-    if case.startswith(("qwen3", "deepseek")) or case == "gpt_oss":  # as the model has them
+    if case.startswith(("qwen3", "deepseek", "glm")) or case == "gpt_oss":  # as it has them
         targets = model_targets(base.args, parse_targets("all-linear"))
         spec = LoRASpec(rank=4, alpha=8.0, targets=targets)
     model = apply_lora(base, spec, dtype=torch.float32, seed=3).eval()
@@ -414,6 +414,13 @@ def test_lora_adapter_loads_in_peft(case, tmp_path):
         assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj"} <= set(config["target_modules"])
     if case == "qwen3_next":
         assert {"in_proj_qkvz", "in_proj_ba", "out_proj"} <= set(config["target_modules"])
+    if case in ("gpt_oss", "deepseek_v3", "glm4_moe"):  # the experts too, as PEFT names them
+        experts = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+        assert config["target_parameters"] == experts
+    if case == "deepseek_v3":
+        assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} == set(
+            config["target_modules"]
+        )
     t = tokens(20)
     with torch.no_grad():
         ours = model(t)
