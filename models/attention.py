@@ -425,10 +425,11 @@ def flex_causal_attention(
     window: int = 0,
     softcap: float = 0.0,
     block_mask: Any = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Any:
     """`causal_attention` as one FlexAttention call: causal, document and window terms in the
     block mask (`block_mask`, or built here from doc_ids and window), the soft-cap as a score
-    modifier."""
+    modifier. `return_lse`: (out, the scores' log-sum-exp [b, h, s] in fp32, differentiable)."""
     run, _ = _flex_functions()
     b, _, s, _ = q.shape
     if block_mask is None:
@@ -439,7 +440,13 @@ def flex_causal_attention(
 
     with _outside_regions():
         return run(
-            q, k, v, score_mod=cap if softcap > 0 else None, block_mask=block_mask, scale=scale
+            q,
+            k,
+            v,
+            score_mod=cap if softcap > 0 else None,
+            block_mask=block_mask,
+            scale=scale,
+            return_lse=return_lse,
         )
 
 
@@ -487,12 +494,15 @@ def _with_sinks(
 ) -> Tensor:
     """Attention with a sink logit per head (gpt-oss): softmax over the visible scores and the
     sink, the sink's share dropped. With lse the log-sum-exp of the visible scores, that is the
-    plain attention times exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), so the tiled
-    kernel's output and log-sum-exp (differentiable, its backward takes both gradients) give
-    it exactly, on every device and mask (a FlexAttention form is not used yet). `doc_ids` may
-    not be a block mask here: layers with sinks build none (`Attention.mask`)."""
+    plain attention times exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink). Both
+    attention paths give the output and a differentiable log-sum-exp: FlexAttention (on CUDA;
+    `doc_ids` is then the layer's block mask, see `Attention.mask`) and the segment op's tiled
+    kernel (every device; its backward takes both gradients)."""
     if is_block_mask(doc_ids):
-        raise ValueError("attention sinks take doc_ids, not a FlexAttention block mask")
-    out, lse = attention_op(q, k, v, doc_ids, scale, int(window), float(softcap), True)
+        out, lse = flex_causal_attention(
+            q, k, v, scale, softcap=softcap, block_mask=doc_ids, return_lse=True
+        )
+    else:
+        out, lse = attention_op(q, k, v, doc_ids, scale, int(window), float(softcap), True)
     keep = torch.sigmoid(lse - sinks.float()[None, :, None])  # [b, h, s]
     return (out.float() * keep[..., None]).to(q.dtype)

@@ -144,10 +144,13 @@ class Attention(nn.Module):
     ) -> Any:
         """What `forward` takes as its mask for a batch of `shape` (b, s): doc_ids as they are,
         or, where this layer runs FlexAttention with a mask, the block mask of its window,
-        built once and kept in `shared` for the other layers of the same window."""
-        if doc_ids is None and self.window <= 0 and self.softcap <= 0:
+        built once and kept in `shared` for the other layers of the same window (a layer with
+        sinks takes one even without documents or a window: FlexAttention gives it the
+        log-sum-exp the sinks need)."""
+        plain = doc_ids is None and self.window <= 0 and self.softcap <= 0
+        if plain and self.sinks is None:
             return None
-        if self.sinks is not None or (self.backend or attention_backend(device)) != "flex":
+        if (self.backend or attention_backend(device)) != "flex":
             return doc_ids
         if self.window not in shared:
             shared[self.window] = flex_block_mask(doc_ids, self.window, *shape, device)

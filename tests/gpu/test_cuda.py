@@ -74,6 +74,29 @@ def test_masked_attention_with_grads(monkeypatch, backend, window, softcap, docs
         torch.testing.assert_close(a, w, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("window, docs", [(0, None), (40, [[50, 500, 50], [1, 599]])])
+def test_sinks_through_flexattention_with_grads(window, docs):
+    """gpt-oss's sinks on CUDA's path: FlexAttention's output and log-sum-exp (differentiated
+    through), against the dense fp64 reference, the sinks' gradient included."""
+    if not attn._HAS_FLEX:
+        pytest.skip("no FlexAttention in this torch")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, s, hd = 2, 3, 600, 64
+    q, k, v = (
+        torch.randn(b, h, s, hd, generator=g, device="cuda", requires_grad=True) for _ in range(3)
+    )
+    sinks = torch.randn(h, generator=g, device="cuda").requires_grad_()
+    doc_ids = doc_ids_for(docs).cuda() if docs else None
+    mask = attn.flex_block_mask(doc_ids, window, b, s, q.device)
+    grad = torch.randn(b, h, s, hd, generator=g, device="cuda")
+    out = causal_attention(q, k, v, 0.125, mask, window, sinks=sinks)
+    got = [out, *torch.autograd.grad(out, (q, k, v, sinks), grad)]
+    ref = reference(q, k, v, 0.125, doc_ids, window, 0.0, sinks)
+    want = [ref, *torch.autograd.grad(ref, (q, k, v, sinks), grad)]
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=2e-3, atol=2e-3)
+
+
 def test_flex_is_the_cuda_default():
     assert attn.attention_backend(torch.device("cuda")) == (
         "flex" if attn._HAS_FLEX else "segments"

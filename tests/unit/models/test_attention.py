@@ -93,6 +93,44 @@ def test_sinks_match_the_eager_formula_with_grads(monkeypatch, window, softcap, 
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("window, docs", [(0, None), (40, [[300, 20, 280], [600]])])
+def test_sinks_through_flexattention_forward(monkeypatch, window, docs):
+    """The FlexAttention form of sinks (CUDA's: the block mask's output times
+    sigmoid(lse - sink)) equals the eager formula. FlexAttention runs on a CPU only eagerly
+    and without gradients; the gradients are tests/gpu's."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    monkeypatch.setattr(attn, "_flex_functions", lambda: (flex_attention, create_block_mask))
+    g = torch.Generator().manual_seed(0)
+    b, h, s, hd = 2, 3, 600, 16
+    q, k, v = (torch.randn(b, h, s, hd, generator=g) for _ in range(3))
+    sinks = torch.randn(h, generator=g)
+    doc_ids = doc_ids_for(docs) if docs else None
+    mask = attn.flex_block_mask(doc_ids, window, b, s, q.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention's "use torch.compile" warning
+        out = causal_attention(q, k, v, 0.3, mask, window, sinks=sinks)
+    ref = reference(q, k, v, 0.3, doc_ids, window, 0.0, sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_values_of_another_width_than_keys(monkeypatch):
+    """MLA's values are narrower than its queries and keys: every path keeps their width."""
+    monkeypatch.setattr(attn, "_TILE", 64)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 300, 24, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 300, 16, generator=g, requires_grad=True)
+    doc_ids = doc_ids_for([[100, 200], [300]])
+    for window, softcap in ((0, 0.0), (40, 0.0), (0, 4.0)):
+        out = causal_attention(q, k, v, 0.3, doc_ids, window, softcap)
+        ref = reference(q, k, v, 0.3, doc_ids, window, softcap)
+        assert out.shape == (2, 3, 300, 16)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(ref.sum(), (q, k, v))
+        for a, w in zip((out, *grads), (ref, *want), strict=True):
+            torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
+
+
 def test_softcap_never_holds_more_than_a_tile_of_scores(monkeypatch):
     """The soft-capped kernel's largest temporary is one [b, h, tile, tile] block, not [s, s]."""
     monkeypatch.setattr(attn, "_TILE", 32)
