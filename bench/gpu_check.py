@@ -176,6 +176,34 @@ STEPS: list[Step] = [
     ),
     Step(
         2,
+        "moe-gpt-oss",
+        # one gpt-oss-20b block: d 2880, F 2880, 32 experts, top-4, biases, clamped SwiGLU
+        [PY, "bench/moe.py", "--block", "gpt_oss", "--tokens", "8192", "--dim", "2880"]
+        + ["--ffn", "2880", "--experts", "32", "--top-k", "4", "--iters", "10"]
+        + ["--out", "{results}/moe-gpt-oss-cuda-{dev}.json"],
+        [PY, "bench/moe.py", "--block", "gpt_oss", "--tokens", "64", "--dim", "32"]
+        + ["--ffn", "64", "--iters", "1", "--warmup", "1"]
+        + ["--out", "{results}/moe-gpt-oss-cuda-{dev}.json"],
+        180,
+        40,
+        result="moe-gpt-oss-cuda-{dev}.json",
+    ),
+    Step(
+        2,
+        "moe-deepseek-v3",
+        # a GLM-4.5-Air-sized block of DeepSeek-V3's kind: d 4096, F 1408, 128 experts, top-8
+        [PY, "bench/moe.py", "--block", "deepseek_v3", "--tokens", "8192", "--dim", "4096"]
+        + ["--ffn", "1408", "--experts", "128", "--top-k", "8", "--iters", "10"]
+        + ["--out", "{results}/moe-deepseek-v3-cuda-{dev}.json"],
+        [PY, "bench/moe.py", "--block", "deepseek_v3", "--tokens", "64", "--dim", "32"]
+        + ["--ffn", "64", "--iters", "1", "--warmup", "1"]
+        + ["--out", "{results}/moe-deepseek-v3-cuda-{dev}.json"],
+        180,
+        40,
+        result="moe-deepseek-v3-cuda-{dev}.json",
+    ),
+    Step(
+        2,
         "linear-attention",
         # Qwen3-Next's Gated DeltaNet heads: ours, transformers' torch path, fla (if carried)
         [PY, "bench/linear_attention.py", "--tokens", "4096", "16384", "65536"]

@@ -21,8 +21,10 @@ steps after --warmup steps, the variants taking turns on each input (a slow spel
 machine hits them all alike); tokens/s = tokens / time. Peak memory: what one step allocates above
 its inputs and weights (GPU: max_memory_allocated; CPU: torch.profiler allocator events).
 With `--block gpt_oss` the block is gpt-oss's (router and expert biases, the clamped SwiGLU) and
-transformers' side its GptOssMLP (same variants).
-Results: bench/results/moe-<device>.json (moe-gpt-oss-<device>.json) and a markdown table.
+transformers' side its GptOssMLP; with `--block deepseek_v3` DeepSeek-V3's (sigmoid routing with
+a correction bias over 2 of 4 expert groups, weights x 2.5, a shared expert) against its
+DeepseekV3MoE (same variants).
+Results: bench/results/moe-<device>.json (moe-<block>-<device>.json) and a markdown table.
 """
 
 from __future__ import annotations
@@ -91,6 +93,58 @@ def hf_gpt_oss_block(ours: MoE, dim: int, ffn: int, experts: int, top_k: int, im
         block.experts.down_proj.copy_(hub("w2", ours.experts.w2))
         block.experts.down_proj_bias.copy_(ours.experts.b2)
     return block
+
+
+def hf_deepseek_block(ours: MoE, dim: int, ffn: int, experts: int, top_k: int, impl: str):
+    """transformers' DeepseekV3MoE (router, routed and shared experts) on our block's weights."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=dim,
+        moe_intermediate_size=ffn,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        n_shared_experts=1,
+        n_group=DEEPSEEK_GROUPS[0],
+        topk_group=DEEPSEEK_GROUPS[1],
+        routed_scaling_factor=DEEPSEEK_SCALE,
+        norm_topk_prob=True,
+    )
+    cfg._experts_implementation = impl
+    block = DeepseekV3MoE(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(ours.router.weight)
+        block.gate.e_score_correction_bias.copy_(ours.score_bias)
+        block.experts.gate_up_proj.copy_(ours.experts.w13)
+        block.experts.down_proj.copy_(ours.experts.w2)
+        for hf_name, name in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            getattr(block.shared_experts, hf_name).weight.copy_(getattr(ours.shared, name).weight)
+    return block
+
+
+DEEPSEEK_GROUPS = (4, 2)  # expert groups, and how many of them a token's experts come from
+DEEPSEEK_SCALE = 2.5
+
+
+def our_block(block: str, a: argparse.Namespace) -> MoE:
+    """compiletune's MoE of `block`'s kind (see the module docstring)."""
+    if block == "gpt_oss":
+        return MoE(a.dim, a.ffn, a.experts, a.top_k, norm_topk=True, bias=True, clamp=7.0)
+    if block == "deepseek_v3":
+        return MoE(
+            a.dim,
+            a.ffn,
+            a.experts,
+            a.top_k,
+            norm_topk=True,
+            shared_ffn_dim=a.ffn,
+            score="sigmoid",
+            n_groups=DEEPSEEK_GROUPS[0],
+            topk_groups=DEEPSEEK_GROUPS[1],
+            routed_scale=DEEPSEEK_SCALE,
+        )
+    return MoE(a.dim, a.ffn, a.experts, a.top_k, norm_topk=True)
 
 
 def stepper(fn):
@@ -165,18 +219,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument(
         "--block",
-        choices=["qwen3_moe", "gpt_oss"],
+        choices=["qwen3_moe", "gpt_oss", "deepseek_v3"],
         default="qwen3_moe",
         help="gpt_oss: router and expert biases, the clamped SwiGLU (limit 7), against "
-        "transformers' GptOssMLP",
+        "transformers' GptOssMLP; deepseek_v3: sigmoid routing in expert groups, a shared "
+        "expert, against DeepseekV3MoE",
     )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    gpt_oss = a.block == "gpt_oss"
-    ours = MoE(a.dim, a.ffn, a.experts, a.top_k, norm_topk=True, bias=gpt_oss, clamp=7.0 * gpt_oss)
+    ours = our_block(a.block, a)
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(0.0, 0.02)
@@ -188,7 +242,7 @@ def main() -> None:
     ]
     backend = CompiletuneBackend("block", [], mode="inductor")
     compiled = torch.compile(ours, backend=backend, fullgraph=True, dynamic=False)
-    hf = hf_gpt_oss_block if gpt_oss else hf_block
+    hf = {"gpt_oss": hf_gpt_oss_block, "deepseek_v3": hf_deepseek_block}.get(a.block, hf_block)
     variants = {
         "compiletune": compiled,
         "compiletune eager": ours,
@@ -219,7 +273,8 @@ def main() -> None:
             f"| {r['variant']} | {r['ms']} | {r['tokens_per_s']} | {speed:.2f}x | "
             f"{r['peak_mib']} | {mem:.2f}x |"
         )
-    name = f"moe-{device_name()}.json" if not gpt_oss else f"moe-gpt-oss-{device_name()}.json"
+    kind = {"gpt_oss": "gpt-oss-", "deepseek_v3": "deepseek-v3-"}.get(a.block, "")
+    name = f"moe-{kind}{device_name()}.json"
     out = Path(a.out) if a.out else Path(__file__).parent / "results" / name
     shape = {k: getattr(a, k) for k in ("block", "tokens", "dim", "ffn", "experts", "top_k")}
     result = {**result_header(), "dtype": str(dtype), "shape": shape, "rows": rows}
