@@ -72,7 +72,7 @@ def hf_gpt_oss_block(ours: MoE, dim: int, ffn: int, experts: int, top_k: int, im
     import transformers
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    from compiletune.models.hf import layout
+    from compiletune.models.hf_names import layout
 
     cfg = transformers.GptOssConfig(
         hidden_size=dim, intermediate_size=ffn, num_local_experts=experts

@@ -24,7 +24,7 @@ from compiletune.checkpoint.steps import load_train_state
 from compiletune.data.tokenizer import load_tokenizer
 from compiletune.errors import UserError
 from compiletune.models import PRESETS, Transformer, build_model, from_hf, resolve_model_path
-from compiletune.models.decoder import KVCache
+from compiletune.models.cache import KVCache
 from compiletune.models.generation_config import eos_ids, load_generation_config
 from compiletune.models.lora import apply_lora, block_adapter
 from compiletune.sampling import Sampling, checked_text, text_lines

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from .args import ModelArgs
 from .attention import attention_backend, causal_attention, flex_block_mask, visible
+from .cache import KVCache
 from .linear_attention import GatedDeltaNet, GatedRMSNorm
 from .mla import LatentAttention
 from .moe import Experts, MoE, glu
@@ -467,56 +468,6 @@ class PerLayerInputs(nn.Module):
         own = self.embed(tokens) * float(torch.tensor(self.width**0.5).to(h.dtype))
         proj = self.projection(h) * self.dim**-0.5
         return (self.norm(proj.reshape(shape)) + own.reshape(shape)) * 2**-0.5
-
-
-class KVCache:
-    """Keys and values of the tokens decoded so far, for generation without recomputing them.
-
-    k[i], v[i]: [b, n_kv_heads, max_len, hd] for attention layer i (kv heads, before the GQA
-    expansion, so the cache is n_heads / n_kv_heads times smaller), or for MLA (models/mla.py)
-    the latent [b, 1, max_len, kv_rank] and the rope key [b, 1, max_len, rotary_dim]; a linear-attention layer
-    keeps conv[i] and state[i] instead (models/linear_attention.py); the first `length` positions are
-    filled. Lives beside the model: the model itself stays parameters only.
-    """
-
-    def __init__(
-        self,
-        args: ModelArgs,
-        batch: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        kinds = [args.layer_kind(i) for i in range(args.n_layers)]
-        linear = [kind == "linear" for kind in kinds]
-        none = torch.zeros(0, dtype=dtype, device=device)
-        # a "reuse" layer (Gemma 4) reads the cache of the "store" layer of its kind
-        self.source = [args.kv_source(i) for i in range(args.n_layers)]
-        own = [not lin and self.source[i] == i for i, lin in enumerate(linear)]
-
-        def kv(i: int, width: int) -> Tensor:
-            shape = (batch, args.kv_heads_of(kinds[i]), max_len, width)
-            if args.kv_rank:  # MLA: the latent (k) and the rope key (v), one "head" each
-                shape = (batch, 1, max_len, width)
-            return torch.zeros(shape, dtype=dtype, device=device) if own[i] else none
-
-        k_width = [args.kv_rank or args.head_dim_of(kind) for kind in kinds]
-        v_width = [args.rotary_dim if args.kv_rank else args.head_dim_of(kind) for kind in kinds]
-        self.k = [kv(i, k_width[i]) for i in range(args.n_layers)]
-        self.v = [kv(i, v_width[i]) for i in range(args.n_layers)]
-        # linear-attention layers: the convolution's last inputs and the recurrent state (fp32)
-        conv = (batch, args.linear_conv - 1, 2 * args.linear_k_heads * args.linear_k_dim)
-        conv = (*conv[:2], conv[2] + args.linear_v_heads * args.linear_v_dim)
-        state = (batch, args.linear_v_heads, args.linear_k_dim, args.linear_v_dim)
-        self.conv = [
-            torch.zeros(conv, dtype=dtype, device=device) if lin else none for lin in linear
-        ]
-        self.state = [
-            torch.zeros(state, dtype=torch.float32, device=device) if lin else none
-            for lin in linear
-        ]
-        self.max_len = max_len
-        self.length = 0
 
 
 class Transformer(nn.Module):

@@ -18,7 +18,7 @@ the rotation, as transformers does, which gives the same scores.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +26,9 @@ from torch import Tensor, nn
 
 from .args import ModelArgs
 from .attention import attention_backend, causal_attention, flex_block_mask, visible
+from .cache import KVCache
 from .norm import RMSNorm
 from .rope import apply_rope
-
-if TYPE_CHECKING:
-    from .decoder import KVCache
 
 # transformers' DeepseekV3RMSNorm of the two latents keeps its default eps, not the config's
 LATENT_NORM_EPS = 1e-6

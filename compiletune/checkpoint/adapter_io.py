@@ -37,8 +37,8 @@ from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 from compiletune.models import save_hf
 from compiletune.models.generation_config import write_side_files
-from compiletune.models.hf import deinterleave, interleave, to_hf_name, to_native_name
 from compiletune.models.hf_config import brief, read_json
+from compiletune.models.hf_names import deinterleave, interleave, to_hf_name, to_native_name
 from compiletune.models.lora import (
     FUSED_PARTS,
     LINEAR_ATTENTION_TARGETS,

@@ -245,8 +245,10 @@ def check_objective(section: ObjectiveConfig, cfg: TrainConfig) -> None:
             if kd
             else "--teacher-dir applies to --objective kd; add it or drop --teacher-dir"
         )
-    if not section.beta > 0:
-        raise UserError(f"--beta must be positive, got {section.beta}")
+    grpo = section.objective == "grpo"
+    if section.beta is not None and not (section.beta > 0 or (grpo and section.beta == 0)):
+        raise UserError(f"--beta must be positive (grpo: >= 0), got {section.beta}")
+    _check_grpo(section, cfg)
     if not 0.0 <= section.label_smoothing < 0.5:
         raise UserError(f"--label-smoothing must be in [0, 0.5), got {section.label_smoothing}")
     if not 0.0 <= section.kd_ratio <= 1.0:
@@ -257,6 +259,65 @@ def check_objective(section: ObjectiveConfig, cfg: TrainConfig) -> None:
         raise UserError("--precompute-ref applies to --objective dpo or ipo (a reference)")
     if section.objective in ("dpo", "ipo", "simpo") and "," in (cfg.data.source or ""):
         raise UserError(f"--objective {section.objective} reads one --data source of pairs")
+
+
+_GRPO_ONLY = (
+    "reward",
+    "reward_weights",
+    "num_generations",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "grpo_iterations",
+    "grpo_loss",
+    "epsilon_low",
+    "epsilon_high",
+    "scale_rewards",
+)
+
+
+def _check_grpo(section: ObjectiveConfig, cfg: TrainConfig) -> None:
+    if section.objective != "grpo":
+        for f in fields(section):
+            if f.name in _GRPO_ONLY and getattr(section, f.name) != f.default:
+                flag = flag_of(f)
+                raise UserError(f"{flag} applies to --objective grpo; add it or drop {flag}")
+        return
+    if not section.reward:
+        raise UserError(
+            "--objective grpo needs --reward (module:function, or a built-in such as "
+            "exact:answer; docs/grpo.md)"
+        )
+    if section.num_generations < 2:
+        raise UserError(
+            f"--num-generations must be at least 2 (advantages compare a prompt's completions "
+            f"with each other), got {section.num_generations}"
+        )
+    if not 0 < section.max_new_tokens < cfg.data.seq_len:
+        raise UserError(
+            f"--max-new-tokens must be in 1..--seq-len - 1 ({cfg.data.seq_len - 1}): the prompt "
+            f"and its completion share --seq-len; got {section.max_new_tokens}"
+        )
+    if not section.temperature > 0:
+        raise UserError(
+            f"--temperature must be positive for grpo (greedy completions of a prompt are all "
+            f"the same), got {section.temperature}"
+        )
+    if not 0.0 < section.top_p <= 1.0:
+        raise UserError(f"--top-p must be in (0, 1], got {section.top_p}")
+    if section.grpo_iterations < 1:
+        raise UserError(f"--grpo-iterations must be at least 1, got {section.grpo_iterations}")
+    for name in ("epsilon_low", "epsilon_high"):
+        value = getattr(section, name)
+        if not 0.0 < value < 1.0:
+            raise UserError(f"--{name.replace('_', '-')} must be in (0, 1), got {value}")
+    if cfg.parallel.fsdp:
+        raise UserError(
+            "--objective grpo runs in one process for now (generation under FSDP is not there "
+            "yet); drop --fsdp and torchrun"
+        )
+    if section.precompute_ref:
+        raise UserError("--precompute-ref applies to dpo/ipo; grpo scores its own completions")
 
 
 # The checks of each section, in the order `resolve` runs them.

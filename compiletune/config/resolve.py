@@ -124,6 +124,8 @@ def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfi
         cfg.data.packing = "stream" if cfg.data.source == "pydocs" else "whole"
     if o.lr is None:
         o.lr = default_lr(cfg)
+    if cfg.objective.beta is None:
+        cfg.objective.beta = 0.0 if cfg.objective.objective == "grpo" else 0.1
     if o.router_aux_coef is None and facts.router_aux_coef is not None:
         o.router_aux_coef = facts.router_aux_coef
     if o.max_grad_norm is None:

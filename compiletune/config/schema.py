@@ -18,6 +18,7 @@ from compiletune.choices import (
     CompileBackend,
     DataFormat,
     Dtype,
+    GrpoLoss,
     KdLoss,
     Loss,
     Objective,
@@ -411,11 +412,18 @@ class ObjectiveConfig:
     TITLE = "objective"
     objective: Objective = opt(
         "sft",
-        "sft: next-token loss; dpo/ipo/simpo: preference pairs; kd: distil --teacher-dir",
+        "sft: next-token loss; dpo/ipo/simpo: preference pairs; kd: distil --teacher-dir; "
+        "grpo: reinforcement from --reward on sampled completions",
         estimate=True,
         on_resume="fixed",
     )
-    beta: float = opt(0.1, "dpo/ipo/simpo: the preference strength beta", estimate=False)
+    beta: float | None = opt(
+        None,
+        "dpo/ipo/simpo: the preference strength beta; grpo: the KL penalty to the reference "
+        "(0: none, and no reference is built)",
+        shows="0.1; 0 for grpo",
+        estimate=True,
+    )
     label_smoothing: float = opt(0.0, "dpo: conservative DPO's label smoothing eps", estimate=False)
     simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma", estimate=False)
     precompute_ref: bool = opt(
@@ -433,6 +441,36 @@ class ObjectiveConfig:
     kd_ratio: float = opt(0.5, "kd: weight of the divergence (the rest: CE)", estimate=False)
     kd_temperature: float = opt(1.0, "kd: softmax temperature of both models", estimate=False)
     kd_loss: KdLoss = opt("forward_kl", "kd: forward KL or Jensen-Shannon", estimate=False)
+    reward: str | None = opt(
+        None,
+        "grpo: reward functions, comma-separated: module:function, exact:COLUMN, "
+        "contains:COLUMN, regex:PATTERN, length:N (docs/grpo.md)",
+        estimate=False,
+        metavar="SPEC",
+    )
+    reward_weights: str | None = opt(
+        None, "grpo: one weight per --reward, comma-separated (default 1 each)", estimate=False
+    )
+    num_generations: int = opt(4, "grpo: completions sampled per prompt (the group)", estimate=True)
+    max_new_tokens: int = opt(128, "grpo: the longest completion, in tokens", estimate=True)
+    temperature: float = opt(1.0, "grpo: sampling temperature", estimate=False)
+    top_p: float = opt(1.0, "grpo: nucleus sampling's top-p (1: off)", estimate=False)
+    grpo_iterations: int = opt(
+        1, "grpo: optimizer updates per batch of completions (old log-probs kept)", estimate=False
+    )
+    grpo_loss: GrpoLoss = opt(
+        "grpo",
+        "grpo: per-completion mean (grpo), a constant normaliser (dr_grpo) or a token mean (dapo)",
+        estimate=False,
+    )
+    epsilon_low: float = opt(0.2, "grpo: the ratio's clip below 1", estimate=False)
+    epsilon_high: float = opt(0.2, "grpo: the ratio's clip above 1 (DAPO: 0.28)", estimate=False)
+    scale_rewards: bool = opt(
+        True,
+        "grpo: do not divide the advantages by the group's std (Dr. GRPO)",
+        estimate=False,
+        negate=True,
+    )
 
 
 SECTIONS: dict[str, type] = {

@@ -30,6 +30,7 @@ from compiletune.checkpoint import steps as ckpt
 from compiletune.compiler.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compiler.regions import CompiledRegions, CompileOptions, compile_regions
 from compiletune.config import RunFacts, TrainConfig, fill_defaults
+from compiletune.data.prompts import PromptSet, read_prompts
 from compiletune.data.rows import (
     Batches,
     Mixture,
@@ -409,11 +410,23 @@ def _read_inputs(
     tokenizer = resolve_tokenizer(cfg)
     _check_shapes(cfg, args, tokenizer)
     say = print if env is None or env.is_main else (lambda line: None)
-    if cfg.objective.objective in ("dpo", "ipo", "simpo"):
+    if cfg.objective.objective == "grpo":
+        o = cfg.objective
+        prompts = read_prompts(
+            cfg.data.source,
+            tokenizer,
+            cfg.data.seq_len - o.max_new_tokens,
+            cfg.data.data_columns,
+            cfg.data.data_split,
+            cfg.data.data_roles,
+            say,
+        )
+        datas, weights, eval_set = [PromptSet(prompts)], None, None
+    elif cfg.objective.objective in ("dpo", "ipo", "simpo"):
         datas, weights, eval_set = build_pairs(cfg, tokenizer, say)
     else:
         datas, weights, eval_set = build_data(cfg, tokenizer, say, args.vocab_size)
-    packs = any(d.packs_documents() for d in datas)
+    packs = any(getattr(d, "packs_documents", lambda: False)() for d in datas)
     rows = sum(d.rows for d in datas)
     facts = RunFacts(
         args.vocab_size,
@@ -638,7 +651,8 @@ def build_frozen(
     o = cfg.objective
     dtype = lora_kw["dtype"]
     reference = teacher = None
-    if o.objective in ("dpo", "ipo") and spec is None and not (probe and o.precompute_ref):
+    wants = o.objective in ("dpo", "ipo") or (o.objective == "grpo" and bool(o.beta))
+    if wants and spec is None and not (probe and o.precompute_ref):
         # the starting weights, also when resuming (the checkpoint is the policy, not them)
         def load_reference(where: Any) -> Any:
             if isinstance(start, torch.nn.Module):

@@ -30,7 +30,7 @@ from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
 from compiletune.models.hf_config import brief
-from compiletune.train import objective, run_dir
+from compiletune.train import grpo, objective, run_dir
 from compiletune.train.build import Run, build_run, pick_device
 from compiletune.train.objective import evaluate_pairs
 from compiletune.train.step import (
@@ -142,6 +142,7 @@ class Trainer:
         self.run: Run = build_run(cfg, env)
         if cfg.objective.precompute_ref:
             objective.precompute_reference(self.run, self.say)
+        self.grpo = grpo.Grpo(self.run) if cfg.objective.objective == "grpo" else None
         if self.run.resume_from is not None:
             pending = run_dir.merge_pending(cfg, self.out)
             run_dir.check_length(cfg.run.max_steps, self.run.start_step, pending)
@@ -242,6 +243,8 @@ class Trainer:
         """Draw the step's micro-batches, run `train_step`, and return its metrics line. A step
         whose loss or gradient norm is not finite is not applied (`nonfinite` in its line)."""
         cfg, run = self.cfg, self.run
+        if self.grpo is not None:
+            return grpo.one_step(self, stop, self.grpo)
         t0 = time.perf_counter()
         served = run.batches.served_inputs
         batch = next_batch(run)
@@ -370,6 +373,8 @@ class Trainer:
         }
         if self.last_eval is not None:
             postfix["eval"] = f"{self.last_eval['eval_loss']:.3f}"
+        if "reward" in record:  # grpo: the loss is advantage-weighted, about 0 by design
+            postfix["reward"] = f"{record['reward']:.3f}"
         bar.set_postfix(postfix)
         max_steps = self.cfg.run.max_steps
         evaluated = "eval_loss" in record
@@ -379,6 +384,7 @@ class Trainer:
         self.say(
             f"step {self.step}/{max_steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
             f"{record['tokens_per_s']:.0f} tok/s mem {record['peak_mem_gib']:.2f} GiB"
+            + (f" reward {record['reward']:.3f}" if "reward" in record else "")
             + (
                 f" eval_loss {record['eval_loss']:.4f} "
                 + (

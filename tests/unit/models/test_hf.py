@@ -25,7 +25,7 @@ from compiletune.models import (
     load_hf_config,
     save_hf,
 )
-from compiletune.models.hf import to_hf_name, to_native_name
+from compiletune.models.hf_names import to_hf_name, to_native_name
 
 VOCAB = 128
 SMALL = dict(

@@ -119,7 +119,7 @@ def test_logits_loss_aux_and_gradients_equal_transformers(case, tmp_path):
     assert abs(out.aux_loss.item() * coef) > 1e-4
     hf_grads = dict(hf.named_parameters())
     ours_hf = {}
-    from compiletune.models.hf import hf_pieces
+    from compiletune.models.hf_names import hf_pieces
 
     for name, p in ours.named_parameters():
         for hf_name, index, _ in hf_pieces(name, tuple(p.shape), args.family):

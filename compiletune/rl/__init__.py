@@ -1,0 +1,1 @@
+"""Reinforcement learning from rewards (--objective grpo): rewards and the rollout."""

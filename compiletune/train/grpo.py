@@ -1,0 +1,291 @@
+"""One step of `--objective grpo` (docs/grpo.md): rollout, rewards, advantages, then
+`--grpo-iterations` optimizer updates on those completions.
+
+    prompts (--batch-size x --grad-accum, drawn like any rows)
+      -> G = --num-generations completions each (rl/rollout.py, the trained weights, no copy)
+      -> rewards (rl/rewards.py), group-normalised advantages (loss/grpo.py)
+      -> rows prompt + completion, targets only on the completion tokens
+      -> old log-probs (once, when there is more than one update) and the reference's (--beta)
+      -> per update: micro-batches of --batch-size prompts' rows -> loss -> backward
+         -> clip -> optimizer step
+
+Log-probabilities of the chosen tokens come from the loss head's chunked op (never
+`[tokens, vocab]` logits), the policy's through the compiled head under --compile. The reference
+is the frozen starting weights (a full fine-tune) or the LoRA model with its adapters off.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from compiletune.data.prompts import Prompt
+from compiletune.errors import UserError
+from compiletune.loss.grpo import GrpoOptions, advantages, grpo_loss
+from compiletune.loss.head import IGNORE_INDEX
+from compiletune.metrics import peak_memory_gib
+from compiletune.models.generation_config import eos_ids
+from compiletune.models.lora import adapters_disabled
+from compiletune.rl.rewards import Reward, load_rewards, score
+from compiletune.rl.rollout import sample_group
+from compiletune.train.build import Run
+from compiletune.train.forward import forward_hidden
+from compiletune.train.objective import _frozen_eager, _logprobs
+from compiletune.train.step import lr_factor
+
+Batch = dict[str, Tensor]
+
+
+def stop_ids(run: Run) -> set[int]:
+    """The ids that end a completion: the tokenizer's eos and the checkpoint's end of turn."""
+    ids = set(eos_ids(getattr(run.model, "generation_config", None)) or ())
+    eos = getattr(run.tokenizer, "eos_token_id", None)
+    if eos is not None:
+        ids.add(int(eos))
+    if not ids:
+        raise UserError(
+            "--objective grpo needs a tokenizer with an eos token (or a generation_config.json "
+            "naming one) to end completions; pass a --tokenizer that has one"
+        )
+    return ids
+
+
+class Grpo:
+    """What a GRPO run keeps from step to step: its rewards and stop ids."""
+
+    def __init__(self, run: Run) -> None:
+        o = run.cfg.objective
+        self.rewards: list[Reward] = load_rewards(o.reward or "", o.reward_weights)
+        self.stop = stop_ids(run)
+        self.opts = GrpoOptions(
+            o.grpo_loss, o.epsilon_low, o.epsilon_high, o.beta or 0.0, o.max_new_tokens
+        )
+
+    # ---------------------------------------------------------------------------- rollout
+
+    def rollout(self, run: Run, prompts: list[Prompt], step: int) -> dict[str, Any]:
+        """Completions of every prompt, their rewards and advantages."""
+        o = run.cfg.objective
+        g = o.num_generations
+        generator = torch.Generator(device=run.device)
+        # one stream per (seed, step, rank): a resumed run samples what it would have
+        generator.manual_seed((run.cfg.run.seed * 1_000_003 + step) * 64 + run.rank)
+        completions: list[list[int]] = []
+        run.model.eval()
+        try:
+            for p in prompts:
+                completions += sample_group(
+                    run.model,
+                    p.ids,
+                    g,
+                    o.max_new_tokens,
+                    o.temperature,
+                    o.top_p,
+                    self.stop,
+                    generator,
+                )
+        finally:
+            run.model.train()
+        texts = run.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        rows = [p for p in prompts for _ in range(g)]
+        columns: dict[str, list[Any]] = {}
+        for key in {k for p in prompts for k in p.columns}:
+            columns[key] = [p.columns.get(key) for p in rows]
+        per_fn = [
+            score(r, [p.text for p in rows], texts, completions, columns) for r in self.rewards
+        ]
+        total = torch.tensor(
+            [
+                sum(r.weight * v[i] for r, v in zip(self.rewards, per_fn, strict=True))
+                for i in range(len(rows))
+            ],
+            dtype=torch.float32,
+        )
+        adv = advantages(total, g, scale=o.scale_rewards)
+        return {"completions": completions, "per_fn": per_fn, "rewards": total, "adv": adv}
+
+    # ---------------------------------------------------------------------------- rows
+
+    @staticmethod
+    def rows(prompts: list[Prompt], completions: list[list[int]], g: int, pad: int) -> Batch:
+        """inputs/targets [n, L] (L: the longest prompt + completion less one), targets only
+        on completion tokens."""
+        seqs = [prompts[i // g].ids + c for i, c in enumerate(completions)]
+        length = max(len(s) for s in seqs) - 1
+        inputs = torch.full((len(seqs), length), pad, dtype=torch.long)
+        targets = torch.full((len(seqs), length), IGNORE_INDEX, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            n_prompt = len(prompts[i // g].ids)
+            inputs[i, : len(s) - 1] = torch.tensor(s[:-1])
+            targets[i, n_prompt - 1 : len(s) - 1] = torch.tensor(s[n_prompt:])
+        return {"inputs": inputs, "targets": targets}
+
+    # ---------------------------------------------------------------------------- the step
+
+    def step(self, run: Run, prompts: list[Prompt], step: int, lr: float) -> dict[str, Any]:
+        """Rollout, then the updates (see the module docstring). Returns the step's values."""
+        o, cfg = run.cfg.objective, run.cfg
+        t0 = time.perf_counter()
+        roll = self.rollout(run, prompts, step)
+        t_gen = time.perf_counter() - t0
+        g = o.num_generations
+        pad = getattr(run.tokenizer, "pad_token_id", None) or 0
+        batch = self.rows(prompts, roll["completions"], g, int(pad))
+        per_micro = cfg.data.batch_size * g  # rows of one micro-batch
+        micro = [
+            {k: v[a : a + per_micro] for k, v in batch.items()}
+            for a in range(0, batch["inputs"].shape[0], per_micro)
+        ]
+        micro = [{k: v.to(run.device) for k, v in mb.items()} for mb in micro]
+        adv = roll["adv"].to(run.device).split(per_micro)
+        completion = [mb["targets"] != IGNORE_INDEX for mb in micro]
+        n_tokens = sum(int(c.sum()) for c in completion)
+        denominator = self._denominator(len(roll["completions"]), n_tokens)
+        old = ref = None
+        if o.grpo_iterations > 1:
+            with _frozen_eager():
+                old = [self._logp(run.model, mb) for mb in micro]
+        if self.opts.beta:
+            ref = [self._reference_logp(run, mb) for mb in micro]
+        run.optimizer.set_lr(lr)
+        losses, clipped, kl, norms = [], 0.0, 0.0, []
+        t1 = time.perf_counter()
+        for _ in range(o.grpo_iterations):
+            total = torch.zeros((), device=run.device)
+            for i, mb in enumerate(micro):
+                hidden = forward_hidden(run.model, mb, False)
+                logp = run.head(hidden, mb["targets"], logprobs=True).view(mb["targets"].shape)
+                before = old[i] if old is not None else logp.detach()
+                loss, sums = grpo_loss(
+                    logp,
+                    before,
+                    None if ref is None else ref[i],
+                    adv[i],
+                    completion[i],
+                    self.opts,
+                    denominator,
+                )
+                loss.backward()
+                total += loss.detach()
+                clipped += float(sums["clipped"])
+                kl += float(sums.get("kl", 0.0))
+            norm = self._update(run)
+            losses.append(float(total))
+            norms.append(norm)
+        t_train = time.perf_counter() - t1
+        lengths = [len(c) for c in roll["completions"]]
+        n_updates = o.grpo_iterations
+        record: dict[str, Any] = {
+            "loss": losses[-1],
+            "grad_norm": norms[-1],
+            "reward": float(roll["rewards"].mean()),
+            "reward_std": float(roll["rewards"].std()) if len(lengths) > 1 else 0.0,
+            "rewards": {
+                r.name: {"mean": _mean(v), "std": _std(v)}
+                for r, v in zip(self.rewards, roll["per_fn"], strict=True)
+            },
+            "advantage_std": float(roll["adv"].std()) if len(lengths) > 1 else 0.0,
+            "completion_len": _mean(lengths),
+            "completion_len_max": max(lengths),
+            "completion_clipped": sum(
+                1
+                for c in roll["completions"]
+                if len(c) == o.max_new_tokens and c[-1] not in self.stop
+            )
+            / len(lengths),
+            "ratio_clipped": clipped / max(1, n_tokens * n_updates),
+            "generate_tokens_per_s": sum(lengths) / max(t_gen, 1e-9),
+            "train_tokens_per_s": n_updates * batch["inputs"].numel() / max(t_train, 1e-9),
+            "tokens": int(batch["inputs"].numel()),
+            "targets": n_tokens,
+            "nonfinite": None if all(map(math.isfinite, losses)) else "the loss is not finite",
+        }
+        if self.opts.beta:
+            record["kl"] = kl / max(1, n_tokens * n_updates)
+        return record
+
+    def _denominator(self, n: int, n_tokens: int) -> float:
+        """What the step's summed loss is divided by (loss/grpo.py): completions, completions
+        x max_new_tokens, or completion tokens."""
+        kind = self.opts.kind
+        if kind == "grpo":
+            return float(n)
+        if kind == "dr_grpo":
+            return float(n * self.opts.max_new_tokens)
+        return float(max(1, n_tokens))
+
+    @staticmethod
+    def _logp(model: torch.nn.Module, mb: Batch) -> Tensor:
+        hidden = forward_hidden(model, mb, False)
+        return _logprobs(model, hidden, mb["targets"]).view(mb["targets"].shape)
+
+    def _reference_logp(self, run: Run, mb: Batch) -> Tensor:
+        with _frozen_eager():
+            if run.reference is not None:
+                return self._logp(run.reference, mb)
+            with adapters_disabled(run.model):
+                return self._logp(run.model, mb)
+
+    @staticmethod
+    def _update(run: Run) -> float:
+        """Clip, step, zero: one optimizer update; the gradient norm (nan when not finite:
+        the update is then skipped)."""
+        max_norm = run.cfg.optim.max_grad_norm or 0.0
+        grads = [p.grad for p in run.params if p.grad is not None]
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        value = float(norm)
+        if math.isfinite(value):
+            run.optimizer.step()
+        run.optimizer.zero_grad()
+        return value
+
+
+def _mean(values: list[float] | list[int]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def _std(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    m = _mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def one_step(trainer: Any, stop: Any, grpo: Grpo) -> dict[str, Any]:
+    """`Trainer.one_step` for --objective grpo: the metrics line of one step."""
+    run, cfg = trainer.run, trainer.cfg
+    t0 = time.perf_counter()
+    prompts: list[Prompt] = []
+    for _ in range(cfg.data.grad_accum):
+        prompts += run.batches.next()
+    lr = cfg.optim.lr * lr_factor(trainer.step, cfg)
+    values = grpo.step(run, prompts, trainer.step, lr)
+    trainer.step += 1
+    dt = time.perf_counter() - t0
+    nonfinite = values.pop("nonfinite")
+    record = {"step": trainer.step, "lr": lr, **values}
+    record.update(
+        tokens_per_s=values["tokens"] / dt,
+        step_time_s=dt,
+        peak_mem_gib=peak_memory_gib(run.device),
+        epoch=run.batches.epoch,
+        padding=0,
+    )
+    trainer.tokens_done += values["tokens"]
+    trainer.targets_done += values["targets"]
+    if nonfinite is not None:
+        record["nonfinite"] = nonfinite
+        record["applied"] = False
+    else:
+        if trainer.step == run.start_step + 1 or math.isnan(trainer.first_loss):
+            trainer.first_loss = values["loss"]
+        trainer.last_loss = values["loss"]
+    stop.agreed = bool(stop.requested)
+    return record

@@ -1,0 +1,159 @@
+"""GRPO's pieces: the loss against an fp64 formula written out here, advantages, rewards (their
+errors), the batched sampler, prompts from the data, and a run of `--objective grpo`."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from compiletune.config import resolve
+from compiletune.errors import UserError
+from compiletune.loss.grpo import GrpoOptions, advantages, grpo_loss
+from compiletune.rl import rewards as rw
+from compiletune.rl.rollout import sample_rows
+
+
+def formula(logp, old, ref, adv, mask, kind, eps_low, eps_high, beta, max_new):
+    """The loss token by token in fp64, as the papers write it."""
+    n, t = len(logp), len(logp[0])
+    per_seq, total, tokens = [], 0.0, 0
+    for i in range(n):
+        terms = []
+        for j in range(t):
+            if not mask[i][j]:
+                continue
+            ratio = math.exp(logp[i][j] - old[i][j])
+            a = adv[i]
+            term = -min(ratio * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a)
+            if beta:
+                d = ref[i][j] - logp[i][j]
+                term += beta * (math.exp(d) - d - 1)
+            terms.append(term)
+        per_seq.append(sum(terms) / max(1, len(terms)))
+        total += sum(terms)
+        tokens += len(terms)
+    if kind == "grpo":
+        return sum(per_seq) / n
+    if kind == "dr_grpo":
+        return total / (n * max_new)
+    return total / tokens
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_and_gradients_equal_the_formula(kind, beta):
+    g = torch.Generator().manual_seed(0)
+    n, t = 6, 9
+    logp = (-torch.rand(n, t, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    ref = logp.detach() + 0.5 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.rand(n, t, generator=g) < 0.7
+    mask[:, 0] = True
+    opts = GrpoOptions(kind, eps_low=0.2, eps_high=0.28, beta=beta, max_new_tokens=12)
+    loss, sums = grpo_loss(logp, old, ref if beta else None, adv, mask, opts)
+    grad = torch.autograd.grad(loss, logp)[0]
+    args = (old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), kind, 0.2, 0.28, beta, 12)
+    want = formula(logp.tolist(), *args)
+    assert loss.item() == pytest.approx(want, rel=1e-9)
+    # the gradient by central differences of the formula, token by token
+    h = 1e-6
+    for i, j in [(0, 0), (2, 3), (5, 8), (3, 1)]:
+        up, down = logp.detach().clone(), logp.detach().clone()
+        up[i, j] += h
+        down[i, j] -= h
+        fd = (formula(up.tolist(), *args) - formula(down.tolist(), *args)) / (2 * h)
+        assert grad[i, j].item() == pytest.approx(fd, rel=1e-5, abs=1e-9)
+    assert ("kl" in sums) == bool(beta)
+    # split into two micro-batches with the whole step's normaliser: the same loss
+    denominator = {"grpo": n, "dr_grpo": n * 12, "dapo": int(mask.sum())}[kind]
+    parts = [
+        grpo_loss(logp[s], old[s], ref[s] if beta else None, adv[s], mask[s], opts, denominator)[0]
+        for s in (slice(0, 2), slice(2, n))
+    ]
+    assert sum(parts).item() == pytest.approx(loss.item(), rel=1e-12)
+
+
+def test_advantages_are_group_normalised():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    a = advantages(r, 4)
+    first = r[:4] - r[:4].mean()
+    assert torch.allclose(a[:4], first / (r[:4].std() + 1e-4))
+    assert torch.equal(a[4:], torch.zeros(4))  # a group that agrees teaches nothing
+    assert torch.allclose(advantages(r, 4, scale=False)[:4], first)  # Dr. GRPO
+
+
+def test_builtin_rewards_and_their_errors(tmp_path, monkeypatch):
+    fns = rw.load_rewards("exact:answer,contains:answer,regex:^\\d+$,length:3", "1,0.5,1,2")
+    assert [f.weight for f in fns] == [1.0, 0.5, 1.0, 2.0]
+    cols = {"answer": ["7", "12", "7"]}
+    comps, ids = [" 7 ", "x12y", "abc"], [[1], [1, 2, 3, 4, 5, 6], [1, 2, 3]]
+    got = [rw.score(f, ["p"] * 3, comps, ids, cols) for f in fns]
+    assert got == [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, -1.0, 0.0]]
+    with pytest.raises(UserError, match="no column 'answer'"):
+        rw.score(fns[0], ["p"], ["7"], [[1]], {"label": ["7"]})
+    for bad in ("nonsense", "regex:(", "length:0", "nomodule_xyz:fn"):
+        with pytest.raises(UserError, match="--reward"):
+            rw.load_rewards(bad)
+    with pytest.raises(UserError, match="--reward-weights"):
+        rw.load_rewards("exact:a,exact:b", "1")
+    # a user's function that misbehaves: one line naming it
+    (tmp_path / "my_rewards.py").write_text(
+        "def boom(completions, **_):\n    raise KeyError('x')\n"
+        "def short(completions, **_):\n    return [1.0]\n"
+        "def nan(completions, **_):\n    return [float('nan')] * len(completions)\n"
+        "def good(completions, prompts, completion_ids, **cols):\n"
+        "    return [float(len(c)) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_rewards", None)
+    for name, match in (
+        ("boom", "raised KeyError"),
+        ("short", "returned 1 values for 2"),
+        ("nan", "returned nan"),
+    ):
+        (fn,) = rw.load_rewards(f"my_rewards:{name}")
+        with pytest.raises(UserError, match=f"my_rewards:{name}.*{match}"):
+            rw.score(fn, ["p", "q"], ["a", "bb"], [[1], [2]], {})
+    (good,) = rw.load_rewards("my_rewards:good")
+    assert rw.score(good, ["p", "q"], ["a", "bb"], [[1], [2]], {}) == [1.0, 2.0]
+
+
+def test_sample_rows_greedy_nucleus_and_temperature():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
+    assert sample_rows(logits, 0.0, 1.0, g).tolist() == [1, 0]
+    # a nucleus of 0.5 keeps only the most likely token: always it
+    for _ in range(20):
+        assert sample_rows(logits, 1.0, 0.5, g).tolist() == [1, 0]
+    draws = torch.stack([sample_rows(logits, 1.0, 1.0, g) for _ in range(400)])
+    assert set(draws[:, 0].tolist()) == {0, 1, 2}  # every token has its chance
+
+
+def test_grpo_flags_are_checked():
+    base = {"objective": "grpo", "reward": "exact:answer", "seq_len": 64, "max_new_tokens": 16}
+    for change, match in (
+        ({"reward": None}, "needs --reward"),
+        ({"num_generations": 1}, "--num-generations"),
+        ({"max_new_tokens": 64}, "--max-new-tokens"),
+        ({"temperature": 0.0}, "--temperature"),
+        ({"epsilon_high": 1.5}, "--epsilon-high"),
+        ({"grpo_iterations": 0}, "--grpo-iterations"),
+    ):
+        with pytest.raises(UserError, match=match):
+            resolve({}, {**base, **change})
+    with pytest.raises(UserError, match="--num-generations applies to --objective grpo"):
+        resolve({}, {"num_generations": 8})
+    assert resolve({}, base).objective.beta == 0.0
+    assert resolve({}, {"objective": "dpo"}).objective.beta == 0.1
+
+
+def sums_data(tmp_path, n=64):
+    rows = [{"prompt": f"{i % 5}+{i % 3}=", "answer": str(i % 5 + i % 3)} for i in range(n)]
+    path = tmp_path / "sums.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
