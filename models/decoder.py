@@ -226,18 +226,23 @@ class Attention(nn.Module):
             )
         else:
             # new token i sits at position start + i and sees keys up to start + i: [s, end]
-            seen = visible(start, end, 0, end, self.window, x.device)
+            seen = (
+                None
+                if s == 1 and self.window <= 0
+                else visible(start, end, 0, end, self.window, x.device)
+            )
             if self.softcap > 0 or self.sinks is not None:
                 scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
                 if self.softcap > 0:
                     scores = self.softcap * torch.tanh(scores / self.softcap)
-                scores = scores.masked_fill(~seen, float("-inf"))
+                if seen is not None:
+                    scores = scores.masked_fill(~seen, float("-inf"))
                 if self.sinks is not None:  # one more logit per head, its share dropped
                     sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1)
                     scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
                 out = torch.matmul(probs[..., : keys.shape[-2]], values)
-            else:
+            else:  # no mask: one new token sees every cached key
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=seen, scale=self.scale
                 )

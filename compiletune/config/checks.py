@@ -283,11 +283,6 @@ def _check_grpo(section: ObjectiveConfig, cfg: TrainConfig) -> None:
                 flag = flag_of(f)
                 raise UserError(f"{flag} applies to --objective grpo; add it or drop {flag}")
         return
-    if not section.reward:
-        raise UserError(
-            "--objective grpo needs --reward (module:function, or a built-in such as "
-            "exact:answer; docs/grpo.md)"
-        )
     if section.num_generations < 2:
         raise UserError(
             f"--num-generations must be at least 2 (advantages compare a prompt's completions "

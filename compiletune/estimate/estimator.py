@@ -175,6 +175,13 @@ def estimate_memory(
         )
     elif o.objective == "kd":
         notes.append(f"teacher {o.teacher_dir}: counted as parameters")
+    elif o.objective == "grpo":
+        notes.append(
+            f"grpo: an update over --batch-size x {o.num_generations} completions of --seq-len "
+            "tokens; the rollout's KV cache (one prompt's completions at a time, freed before "
+            "the updates) is not in the step"
+            + ("; reference: counted as parameters" if o.beta and not cfg.lora.rank else "")
+        )
     est.notes = notes + est.notes
     est.seconds = time.perf_counter() - t0
     return est
@@ -314,6 +321,8 @@ def run_step(
                     lambda p: p.grad is not None and tracker.retag(_local(p.grad), GRAD)
                 )
 
+    if cfg.objective.objective == "grpo":  # an update's micro-batch: G completions a prompt
+        cfg = cfg.replace(batch_size=cfg.data.batch_size * cfg.objective.num_generations)
     run = build_run(cfg, env, fake=fake, probe=Probe(scope, observe, device, depth))
     rows = cfg.data.batch_size * run.world
     # global batches, as the trainer draws them; each rank trains its slice

@@ -30,6 +30,7 @@ from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
 from compiletune.models.hf_config import brief
+from compiletune.rl.rewards import load_rewards
 from compiletune.train import grpo, objective, run_dir
 from compiletune.train.build import Run, build_run, pick_device
 from compiletune.train.objective import evaluate_pairs
@@ -139,6 +140,8 @@ class Trainer:
         self.out, resume_notes = run_dir.check_output_dir(cfg)
         self.log_names = parse_loggers(cfg.run.log)
         check_available(self.log_names)
+        if cfg.objective.objective == "grpo":  # a reward that cannot load: before the model
+            load_rewards(cfg.objective.reward or "", cfg.objective.reward_weights)
         self.run: Run = build_run(cfg, env)
         if cfg.objective.precompute_ref:
             objective.precompute_reference(self.run, self.say)

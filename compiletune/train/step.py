@@ -235,7 +235,8 @@ def _micro_loss(
     cross-entropy, or the --objective's (train/objective.py), whose other values are added
     into `sums`. `pairs`: the rows' pair counts of a preference batch (host ints)."""
     kind = run.cfg.objective.objective
-    if kind == "sft":
+    if kind in ("sft", "grpo"):  # grpo's updates run in train/grpo.py: this is the memory
+        # estimate's stand-in, a head over a micro-batch of completions of the same shape
         return run.head(hidden, mb["targets"])
     if kind == "kd":
         loss, values = objective.distillation_micro(run, mb, hidden, bool(run.cfg.data.doc_mask))

@@ -132,12 +132,16 @@ def test_sample_rows_greedy_nucleus_and_temperature():
         assert sample_rows(logits, 1.0, 0.5, g).tolist() == [1, 0]
     draws = torch.stack([sample_rows(logits, 1.0, 1.0, g) for _ in range(400)])
     assert set(draws[:, 0].tolist()) == {0, 1, 2}  # every token has its chance
+    # the draws follow the distribution; a token of probability 0 never comes
+    probs = torch.tensor([0.7, 0.2, 0.1, 0.0])
+    many = sample_rows(probs.log().expand(20000, 4), 1.0, 1.0, g)
+    freq = torch.bincount(many, minlength=4).float() / many.numel()
+    assert torch.allclose(freq, probs, atol=0.015) and freq[3] == 0
 
 
 def test_grpo_flags_are_checked():
     base = {"objective": "grpo", "reward": "exact:answer", "seq_len": 64, "max_new_tokens": 16}
     for change, match in (
-        ({"reward": None}, "needs --reward"),
         ({"num_generations": 1}, "--num-generations"),
         ({"max_new_tokens": 64}, "--max-new-tokens"),
         ({"temperature": 0.0}, "--temperature"),
@@ -157,3 +161,15 @@ def sums_data(tmp_path, n=64):
     path = tmp_path / "sums.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return str(path)
+
+
+def test_the_estimate_counts_an_updates_completions():
+    from compiletune.estimate.estimator import estimate_memory
+
+    flags = {"model": "debug", "objective": "grpo", "seq_len": 64, "max_new_tokens": 16}
+    flags |= {"dtype": "fp32", "n_layers": 2}
+    small, large = (
+        estimate_memory(resolve({}, {**flags, "num_generations": g})).to_dict() for g in (2, 8)
+    )
+    assert large["parts_bytes"]["activations"] > 3 * small["parts_bytes"]["activations"]
+    assert any("grpo" in n for n in large["notes"])
