@@ -198,6 +198,7 @@ def apply_fsdp(
     # The trainer calls `hidden_states` (the loss head follows outside the model), so the root's
     # hooks (lazy init, gathering the root's own parameters) must run for that method too.
     register_fsdp_forward_method(model, "hidden_states")
+    register_fsdp_forward_method(model, "hidden_states_cached")  # GRPO's rollout
 
 
 def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -> None:

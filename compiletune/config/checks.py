@@ -306,11 +306,6 @@ def _check_grpo(section: ObjectiveConfig, cfg: TrainConfig) -> None:
         value = getattr(section, name)
         if not 0.0 < value < 1.0:
             raise UserError(f"--{name.replace('_', '-')} must be in (0, 1), got {value}")
-    if cfg.parallel.fsdp:
-        raise UserError(
-            "--objective grpo runs in one process for now (generation under FSDP is not there "
-            "yet); drop --fsdp and torchrun"
-        )
     if section.precompute_ref:
         raise UserError("--precompute-ref applies to dpo/ipo; grpo scores its own completions")
 

@@ -16,13 +16,16 @@ is the frozen starting weights (a full fine-tune) or the LoRA model with its ada
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from compiletune import distributed as dist_
 from compiletune.data.prompts import Prompt
 from compiletune.errors import UserError
 from compiletune.loss.grpo import GrpoOptions, advantages, grpo_loss
@@ -67,27 +70,41 @@ class Grpo:
 
     # ---------------------------------------------------------------------------- rollout
 
-    def rollout(self, run: Run, prompts: list[Prompt], step: int) -> dict[str, Any]:
-        """Completions of every prompt, their rewards and advantages."""
+    def rollout(
+        self, run: Run, prompts: list[Prompt], step: int, indices: list[int]
+    ) -> dict[str, Any]:
+        """Completions of every prompt, their rewards and advantages. `indices`: the prompts'
+        places in the step's global batches."""
         o = run.cfg.objective
         g = o.num_generations
-        generator = torch.Generator(device=run.device)
-        # one stream per (seed, step, rank): a resumed run samples what it would have
-        generator.manual_seed((run.cfg.run.seed * 1_000_003 + step) * 64 + run.rank)
         completions: list[list[int]] = []
+        going = None
+        if run.env is not None:  # every rank decodes as long as any rank's rows go on
+
+            def going(mine: bool) -> bool:
+                return dist_.any_rank(mine, run.device)
+
         run.model.eval()
         try:
-            for p in prompts:
-                completions += sample_group(
-                    run.model,
-                    p.ids,
-                    g,
-                    o.max_new_tokens,
-                    o.temperature,
-                    o.top_p,
-                    self.stop,
-                    generator,
-                )
+            with _gathered(run.model):
+                for i, p in zip(indices, prompts, strict=True):
+                    # one stream per (seed, step, prompt of the global batch): a resumed run,
+                    # and the same batch on any number of ranks, sample the same completions
+                    generator = torch.Generator(device=run.device)
+                    generator.manual_seed(
+                        ((run.cfg.run.seed * 1_000_003 + step) * 1_000_003 + i) % (1 << 63)
+                    )
+                    completions += sample_group(
+                        run.model,
+                        p.ids,
+                        g,
+                        o.max_new_tokens,
+                        o.temperature,
+                        o.top_p,
+                        self.stop,
+                        generator,
+                        going,
+                    )
         finally:
             run.model.train()
         texts = run.tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -126,11 +143,14 @@ class Grpo:
 
     # ---------------------------------------------------------------------------- the step
 
-    def step(self, run: Run, prompts: list[Prompt], step: int, lr: float) -> dict[str, Any]:
-        """Rollout, then the updates (see the module docstring). Returns the step's values."""
+    def step(
+        self, run: Run, prompts: list[Prompt], step: int, lr: float, indices: list[int]
+    ) -> dict[str, Any]:
+        """Rollout, then the updates (see the module docstring), on this rank's `prompts`
+        (at `indices` of the global batches). Returns the step's values, over every rank."""
         o, cfg = run.cfg.objective, run.cfg
         t0 = time.perf_counter()
-        roll = self.rollout(run, prompts, step)
+        roll = self.rollout(run, prompts, step, indices)
         t_gen = time.perf_counter() - t0
         g = o.num_generations
         pad = getattr(run.tokenizer, "pad_token_id", None) or 0
@@ -144,7 +164,13 @@ class Grpo:
         adv = roll["adv"].to(run.device).split(per_micro)
         completion = [mb["targets"] != IGNORE_INDEX for mb in micro]
         n_tokens = sum(int(c.sum()) for c in completion)
-        denominator = self._denominator(len(roll["completions"]), n_tokens)
+        n_all, tokens_all = len(roll["completions"]), n_tokens
+        if run.env is not None:  # the normaliser of the whole global batch
+            n_all, tokens_all = (
+                int(v) for v in dist_.all_reduce_sum([n_all, n_tokens], run.device)
+            )
+        # FSDP averages gradients over ranks; the factor `world` makes that the global sum
+        denominator = self._denominator(n_all, tokens_all) / run.world
         old = ref = None
         if o.grpo_iterations > 1:
             with _frozen_eager():
@@ -174,9 +200,16 @@ class Grpo:
                 clipped += float(sums["clipped"])
                 kl += float(sums.get("kl", 0.0))
             norm = self._update(run)
-            losses.append(float(total))
+            loss_value = float(total) / run.world
+            if run.env is not None:
+                loss_value = dist_.all_reduce_sum([loss_value], run.device)[0]
+            losses.append(loss_value)
             norms.append(norm)
         t_train = time.perf_counter() - t1
+        if run.env is not None:  # every rank's completions, rewards and counts
+            roll = _all_ranks(run, roll)
+            clipped, kl = dist_.all_reduce_sum([clipped, kl], run.device)
+        n_tokens = tokens_all
         lengths = [len(c) for c in roll["completions"]]
         n_updates = o.grpo_iterations
         record: dict[str, Any] = {
@@ -200,7 +233,7 @@ class Grpo:
             "ratio_clipped": clipped / max(1, n_tokens * n_updates),
             "generate_tokens_per_s": sum(lengths) / max(t_gen, 1e-9),
             "train_tokens_per_s": n_updates * batch["inputs"].numel() / max(t_train, 1e-9),
-            "tokens": int(batch["inputs"].numel()),
+            "tokens": int(batch["inputs"].numel()) * run.world,
             "targets": n_tokens,
             "nonfinite": None if all(map(math.isfinite, losses)) else "the loss is not finite",
         }
@@ -240,11 +273,45 @@ class Grpo:
             norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm)
         else:
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        value = float(norm)
+        value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(value):
             run.optimizer.step()
         run.optimizer.zero_grad()
         return value
+
+
+@contextlib.contextmanager
+def _gathered(model: torch.nn.Module) -> Iterator[None]:
+    """Under FSDP every block's weights gathered whole for the rollout (decoding runs the
+    blocks outside their forward hooks, one token at a time), resharded after; as it is
+    otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+
+
+def _all_ranks(run: Run, roll: dict[str, Any]) -> dict[str, Any]:
+    """The rollout's completions, rewards and advantages of every rank, in rank order (for
+    the step's metrics)."""
+    import torch.distributed as dist
+
+    mine = {k: roll[k] for k in ("completions", "per_fn")}
+    mine["rewards"], mine["adv"] = roll["rewards"].tolist(), roll["adv"].tolist()
+    parts: list[Any] = [None] * run.world
+    dist.all_gather_object(parts, mine)
+    return {
+        "completions": [c for p in parts for c in p["completions"]],
+        "per_fn": [sum((p["per_fn"][i] for p in parts), []) for i in range(len(mine["per_fn"]))],
+        "rewards": torch.tensor([r for p in parts for r in p["rewards"]]),
+        "adv": torch.tensor([a for p in parts for a in p["adv"]]),
+    }
 
 
 def _mean(values: list[float] | list[int]) -> float:
@@ -262,11 +329,18 @@ def one_step(trainer: Any, stop: Any, grpo: Grpo) -> dict[str, Any]:
     """`Trainer.one_step` for --objective grpo: the metrics line of one step."""
     run, cfg = trainer.run, trainer.cfg
     t0 = time.perf_counter()
+    # every rank draws the same global batches (world x --batch-size prompts each) and takes
+    # its slice of each, as in any run
+    b = cfg.data.batch_size
     prompts: list[Prompt] = []
-    for _ in range(cfg.data.grad_accum):
-        prompts += run.batches.next()
+    indices: list[int] = []
+    for k in range(cfg.data.grad_accum):
+        drawn = run.batches.next()
+        mine = range(run.rank * b, (run.rank + 1) * b)
+        prompts += [drawn[i] for i in mine]
+        indices += [k * b * run.world + i for i in mine]
     lr = cfg.optim.lr * lr_factor(trainer.step, cfg)
-    values = grpo.step(run, prompts, trainer.step, lr)
+    values = grpo.step(run, prompts, trainer.step, lr, indices)
     trainer.step += 1
     dt = time.perf_counter() - t0
     nonfinite = values.pop("nonfinite")

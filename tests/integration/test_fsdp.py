@@ -45,7 +45,8 @@ BASE = {"seq_len": 32, "batch_size": 2, "max_steps": 3, "n_layers": 2, "lr": 3e-
 def _losses(run_dir: Path) -> list[float]:
     """Training losses of each step, then the held-out loss where the run evaluated."""
     rows = read_metrics(run_dir / "metrics.jsonl")
-    extras = [r[k] for r in rows for k in ("reward_margin", "kd_divergence") if k in r]
+    names = ("reward_margin", "kd_divergence", "reward", "kl")
+    extras = [r[k] for r in rows for k in names if k in r]
     return [r["loss"] for r in rows] + extras + [r["eval_loss"] for r in rows if "eval_loss" in r]
 
 
@@ -260,6 +261,8 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
     four = {**base, "n_layers": 4, "max_steps": 2}
     q35 = {**four, "model": "debug_qwen3_5_moe", "router_aux_coef": 0.1}
     dpo |= {"val_split": 0.1, "eval_every": 3}
+    grpo = {**base, "data": str(tmp / "pairs.jsonl"), "objective": "grpo", "reward": "regex:\\d"}
+    grpo |= {"num_generations": 4, "max_new_tokens": 4, "grpo_iterations": 2, "beta": 0.04}
     dpo_lc = {**dpo, "lora_rank": 4, "compile": True, "compile_backend": "aot_eager"}
     kd = {**base, "objective": "kd", "teacher_dir": tied_dir, "kd_ratio": 0.5}
     return {
@@ -341,6 +344,11 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
         "kd": (kd, kd),
         "kd-lora": ({**kd, "lora_rank": 4}, {**kd, "lora_rank": 4}),
         "kd-grad-op": ({**kd, "sharding": "grad-op"}, kd),
+        # grpo: each rank samples its prompts' completions with the weights gathered, the
+        # same completions one process samples for the same prompts (seeded per prompt of the
+        # global batch); two updates per rollout and a KL penalty to a sharded reference
+        "grpo": (grpo, grpo),
+        "grpo-lora": ({**grpo, "lora_rank": 4}, {**grpo, "lora_rank": 4}),
     }
 
 
