@@ -81,7 +81,7 @@ class MemoryEstimate:
     parts: dict[str, int]  # CATEGORIES -> bytes at the peak (they sum to peak_bytes)
     host_bytes: int  # host memory offload needs (peak)
     host_parts: dict[str, int]
-    peak_phase: str  # forward | backward | step
+    peak_phase: str  # forward | backward | step (| rollout: GRPO's)
     phase_peaks: dict[str, int]
     gpus: int
     setup: dict[str, Any]  # what was estimated: model, params, dtype, loss, ...
@@ -183,8 +183,43 @@ def estimate_memory(
             + ("; reference: counted as parameters" if o.beta and not cfg.lora.rank else "")
         )
     est.notes = notes + est.notes
+    if o.objective == "grpo":
+        _add_rollout(est, cfg, gpus)
     est.seconds = time.perf_counter() - t0
     return est
+
+
+def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
+    """GRPO's rollout beside the update: the weights (gathered whole under FSDP), the optimizer
+    state, one prompt's G completions' KV cache of --seq-len positions and their logits. The
+    step's peak becomes the rollout's when that is larger."""
+    from compiletune.models.cache import KVCache
+
+    args = resolve_model_args(cfg)
+    o = cfg.objective
+    size = 4 if (cfg.model.dtype or "bf16") == "fp32" else 2
+    dtype = torch.float32 if size == 4 else torch.bfloat16
+    cache = KVCache(args, o.num_generations, cfg.data.seq_len, dtype, "meta")
+    tensors = [*cache.k, *cache.v, *cache.conv, *cache.state]
+    kv = sum(t.numel() * t.element_size() for t in tensors)
+    logits = 3 * o.num_generations * args.vocab_size * 4  # fp32 logits, probabilities, cdf
+    weights = est.parts.get("parameters", 0) * (gpus if gpus > 1 else 1)
+    parts = {
+        "parameters": weights,
+        "gradients": 0,
+        "optimizer_state": est.parts.get("optimizer_state", 0),
+        "activations": kv,
+        "temporaries": logits,
+    }
+    rollout = sum(parts.values())
+    est.phase_peaks["rollout"] = rollout
+    est.notes.append(
+        f"grpo rollout: KV cache {kv / 2**30:.2f} GiB ({o.num_generations} completions x "
+        f"{cfg.data.seq_len} positions)"
+        + (", the weights gathered whole (FSDP)" if gpus > 1 else "")
+    )
+    if rollout > est.peak_bytes:
+        est.peak_bytes, est.parts, est.peak_phase = rollout, parts, "rollout"
 
 
 def _interpolate(lo: MemoryEstimate, hi: MemoryEstimate, f: float) -> MemoryEstimate:

@@ -346,9 +346,9 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
         "kd-grad-op": ({**kd, "sharding": "grad-op"}, kd),
         # grpo: each rank samples its prompts' completions with the weights gathered, the
         # same completions one process samples for the same prompts (seeded per prompt of the
-        # global batch); two updates per rollout and a KL penalty to a sharded reference
+        # global batch); two updates per rollout and a KL penalty to a sharded reference (LoRA
+        # under FSDP: the variants above; grpo with LoRA: tests/integration/test_grpo_runs.py)
         "grpo": (grpo, grpo),
-        "grpo-lora": ({**grpo, "lora_rank": 4}, {**grpo, "lora_rank": 4}),
     }
 
 

@@ -367,7 +367,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         ({"objective": "dpo", "ac": "selective"}, 1),
         ({"model": "debug_gemma2", "n_layers": 30}, 2),  # sliding, full, ...
         ({"n_layers": 32, "ac": "full", "ac_every": 2}, 1),
-        ({"model": "debug_deepseek", "n_layers": 24}, 2),  # a dense layer first
+        ({"model": "debug_deepseek", "n_layers": 16}, 2),  # a dense layer first
     ],
     ids=[
         "accum",
