@@ -74,7 +74,8 @@ class Forked:
 # why each stretch is extended and not the peak.
 
 
-# Periods of blocks at the start and at the end of the model that differ from the middle.
+# What differs from the middle of the model: blocks at the start (rounded up to whole periods)
+# and periods at the end.
 ENDS = (2, 1)
 
 
@@ -104,8 +105,8 @@ def dense_prefix(args: ModelArgs) -> int:
 def shortcut_depths(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int, int] | None:
     """The two depths to run at, the blocks' period and how many periods at the start differ
     from the middle; None when the blocks do not repeat or running the two depths costs about
-    as much as the whole model. `ENDS` periods of blocks at the start and the end differ from
-    the middle: FSDP prefetches nothing past the ends, and in backward the second block still
+    as much as the whole model. `ENDS`: the blocks at the start (whole periods of them) and the
+    periods at the end differ from the middle: FSDP prefetches nothing past the ends, and in backward the second block still
     holds what the first block's gather needs; the first block of each kind creates what later
     ones share, and frees it in backward. A MoE model's leading dense layers widen the start.
     The smaller depth has two middle blocks of each kind (to see the step between them); the
@@ -114,7 +115,7 @@ def shortcut_depths(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int, i
     p = period(cfg, args)
     if p is None:
         return None
-    start = max(ENDS[0], -(-dense_prefix(args) // p))
+    start = -(-max(ENDS[0], dense_prefix(args)) // p)  # whole periods covering those blocks
     k1 = (start + ENDS[1] + 1) * p + 1
     k1 += (n - k1) % p
     k2 = k1 + p
