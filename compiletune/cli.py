@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: this machine's)",
     )
     g.add_argument("--ladder", action="store_true", help="print the technique ladder (markdown)")
+    g.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="find the longest --seq-len that fits --device-memory (a search over the estimate)",
+    )
     g.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub.add_parser("models", help="list the model presets with parameter counts")
     configs = sub.add_parser(
@@ -166,6 +171,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     import json
 
     own = ("command", "config", "gpus", "device_memory", "host_memory", "ladder", "json")
+    own += ("max_seq_len",)
     flags = {k: v for k, v in vars(ns).items() if k not in own}
     if ns.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {ns.gpus}")
@@ -183,6 +189,18 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     if ns.device_memory:
         host = ns.host_memory * 2**30 if ns.host_memory else fit.machine_host_bytes()
         capacity = fit.Capacity(fit.parse_device_memory(ns.device_memory), int(host))
+    if ns.max_seq_len:
+        if capacity is None:
+            raise UserError("--max-seq-len searches for what fits --device-memory; pass it")
+        longest, est = fit.longest_seq_len(cfg, ns.gpus, capacity, _to_stderr)
+        if ns.json:
+            out = {"max_seq_len": longest, **(est.to_dict() if est is not None else {})}
+            print(json.dumps(out, indent=2))
+        elif est is None:
+            print(f"no --seq-len of {fit.SEQ_STEP} tokens or more fits; see the ladder (--ladder)")
+        else:
+            print(f"longest --seq-len that fits: {longest} (peak {est.peak_bytes / 2**30:.2f} GiB)")
+        return 0
     if ns.ladder:
         rows = fit.ladder(cfg, ns.gpus, _to_stderr)
         if ns.json:

@@ -115,6 +115,42 @@ def flags_text(changes: dict[str, Any]) -> str:
     return " ".join(t for k, v in changes.items() if k not in _IMPLIED and (t := flag_text(k, v)))
 
 
+SEQ_STEP = 256  # --max-seq-len answers in multiples of this
+
+
+def longest_seq_len(
+    cfg: TrainConfig, gpus: int, capacity: Capacity, say: Callable[[str], None] = print
+) -> tuple[int, MemoryEstimate | None]:
+    """The longest --seq-len, a multiple of SEQ_STEP up to the model's positions, whose step
+    fits `capacity`, and its estimate: doubling from SEQ_STEP until it does not fit, then
+    halving the interval (the peak grows with the length). (0, None) when none fits."""
+    limit = resolve_model_args(cfg).max_seq_len // SEQ_STEP * SEQ_STEP
+
+    def tried(n: int) -> MemoryEstimate | None:
+        est = estimate_memory(cfg.replace(seq_len=n), gpus)
+        ok = fits(est, capacity)
+        say(f"  --seq-len {n}: {est.peak_bytes / 2**30:.2f} GiB, {'fits' if ok else 'does not'}")
+        return est if ok else None
+
+    best, good, bad = None, 0, limit + SEQ_STEP
+    n = SEQ_STEP
+    while n <= limit:
+        est = tried(n)
+        if est is None:
+            bad = n
+            break
+        best, good = est, n
+        n = min(2 * n, limit) if n < limit else limit + SEQ_STEP
+    while bad - good > SEQ_STEP:
+        mid = (good + bad) // 2 // SEQ_STEP * SEQ_STEP
+        est = tried(mid)
+        if est is None:
+            bad = mid
+        else:
+            best, good = est, mid
+    return good, best
+
+
 def _todo(cfg: TrainConfig, changes: dict[str, Any]) -> dict[str, Any]:
     """The part of a rung's flags that `cfg` does not already have (any --ac policy counts as
     activation checkpointing being on)."""

@@ -430,3 +430,24 @@ def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
     # DeepSeek-V3's three dense layers first: a longer start
     ds = resolve({}, {"model": "deepseek_v3"})
     assert depth.shortcut_depths(ds, resolve_model_args(ds)) == (6, 7, 1, 3)
+
+
+def test_max_seq_len_is_the_longest_length_that_fits(capsys) -> None:
+    """`estimate-memory --max-seq-len`: a multiple of 256 that fits (peak + the 2 GiB reserve
+    within --device-memory) while 256 more does not; without --device-memory, one line."""
+    from compiletune.cli import main
+    from compiletune.estimate import fit
+
+    flags = ["--model", "debug", "--batch-size", "2", "--dtype", "fp32", "--n-layers", "2"]
+    assert (
+        main(["estimate-memory", *flags, "--device-memory", "2.3", "--max-seq-len", "--json"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    n = out["max_seq_len"]
+    assert n > 0 and n % fit.SEQ_STEP == 0
+    assert out["peak_bytes"] + fit.RESERVE_BYTES <= 2.3 * 2**30
+    cfg = resolve({}, {"model": "debug", "batch_size": 2, "dtype": "fp32", "n_layers": 2})
+    longer = estimate.estimate_memory(cfg.replace(seq_len=n + fit.SEQ_STEP), 1)
+    assert longer.peak_bytes + fit.RESERVE_BYTES > 2.3 * 2**30
+    assert main(["estimate-memory", *flags, "--max-seq-len"]) == 2
+    assert "--device-memory" in capsys.readouterr().err
