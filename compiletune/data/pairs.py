@@ -60,18 +60,20 @@ def _field(row: dict, name: str, col: dict[str, str], where: str, optional: bool
     )
 
 
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, where: str) -> str:
+def render_chat(tokenizer: Any, messages: list[dict], generation_prompt: bool, where: str) -> str:
+    """`messages` through the tokenizer's chat template, as text (one line for a tokenizer
+    without a template, or a template that fails on the row)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(
             f"{where}: chat messages need a tokenizer with a chat template; pass --tokenizer "
-            "with one, or give the pairs as text"
+            "with one, or give the rows as text"
         )
     try:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt
         )
     except Exception as e:  # jinja errors and the templates' own raise_exception()
-        raise UserError(f"{where}: the chat template failed on this pair ({e}); fix it") from e
+        raise UserError(f"{where}: the chat template failed on this row ({e}); fix it") from e
 
 
 def _texts(
@@ -107,10 +109,10 @@ def _texts(
                 f'{where}: the "{name}" messages must end with the assistant\'s answer, not '
                 f"a {role!r} turn; fix the row"
             )
-    head = _render(tokenizer, prompt, True, where)
+    head = render_chat(tokenizer, prompt, True, where)
     sides = []
     for side in (chosen, rejected):
-        full = _render(tokenizer, [*prompt, *side], False, where)
+        full = render_chat(tokenizer, [*prompt, *side], False, where)
         if not full.startswith(head):
             raise UserError(
                 f"{where}: the chat template renders the prompt differently inside the "

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from compiletune.data.layouts import RawExample, check_roles, parse_columns, parse_roles
+from compiletune.data.pairs import render_chat
 from compiletune.data.rows import encode
 from compiletune.data.sources import iter_records
 from compiletune.errors import UserError
@@ -27,18 +28,6 @@ class Prompt:
     ids: list[int]  # bos + the prompt's tokens
     text: str  # as rendered (what the reward functions see)
     columns: dict[str, Any]  # the row's other columns
-
-
-def _render(tokenizer: Any, messages: list[dict], where: str) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError(
-            f"{where}: chat messages need a tokenizer with a chat template; pass --tokenizer "
-            "with one, or give the prompt as text"
-        )
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # jinja errors and the templates' own raise_exception()
-        raise UserError(f"{where}: the chat template failed on this prompt ({e}); fix it") from e
 
 
 def _prompt_text(
@@ -60,7 +49,7 @@ def _prompt_text(
         return value, used
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         messages = check_roles(value, tokenizer, roles, where, "prompt")
-        return _render(tokenizer, messages, where), used
+        return render_chat(tokenizer, messages, True, where), used
     raise UserError(
         f'{where}: a GRPO row needs a "prompt" (text or chat messages) or "messages"; rename '
         "columns with --data-columns prompt=NAME"

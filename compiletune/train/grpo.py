@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,12 +33,11 @@ from compiletune.loss.grpo import GrpoOptions, advantages, grpo_loss
 from compiletune.loss.head import IGNORE_INDEX
 from compiletune.metrics import peak_memory_gib
 from compiletune.models.generation_config import eos_ids
-from compiletune.models.lora import adapters_disabled
 from compiletune.rl.rewards import Reward, load_rewards, score
 from compiletune.rl.rollout import sample_group
 from compiletune.train.build import Run
 from compiletune.train.forward import forward_hidden
-from compiletune.train.objective import _frozen_eager, _logprobs
+from compiletune.train.objective import frozen_eager, logprobs, reference_model
 from compiletune.train.step import lr_factor
 
 Batch = dict[str, Tensor]
@@ -173,7 +173,7 @@ class Grpo:
         denominator = self._denominator(n_all, tokens_all) / run.world
         old = ref = None
         if o.grpo_iterations > 1:
-            with _frozen_eager():
+            with frozen_eager():
                 old = [self._logp(run.model, mb) for mb in micro]
         if self.opts.beta:
             ref = [self._reference_logp(run, mb) for mb in micro]
@@ -254,14 +254,11 @@ class Grpo:
     @staticmethod
     def _logp(model: torch.nn.Module, mb: Batch) -> Tensor:
         hidden = forward_hidden(model, mb, False)
-        return _logprobs(model, hidden, mb["targets"]).view(mb["targets"].shape)
+        return logprobs(model, hidden, mb["targets"]).view(mb["targets"].shape)
 
     def _reference_logp(self, run: Run, mb: Batch) -> Tensor:
-        with _frozen_eager():
-            if run.reference is not None:
-                return self._logp(run.reference, mb)
-            with adapters_disabled(run.model):
-                return self._logp(run.model, mb)
+        with reference_model(run) as model:
+            return self._logp(model, mb)
 
     @staticmethod
     def _update(run: Run) -> float:
@@ -315,14 +312,11 @@ def _all_ranks(run: Run, roll: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mean(values: list[float] | list[int]) -> float:
-    return float(sum(values) / len(values)) if values else 0.0
+    return statistics.fmean(values) if values else 0.0
 
 
 def _std(values: list[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    m = _mean(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+    return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def one_step(trainer: Any, stop: Any, grpo: Grpo) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def _options(cfg: TrainConfig) -> PreferenceOptions:
     return PreferenceOptions(o.objective, o.beta, o.label_smoothing, o.simpo_gamma)
 
 
-def _logprobs(model: torch.nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
+def logprobs(model: torch.nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
     """Per-token log-probabilities [b * s] of the targets under a model's head (the chunked op,
     as the policy's loss head gives them eagerly)."""
     head = LossHead(model.output, "chunked", model.args.final_softcap)
@@ -58,26 +58,32 @@ def _logprobs(model: torch.nn.Module, hidden: Tensor, targets: Tensor) -> Tensor
 
 
 @contextlib.contextmanager
-def _frozen_eager() -> Iterator[None]:
+def frozen_eager() -> Iterator[None]:
     """No autograd, and compiled blocks run eagerly (a reference or teacher pass must not
     compile the policy's blocks a second time)."""
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         yield
 
 
+@contextlib.contextmanager
+def reference_model(run: Run) -> Iterator[torch.nn.Module]:
+    """The reference, without autograd and eagerly: the frozen copy (resharded after its pass
+    under FSDP), or a LoRA run's own model with its adapters off."""
+    with frozen_eager():
+        if run.reference is None:
+            with adapters_disabled(run.model):
+                yield run.model
+            return
+        yield run.reference
+        if run.env is not None:
+            reshard_frozen(run.reference)
+
+
 def reference_sums(run: Run, mb: dict[str, Tensor], ids: Tensor, n_seq: int) -> Tensor:
     """The reference model's summed response log-probabilities [n_seq]."""
-    with _frozen_eager():
-        if run.reference is not None:
-            model, off = run.reference, contextlib.nullcontext()
-        else:
-            model, off = run.model, adapters_disabled(run.model)
-        with off:
-            hidden = forward_hidden(model, mb, True)
-            sums = sequence_sums(_logprobs(model, hidden, mb["targets"]), ids, n_seq)
-        if run.reference is not None and run.env is not None:
-            reshard_frozen(run.reference)
-        return sums
+    with reference_model(run) as model:
+        hidden = forward_hidden(model, mb, True)
+        return sequence_sums(logprobs(model, hidden, mb["targets"]), ids, n_seq)
 
 
 def preference_micro(
@@ -113,7 +119,7 @@ def distillation_micro(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(summed per-token KD loss [], summed divergence and CE) of a micro-batch."""
     o = run.cfg.objective
-    with _frozen_eager():
+    with frozen_eager():
         teacher_hidden = forward_hidden(run.teacher, mb, doc_mask)
     targets = mb["targets"].flatten()
     mask = targets != IGNORE_INDEX
@@ -140,7 +146,7 @@ def evaluate_pairs(run: Run, batch_size: int) -> dict[str, float]:
     n = 0
     run.model.eval()
     try:
-        with _frozen_eager():
+        with frozen_eager():
             for batch in eval_batches(run.eval_set, batch_size):
                 mb = {k: v.to(run.device) for k, v in batch.items()}
                 hidden = forward_hidden(run.model, mb, True)
