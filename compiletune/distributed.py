@@ -136,6 +136,13 @@ def mesh_shape(sharding: str, world: int, shard_size: int | None, local_world: i
     return (world // size, size)
 
 
+def cp_group(size: int) -> Any:
+    """This rank's context-parallel group: `size` consecutive ranks (0..size-1, size..).
+    Every rank creates every group, as torch.distributed requires."""
+    mine, _ = dist.new_subgroups(group_size=size)
+    return mine
+
+
 def build_mesh(env: DistEnv, sharding: str, shard_size: int | None = None) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 

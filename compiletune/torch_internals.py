@@ -23,6 +23,7 @@ from torch.fx.node import _get_qualified_name
 
 __all__ = [
     "CustomPartitionerFn",
+    "all_to_all_autograd",
     "autograd_inside_op",
     "below_inplace_or_view",
     "compile_inductor",
@@ -54,6 +55,16 @@ def qualified_name(target: Any) -> str:
         return _get_qualified_name(target)
     except Exception:
         return getattr(target, "__name__", repr(target))
+
+
+def all_to_all_autograd(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Chunk i of `t`'s first dimension goes to rank i of `group`; the result holds rank i's
+    chunk for us at i. Differentiable (its backward is the reverse exchange) and traceable by
+    dynamo: the functional collective, not the in-place `dist.all_to_all_single`."""
+    from torch.distributed import _functional_collectives as funcol  # a distributed-only module
+
+    out = funcol.all_to_all_single_autograd(t, None, None, group)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def size_hint(x: int | torch.SymInt, fallback: int = 4096) -> int:

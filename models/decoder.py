@@ -38,6 +38,7 @@ from .mla import LatentAttention
 from .moe import Experts, MoE, glu
 from .norm import RMSNorm, norm_for, unit_rms
 from .rope import apply_rope, rope_cos_sin
+from .seq_parallel import SeqShards
 
 
 class Attention(nn.Module):
@@ -83,6 +84,7 @@ class Attention(nn.Module):
             if own_kv:
                 self.k_norm = norm_for(args, kv_out if args.qk_norm_whole else hd)
         self.v_norm_eps = args.norm_eps if args.v_norm else 0.0
+        self.seq: SeqShards | None = None  # context parallelism (seq_parallel.py)
 
     def _split_gate(self, q: Tensor) -> tuple[Tensor, Tensor | None]:
         """wq's output [b, s, rows] -> queries [b, s, h * hd] and a gated family's output gate
@@ -130,15 +132,38 @@ class Attention(nn.Module):
             return q, kk, v, gate
         return apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v, gate
 
-    def _repeat_kv(self, t: Tensor) -> Tensor:
+    def _repeat_kv(self, t: Tensor, heads: int | None = None) -> Tensor:
         """[b, k, s, hd] -> [b, h, s, hd]: kv head j serves query heads j*n_rep .. (j+1)*n_rep-1
         (HF repeat_kv). Expanded explicitly rather than via SDPA's enable_gqa, which not every
-        backend supports."""
+        backend supports. `heads`: h when not all of the layer's (a context-parallel rank's)."""
+        h = heads or self.n_heads
         b, k, s, hd = t.shape
-        if k == self.n_heads:
+        if k == h:
             return t
-        n_rep = self.n_heads // k
-        return t[:, :, None].expand(b, k, n_rep, s, hd).reshape(b, self.n_heads, s, hd)
+        return t[:, :, None].expand(b, k, h // k, s, hd).reshape(b, h, s, hd)
+
+    def _attend(self, q: Tensor, kk: Tensor, v: Tensor, doc_ids: Any) -> Tensor:
+        """q [b, h, s, hd], kk and v [b, k, s, hd] -> [b, h, s, hd]. Under context parallelism
+        the ranks swap the sequence split for a head split around the attention (keys and
+        values before they are repeated where the ranks divide their heads)."""
+        seq, sinks = self.seq, self.sinks
+        if seq is not None:
+            if kk.shape[1] % seq.size:
+                kk, v = self._repeat_kv(kk), self._repeat_kv(v)
+            q, kk, v = seq.to_heads(q), seq.to_heads(kk), seq.to_heads(v)
+            sinks = None if sinks is None else seq.heads(sinks)
+        out = causal_attention(
+            q,
+            self._repeat_kv(kk, q.shape[1]),
+            self._repeat_kv(v, q.shape[1]),
+            self.scale,
+            doc_ids,
+            self.window,
+            self.softcap,
+            backend=self.backend,
+            sinks=sinks,
+        )
+        return out if seq is None else seq.to_sequence(out)
 
     def mask(
         self, doc_ids: Tensor | None, shape: tuple[int, int], device: torch.device, shared: dict
@@ -178,18 +203,7 @@ class Attention(nn.Module):
             (q, gate), (kk, v) = self._q(x, cos, sin), kv
         else:
             q, kk, v, gate = self._qkv(x, cos, sin)
-        out = causal_attention(
-            q,
-            self._repeat_kv(kk),
-            self._repeat_kv(v),
-            self.scale,
-            doc_ids,
-            self.window,
-            self.softcap,
-            backend=self.backend,
-            sinks=self.sinks,
-        )
-        out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, h * hd]
+        out = self._attend(q, kk, v, doc_ids).transpose(1, 2).reshape(b, s, -1)  # [b, s, h * hd]
         out = self.wo(out if gate is None else out * torch.sigmoid(gate))
         return (out, kk, v) if self.kv_mode == "store" else out
 
@@ -485,6 +499,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = norm_for(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.seq: SeqShards | None = None  # context parallelism (seq_parallel.py)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -562,16 +577,23 @@ class Transformer(nn.Module):
         each document with them, and every document is computed exactly as if alone. Every
         block gets the same inputs (h, cos, sin, doc_ids), so one compiled graph serves all.
         MoE blocks' router statistics are appended to `router_stats` when it is given.
+
+        Under context parallelism (`seq`, see seq_parallel.py) tokens and positions are this
+        rank's piece of each row and doc_ids the whole row's.
         """
         h = self.embed(tokens)  # [b, s, d]
         ple = self.per_layer_inputs(tokens, h) if self.per_layer_inputs is not None else None
+        b, s = tokens.shape
         if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # [1, s]
+            positions = torch.arange(s, device=tokens.device)[None]  # [1, s]
+            if self.seq is not None:
+                positions = self.seq.positions(s, tokens.device)
         ropes = self.ropes(positions, h.dtype)
+        shape = (b, s * (self.seq.size if self.seq is not None else 1))  # the whole rows
         shared_masks: dict = {}  # FlexAttention block masks, one per window size
         shared_kv: dict[str, tuple[Tensor, ...]] = {}  # a "store" layer's, per kind (Gemma 4)
         for i, layer in enumerate(self.layers):
-            mask = layer.attention.mask(doc_ids, tokens.shape, tokens.device, shared_masks)
+            mask = layer.attention.mask(doc_ids, shape, tokens.device, shared_masks)
             extra = () if ple is None else (ple[:, :, i],)
             if layer.kv_mode == "reuse":
                 extra += shared_kv[layer.kind]

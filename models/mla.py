@@ -29,6 +29,7 @@ from .attention import attention_backend, causal_attention, flex_block_mask, vis
 from .cache import KVCache
 from .norm import RMSNorm
 from .rope import apply_rope
+from .seq_parallel import SeqShards
 
 # transformers' DeepseekV3RMSNorm of the two latents keeps its default eps, not the config's
 LATENT_NORM_EPS = 1e-6
@@ -50,6 +51,7 @@ class LatentAttention(nn.Module):
         self.sinks = None
         self.kv_mode = None
         self.backend: str | None = None
+        self.seq: SeqShards | None = None  # context parallelism (seq_parallel.py)
         self.interleave = args.rope_interleave
         if args.q_rank:
             self.wq_a = nn.Linear(args.dim, args.q_rank, bias=args.qkv_bias)
@@ -110,9 +112,13 @@ class LatentAttention(nn.Module):
         b, s, _ = x.shape
         q = self._q(x, cos, sin)
         k, v = self.expand(*self.latent(x, cos, sin))
+        if self.seq is not None:  # context parallelism: every token, this rank's heads
+            q, k, v = self.seq.to_heads(q), self.seq.to_heads(k), self.seq.to_heads(v)
         out = causal_attention(
             q, k, v, self.scale, doc_ids, self.window, backend=self.backend
         )  # [b, h, s, hv]
+        if self.seq is not None:
+            out = self.seq.to_sequence(out)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def forward_cached(

@@ -161,6 +161,25 @@ def check_parallel(section: ParallelConfig, cfg: TrainConfig) -> None:
                 raise UserError(f"{flag} is a setting of FSDP; add --fsdp or drop {flag}")
     if section.shard_size is not None and (section.sharding != "hybrid" or section.shard_size < 1):
         raise UserError("--shard-size (a positive process count) only applies to --sharding hybrid")
+    if section.cp < 1:
+        raise UserError(f"--cp must be a positive process count, got {section.cp}")
+    if section.cp > 1 and not section.fsdp:
+        raise UserError(
+            f"--cp {section.cp} splits each sequence over {section.cp} processes; add --fsdp "
+            f"and launch with torchrun (--nproc-per-node a multiple of {section.cp})"
+        )
+    if section.cp > 1 and world > 1 and world % section.cp:
+        raise UserError(f"--cp {section.cp} must divide the {world} processes launched")
+    if cfg.data.seq_len % section.cp:
+        raise UserError(
+            f"--seq-len {cfg.data.seq_len} must be a multiple of --cp {section.cp} (each "
+            "process holds an equal piece of every row)"
+        )
+    if section.cp > 1 and cfg.objective.objective == "grpo":
+        raise UserError(
+            "--objective grpo with --cp: generation does not split sequences; drop --cp "
+            "(GRPO's rows are prompts plus --max-new-tokens)"
+        )
 
 
 def check_lora(section: LoRAConfig, cfg: TrainConfig) -> None:

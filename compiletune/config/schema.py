@@ -291,6 +291,12 @@ class ParallelConfig:
     cpu_offload: bool = opt(
         False, "parameters, gradients and the optimizer step on the host", on_resume="free"
     )
+    cp: int = opt(
+        1,
+        "context parallelism: split each sequence over N processes (attention exchanged over "
+        "heads; N divides the processes and the heads)",
+        on_resume="fixed",
+    )
 
 
 @dataclass

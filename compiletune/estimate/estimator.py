@@ -359,7 +359,7 @@ def run_step(
     if cfg.objective.objective == "grpo":  # an update's micro-batch: G completions a prompt
         cfg = cfg.replace(batch_size=cfg.data.batch_size * cfg.objective.num_generations)
     run = build_run(cfg, env, fake=fake, probe=Probe(scope, observe, device, depth))
-    rows = cfg.data.batch_size * run.world
+    rows = cfg.data.batch_size * run.dp_world
     # global batches, as the trainer draws them; each rank trains its slice
     micro = [
         _random_batch(cfg, rows, run.args.vocab_size) for _ in range(min(cfg.data.grad_accum, 2))

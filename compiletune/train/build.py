@@ -60,6 +60,7 @@ from compiletune.models.lora import (
     nf4_unfit,
     parse_targets,
 )
+from compiletune.models.seq_parallel import SeqShards, split_sequence
 from compiletune.optim import ADAMW_BETAS, Optimizer
 from compiletune.train.inputs import build_data, build_pairs
 
@@ -118,6 +119,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     reference: Transformer | None = None  # DPO/IPO without LoRA: the frozen starting weights
     teacher: Transformer | None = None  # --objective kd
+    seq: SeqShards | None = None  # --cp: this rank's piece of every row (seq_parallel.py)
 
     @property
     def world(self) -> int:
@@ -126,6 +128,15 @@ class Run:
     @property
     def rank(self) -> int:
         return self.env.rank if self.env is not None else 0
+
+    @property
+    def dp_world(self) -> int:
+        """Processes with rows of their own: each --cp group shares its rows."""
+        return self.world // (self.seq.size if self.seq is not None else 1)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.seq.size if self.seq is not None else 1)
 
     @property
     def is_main(self) -> bool:
@@ -499,6 +510,29 @@ def _probe_inputs(cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs) 
     return _Inputs(facts)
 
 
+def sequence_shards(
+    cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs, simulated: bool
+) -> SeqShards | None:
+    """--cp N: this rank's place in its group of N consecutive ranks sharing each row (None
+    without). `simulated`: the memory estimate's rank 0, the same shapes without a group."""
+    n = cfg.parallel.cp
+    if n == 1:
+        return None
+    world = env.world if env is not None else 1
+    why = None
+    if world % n:
+        why = f"must divide the {world} processes"
+    elif args.n_heads % n:
+        why = f"must divide the model's {args.n_heads} attention heads"
+    elif "linear" in {args.layer_kind(i) for i in range(args.n_layers)}:
+        why = "cannot split the linear-attention layers' recurrence (Qwen3.5, Qwen3-Next)"
+    if why is not None:
+        raise UserError(f"--cp {n} {why}")
+    if simulated or env is None:
+        return SeqShards(n, 0)
+    return SeqShards(n, env.rank % n, dist_.cp_group(n))
+
+
 def build_run(
     cfg: TrainConfig, env: dist_.DistEnv | None, *, fake: bool = False, probe: Probe | None = None
 ) -> Run:
@@ -540,6 +574,9 @@ def build_run(
         # one process's policy as it starts: the reference is a copy (not read again)
         start = model if resume_from is None and probe is None and env is None else None
         frozen = build_frozen(cfg, env, args, spec, lora_kw, device, probe is not None, start)
+    seq = sequence_shards(cfg, env, args, fake)
+    for m in (model, *(f.model for f in frozen if f is not None)):
+        split_sequence(m, seq)
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None
     head = LossHead(
@@ -588,10 +625,12 @@ def build_run(
         offload_activations=offloads_activations(cfg, device),
         reference=frozen[0].model if frozen[0] is not None else None,
         teacher=frozen[1].model if frozen[1] is not None else None,
+        seq=seq,
     )
     if inputs.data is not None:
-        # Every rank draws the same global batch of world x --batch-size rows, trains its slice.
-        global_batch = cfg.data.batch_size * run.world
+        # Every rank draws the same global batch of (world / --cp) x --batch-size rows, trains
+        # its slice (under --cp: its piece of its slice's rows).
+        global_batch = cfg.data.batch_size * run.dp_world
         if len(inputs.data) == 1:
             run.batches = Batches(inputs.data[0], global_batch, cfg.run.seed)
         else:

@@ -5,7 +5,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from compiletune.models.seq_parallel import SeqShards
+
 Batch = dict[str, Tensor]
+# what a --cp rank keeps only its piece of; the rest (documents, pairs, sequence ids) stays
+# whole: attention and the pairs' sums need the whole row
+PER_TOKEN = ("inputs", "targets", "positions")
+
+
+def local_batch(batch: Batch, rows: slice, seq: SeqShards | None, device: torch.device) -> Batch:
+    """This rank's part of a global batch on `device`: its rows, and under --cp its piece of
+    each row's tokens."""
+    out = {}
+    for k, v in batch.items():
+        v = v[rows]
+        if seq is not None and k in PER_TOKEN:
+            v = seq.piece(v)
+        out[k] = v.to(device, non_blocking=True)
+    return out
 
 
 def forward_hidden(

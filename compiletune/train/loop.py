@@ -291,7 +291,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         # the data's tokens, padding aside (whole-example packing and pairs pad their rows)
         n_tokens = run.batches.served_inputs - served
-        padding = cfg.data.grad_accum * cfg.data.batch_size * run.world * cfg.data.seq_len
+        padding = cfg.data.grad_accum * cfg.data.batch_size * run.dp_world * cfg.data.seq_len
         padding -= n_tokens
         self.tokens_done += n_tokens
         self.padding_done += padding
@@ -362,6 +362,7 @@ class Trainer:
                 run.device,
                 bool(cfg.data.doc_mask),
                 self.env,
+                run.seq,
             )
         self.eval_seconds += time.perf_counter() - t0
         record.update(self.last_eval)  # eval_loss, eval_ppl, eval_targets

@@ -34,7 +34,7 @@ from compiletune.loss.objectives import (
 from compiletune.models.lora import adapters_disabled
 from compiletune.ops.fused_logprobs import token_divergence
 from compiletune.train.build import Run
-from compiletune.train.forward import forward_hidden
+from compiletune.train.forward import forward_hidden, local_batch
 
 PREFERENCE = ("dpo", "ipo", "simpo")
 # per-pair values summed in a step, reported as means over its pairs
@@ -83,7 +83,19 @@ def reference_sums(run: Run, mb: dict[str, Tensor], ids: Tensor, n_seq: int) -> 
     """The reference model's summed response log-probabilities [n_seq]."""
     with reference_model(run) as model:
         hidden = forward_hidden(model, mb, True)
-        return sequence_sums(logprobs(model, hidden, mb["targets"]), ids, n_seq)
+        return _whole(run, sequence_sums(logprobs(model, hidden, mb["targets"]), ids, n_seq))
+
+
+def _sequence_ids(run: Run, mb: dict[str, Tensor]) -> Tensor:
+    """Each target token's sequence (0, 1 = the first pair's chosen and rejected ...), flat;
+    under --cp this rank's piece of each row's."""
+    ids = batch_sequence_ids(mb["seq_ids"], mb["pairs"])
+    return (run.seq.piece(ids) if run.seq is not None else ids).flatten()
+
+
+def _whole(run: Run, sums: Tensor) -> Tensor:
+    """Per-sequence sums over this rank's tokens -> over the whole rows (--cp)."""
+    return run.seq.total(sums) if run.seq is not None else sums
 
 
 def preference_micro(
@@ -92,11 +104,11 @@ def preference_micro(
     """(per-pair losses [P], per-pair rewards) of a micro-batch of pair rows; `pairs`: its
     rows' pair counts, known on the host (sizes without a device sync)."""
     opts = _options(run.cfg)
-    ids = batch_sequence_ids(mb["seq_ids"], mb["pairs"]).flatten()
+    ids = _sequence_ids(run, mb)
     n_seq = 2 * sum(pairs)
     policy = sequence_sums(run.head(hidden, mb["targets"], logprobs=True), ids, n_seq)
     ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
-    lengths = sequence_sums(ones, ids, n_seq)
+    policy, lengths = _whole(run, policy), _whole(run, sequence_sums(ones, ids, n_seq))
     if opts.kind == "simpo":
         ref = None
     elif "ref" in mb:  # --precompute-ref
@@ -148,7 +160,7 @@ def evaluate_pairs(run: Run, batch_size: int) -> dict[str, float]:
     try:
         with frozen_eager():
             for batch in eval_batches(run.eval_set, batch_size):
-                mb = {k: v.to(run.device) for k, v in batch.items()}
+                mb = local_batch(batch, slice(None), run.seq, run.device)
                 hidden = forward_hidden(run.model, mb, True)
                 loss, rewards = preference_micro(run, mb, hidden, batch["pairs"].tolist())
                 sums["eval_loss"] += float(loss.sum())
@@ -172,8 +184,8 @@ def precompute_reference(run: Run, say: Callable[[str], None] = print) -> None:
         per_row = []
         for start in range(0, rows.rows, b):
             batch = rows.take(np.arange(start, min(rows.rows, start + b)))
-            mb = {k: v.to(run.device) for k, v in batch.items()}
-            ids = batch_sequence_ids(mb["seq_ids"], mb["pairs"]).flatten()
+            mb = local_batch(batch, slice(None), run.seq, run.device)
+            ids = _sequence_ids(run, mb)
             sums = reference_sums(run, mb, ids, 2 * count_pairs(batch))
             counts = (2 * batch["pairs"]).tolist()
             per_row += list(torch.split(sums, counts))

@@ -20,9 +20,10 @@ from compiletune.data.rows import PackedData, check_targets, count_targets, eval
 from compiletune.loss.head import IGNORE_INDEX, LossHead
 from compiletune.metrics import perplexity
 from compiletune.models.moe import router_losses, update_score_bias
+from compiletune.models.seq_parallel import SeqShards
 from compiletune.train import objective
 from compiletune.train.build import Run
-from compiletune.train.forward import Batch, forward_hidden
+from compiletune.train.forward import Batch, forward_hidden, local_batch
 
 
 @dataclass
@@ -146,7 +147,7 @@ def train_step(
     if lr is not None:
         run.optimizer.set_lr(lr)
     b = cfg.data.batch_size
-    rows = slice(run.rank * b, (run.rank + 1) * b)
+    rows = slice(run.dp_rank * b, (run.dp_rank + 1) * b)
     # The loss is normalised by the target tokens of the whole accumulated batch, so
     # accumulation gives the same gradient as one big batch; FSDP averages gradients over
     # ranks, which the factor `world` undoes.
@@ -160,7 +161,7 @@ def train_step(
     for i, mb in enumerate(batch.micro):
         run.observe("forward")
         pairs = batch.pairs[i][rows] if batch.pairs is not None else None
-        mb = {k: v[rows].to(device, non_blocking=True) for k, v in mb.items()}
+        mb = local_batch(mb, rows, run.seq, device)
         stats: list[Tensor] | None = [] if n_experts else None
         hidden = forward_hidden(run.model, mb, bool(cfg.data.doc_mask), stats)  # [b, s, d]
         loss = _micro_loss(run, mb, pairs, hidden, sums)  # fp32 [], summed over targets/pairs
@@ -243,6 +244,8 @@ def _micro_loss(
     else:
         per_pair, values = objective.preference_micro(run, mb, hidden, pairs or [])
         loss, values = per_pair.sum(), {k: v.sum() for k, v in values.items()}
+        if run.seq is not None:  # every rank of a --cp group holds the whole pairs' values
+            loss, values = loss / run.seq.size, {k: v / run.seq.size for k, v in values.items()}
     for k, v in values.items():
         sums[k] = sums.get(k, 0.0) + v
     return loss
@@ -264,13 +267,15 @@ def evaluate(
     device: torch.device,
     doc_mask: bool,
     env: dist_.DistEnv | None = None,
+    seq: SeqShards | None = None,
 ) -> dict[str, float]:
     """Mean loss per target token (and its perplexity) over every row of `data`.
 
     Runs eagerly even under --compile (`force_eager`): the compiled regions were traced with
     gradients on, so calling them under no_grad would compile them a second time, and a short
     last batch a third. Eager gives the same loss (the numerics contract), and without autograd
-    nothing is kept for a backward.
+    nothing is kept for a backward. Under --cp (`seq`) each rank of a group runs its piece of
+    the group's rows.
 
     Under FSDP the rows are split over the ranks as training batches are (each global batch of
     world x batch_size rows, each rank its slice), and the sums are added up at the end. Every
@@ -278,6 +283,8 @@ def evaluate(
     of the last global batch is empty runs one row with no targets.
     """
     rank, world, b = (env.rank, env.world, batch_size) if env is not None else (0, 1, batch_size)
+    if seq is not None:  # the groups of --cp ranks share their rows
+        rank, world = rank // seq.size, world // seq.size
     # shares the weight; the eager form of the head
     head = LossHead(model.output, loss_kind, model.args.final_softcap)
     total = torch.zeros((), device=device, dtype=torch.float32)
@@ -286,11 +293,11 @@ def evaluate(
     try:
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             for batch in eval_batches(data, b * world):
-                mine = {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}
-                if mine["inputs"].shape[0] == 0:
-                    mine = {k: v[:1] for k, v in batch.items()}
-                    mine["targets"] = torch.full_like(mine["targets"], IGNORE_INDEX)
-                mine = {k: v.to(device, non_blocking=True) for k, v in mine.items()}
+                rows = slice(rank * b, (rank + 1) * b)
+                if batch["inputs"][rows].shape[0] == 0:
+                    rows = slice(0, 1)
+                    batch["targets"] = torch.full_like(batch["targets"], IGNORE_INDEX)
+                mine = local_batch(batch, rows, seq, device)
                 total += head(forward_hidden(model, mine, doc_mask), mine["targets"])
                 n_targets += int((mine["targets"] != IGNORE_INDEX).sum())
     finally:
