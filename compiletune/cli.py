@@ -192,14 +192,23 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     if ns.max_seq_len:
         if capacity is None:
             raise UserError("--max-seq-len searches for what fits --device-memory; pass it")
-        longest, est = fit.longest_seq_len(cfg, ns.gpus, capacity, _to_stderr)
+        if ns.ladder:
+            rows = fit.length_ladder(cfg, ns.gpus, capacity, _to_stderr)
+            if ns.json:
+                out = [{"rung": r.name, "flags": r.flags, "max_seq_len": r.longest} for r in rows]
+                print(json.dumps(out, indent=2))
+            else:
+                print(fit.format_length_ladder(rows, fit.positions(cfg)))
+            return 0
+        longest, est = fit.longest_seq_len(cfg, ns.gpus, capacity, _to_stderr, fit.MEMORY_LIMIT)
+        positions = fit.positions(cfg)
         if ns.json:
-            out = {"max_seq_len": longest, **(est.to_dict() if est is not None else {})}
-            print(json.dumps(out, indent=2))
+            out = {"max_seq_len": min(longest, positions), "memory_max_seq_len": longest}
+            print(json.dumps({**out, **(est.to_dict() if est is not None else {})}, indent=2))
         elif est is None:
             print(f"no --seq-len of {fit.SEQ_STEP} tokens or more fits; see the ladder (--ladder)")
         else:
-            print(f"longest --seq-len that fits: {longest} (peak {est.peak_bytes / 2**30:.2f} GiB)")
+            print(fit.longest_line(longest, est, positions))
         return 0
     if ns.ladder:
         rows = fit.ladder(cfg, ns.gpus, _to_stderr)

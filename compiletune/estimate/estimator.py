@@ -284,6 +284,7 @@ def _estimate(cfg: TrainConfig, gpus: int, round_bytes: int) -> MemoryEstimate:
             "fsdp": fsdp,
             "sharding": cfg.parallel.sharding if fsdp else None,
             "cpu_offload": cfg.parallel.cpu_offload,
+            "cp": cfg.parallel.cp,
             "objective": cfg.objective.objective,
         },
         notes=notes,

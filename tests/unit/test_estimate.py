@@ -451,3 +451,35 @@ def test_max_seq_len_is_the_longest_length_that_fits(capsys) -> None:
     assert longer.peak_bytes + fit.RESERVE_BYTES > 2.3 * 2**30
     assert main(["estimate-memory", *flags, "--max-seq-len"]) == 2
     assert "--device-memory" in capsys.readouterr().err
+
+
+def test_length_ladder_reaches_further_with_each_rung(capsys) -> None:
+    """`--max-seq-len --ladder`: the longest length as configured and with each rung added;
+    activation checkpointing and --cp over both GPUs reach further, each answer a multiple of
+    256 that fits while 256 more does not (checked on the checkpointing rung), and --cp's peak
+    counts each GPU's half of the row (the header says so)."""
+    from compiletune.cli import main
+    from compiletune.estimate import fit
+
+    flags = ["--model", "debug", "--batch-size", "2", "--dtype", "fp32", "--n-layers", "2"]
+    flags += ["--device-memory", "2.3", "--gpus", "2", "--max-seq-len", "--ladder", "--json"]
+    assert main(["estimate-memory", *flags]) == 0
+    rows = {r["rung"]: r for r in json.loads(capsys.readouterr().out)}
+    start = rows["as configured"]["max_seq_len"]
+    ac = rows["+ activation checkpointing"]["max_seq_len"]
+    cp = rows["+ context parallel"]
+    assert 0 < start < ac < cp["max_seq_len"] and cp["flags"].endswith("--cp 2")
+    assert [r["flags"] for r in rows.values()][1:4] == [
+        "--loss fused",
+        "--optimizer adamw8bit",
+        "--ac full",
+    ]
+    base = {"model": "debug", "batch_size": 2, "dtype": "fp32", "n_layers": 2, "fsdp": True}
+    cfg = resolve({}, {**base, "loss": "fused", "optimizer": "adamw8bit", "ac": "full"})
+    room = 2.3 * 2**30 - fit.RESERVE_BYTES
+    assert estimate.estimate_memory(cfg.replace(seq_len=ac), 2).peak_bytes <= room
+    assert estimate.estimate_memory(cfg.replace(seq_len=ac + fit.SEQ_STEP), 2).peak_bytes > room
+    half = estimate.estimate_memory(cfg.replace(seq_len=4096, cp=2), 2)
+    whole = estimate.estimate_memory(cfg.replace(seq_len=4096), 2)
+    assert half.peak_bytes < whole.peak_bytes
+    assert "seq 4096 (2048 each, --cp 2)" in fit.format_estimate(half)
