@@ -396,3 +396,49 @@ def test_error_missing_field_and_unsupported_options(llama_dir):
         args_from_hf_config(dict(cfg, hidden_act="gelu"))
     with pytest.raises(UserError, match="qkv_bias"):
         hf_config_from_args(dataclasses.replace(from_name("debug"), qkv_bias=True), torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "scaling"),
+    [
+        # Llama 3.1's published scaling: 8k trained, 128k positions
+        (
+            transformers.LlamaConfig,
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        # Qwen2.5 / Qwen3's yarn: 32k trained, x4 (and x8 past the published 128k)
+        (
+            transformers.Qwen2Config,
+            {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32768},
+        ),
+    ],
+)
+def test_long_rope_positions_equal_transformers(config_class, scaling) -> None:
+    """cos/sin at positions 128k..256k (a long-context run's) equal transformers' rotary
+    embedding of the same config bit for bit: the same fp32 frequencies and angles the
+    checkpoints were trained with (llama3 and yarn scaling), so a long row's last tokens rotate
+    exactly as transformers rotates them."""
+    from compiletune.models.rope import rope_cos_sin
+
+    config = config_class(
+        hidden_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500000.0 if scaling["rope_type"] == "llama3" else 1000000.0,
+        rope_scaling=scaling,
+        max_position_embeddings=262144,
+    )
+    args = args_from_hf_config(config.to_dict())
+    positions = torch.cat([torch.arange(131064, 131080), torch.arange(262128, 262144)])[None]
+    rotary = getattr(transformers.models, config.model_type)
+    module = getattr(rotary, f"modeling_{config.model_type}")
+    cls = next(v for k, v in vars(module).items() if k.endswith("RotaryEmbedding"))
+    hf_cos, hf_sin = cls(config)(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = rope_cos_sin(args, positions, torch.float32)
+    assert torch.equal(cos, hf_cos) and torch.equal(sin, hf_sin)
