@@ -115,7 +115,9 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|---|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['seq_len']} | {r['technique']} | {r['processes']} | {r['error']} | | | | |")
+            print(
+                f"| {r['seq_len']} | {r['technique']} | {r['processes']} | {r['error']} | | | | |"
+            )
             continue
         ratios = (
             f"{r['vs']} | {r['speed_ratio']:.2f}x | {r['peak_ratio']:.2f}x" if "vs" in r else "| |"

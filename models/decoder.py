@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .args import ModelArgs
 from .attention import attention_backend, causal_attention, flex_block_mask, visible
@@ -335,6 +336,18 @@ class MLPAndExperts(MoE):
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
+def tiled(fn: Callable[[Tensor], Tensor], x: Tensor, tile: int) -> Tensor:
+    """fn(x) for a token-wise `fn` over x [b, s, d], `tile` tokens at a time when 0 < tile < s:
+    each tile checkpointed (its intermediates recomputed in backward), so at most one tile's
+    intermediates ([b, tile, ffn] rather than [b, s, ffn]) are alive at once. The same values."""
+    if tile <= 0 or x.shape[1] <= tile:
+        return fn(x)
+    pieces = x.split(tile, dim=1)
+    if not torch.is_grad_enabled():
+        return torch.cat([fn(p) for p in pieces], dim=1)
+    return torch.cat([checkpoint(fn, p, use_reentrant=False) for p in pieces], dim=1)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then h + ffn(norm(h)); with sandwich norms
     (Gemma) the attention and MLP outputs are normed again before each residual add; without
@@ -393,6 +406,7 @@ class TransformerBlock(nn.Module):
         self.scalar = (
             nn.Parameter(torch.ones(1), requires_grad=False) if args.layer_scalar else None
         )
+        self.mlp_tile = 0  # --mlp-tile: tokens per tile of the MLP part (0: the whole row)
 
     def _residuals(
         self, x: Tensor, attention: Callable[[Tensor], Any], ple: Tensor | None
@@ -405,16 +419,16 @@ class TransformerBlock(nn.Module):
             a = self.post_attention_norm(a)
         h = x + a
         stats: tuple[Tensor, ...] = ()
-        n = h if self.ffn_norm is None else self.ffn_norm(h)
         if self.moe:
+            n = h if self.ffn_norm is None else self.ffn_norm(h)
             f, router = self.feed_forward(
                 n, h if isinstance(self.feed_forward, MLPAndExperts) else None
             )
             stats = (router,)
+            if self.post_ffn_norm is not None:
+                f = self.post_ffn_norm(f)
         else:
-            f = self.feed_forward(n)
-        if self.post_ffn_norm is not None:
-            f = self.post_ffn_norm(f)
+            f = tiled(self._mlp, h, self.mlp_tile)
         h = h + f
         if self.per_layer is not None:
             assert ple is not None, "a block with a per-layer input needs it"
@@ -422,6 +436,11 @@ class TransformerBlock(nn.Module):
         if self.scalar is not None:
             h = h * self.scalar.to(h.dtype)
         return (h, *stats, *kv)
+
+    def _mlp(self, h: Tensor) -> Tensor:
+        """A dense block's MLP part: norm, MLP, the norm after (where the family has them)."""
+        f = self.feed_forward(h if self.ffn_norm is None else self.ffn_norm(h))
+        return f if self.post_ffn_norm is None else self.post_ffn_norm(f)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Any = None, *extra: Tensor

@@ -132,6 +132,8 @@ def check_techniques(section: TechniquesConfig, cfg: TrainConfig) -> None:
         raise UserError(
             f"--ac {section.ac} is a setting of the compiler's partitioner; add --compile"
         )
+    if section.mlp_tile < 0:
+        raise UserError(f"--mlp-tile must be a token count (0 = off), got {section.mlp_tile}")
     if section.offload_activations and not section.compile:
         raise UserError("--offload-activations is a pass of the compile pipeline; add --compile")
     if section.dump_graphs is not None and not section.compile:

@@ -265,6 +265,13 @@ class TechniquesConfig:
     )
     ac: str = opt("none", "activation policy: none | full | selective | budget=F", on_resume="free")
     ac_every: int = opt(1, "apply --ac to every K-th block", on_resume="free")
+    mlp_tile: int = opt(
+        0,
+        "run each block's MLP (with its norm) over N tokens at a time, each tile recomputed in "
+        "backward: a block's transient memory stops growing with the row (0 = off)",
+        metavar="N",
+        on_resume="free",
+    )
     offload_activations: bool = opt(
         False,
         "what each block saves for backward goes to host memory (needs --compile)",

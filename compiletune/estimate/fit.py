@@ -103,9 +103,13 @@ LORA_RUNGS: list[tuple[str, dict[str, Any]]] = [
 _IMPLIED = {"lora_alpha", "max_grad_norm"}
 
 
-# Length's own rung: what each block keeps for backward goes to host memory (the compiled
-# pass); after activation checkpointing that is one [seq, dim] tensor a block.
-LENGTH_RUNG = ("+ activation offload", {"compile": True, "offload_activations": True})
+# Length's own rungs: a block's MLP part a tile of tokens at a time (its transient no longer
+# grows with the row), and what each block keeps for backward moved to host memory (the
+# compiled pass).
+LENGTH_RUNGS: list[tuple[str, dict[str, Any]]] = [
+    ("+ MLP tiles", {"mlp_tile": 4096}),
+    ("+ activation offload", {"compile": True, "offload_activations": True}),
+]
 MEMORY_LIMIT = 2**20  # the longest length --max-seq-len looks for, past the model's positions
 
 
@@ -228,11 +232,11 @@ def length_ladder(
     progress: Callable[[str], None] | None = None,
 ) -> list[Rung]:
     """`ladder` aimed at length: the longest --seq-len (`longest_seq_len`, up to MEMORY_LIMIT
-    tokens) the run reaches as configured and with each rung added to those before, the
-    activation rungs (offloading what each block keeps, and with several GPUs, --cp over all of
-    them) among them. Each rung's search starts from the length before it."""
+    tokens) the run reaches as configured and with each rung added to those before, length's
+    own rungs (MLP tiles, activation offload, and with several GPUs --cp over all of them)
+    among them. Each rung's search starts from the length before it."""
     say = progress or (lambda line: None)
-    rungs = LADDER[:3] + [LENGTH_RUNG] + LADDER[3:] + LORA_RUNGS
+    rungs = LADDER[:3] + LENGTH_RUNGS + LADDER[3:] + LORA_RUNGS
     if gpus > 1:
         rungs = rungs + [("+ context parallel", {"fsdp": True, "cp": gpus})]
     last = [0]

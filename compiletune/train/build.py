@@ -331,6 +331,7 @@ def apply_techniques(
     for i, block in enumerate(model.layers):
         eager_selective = not compile and policy.kind == "selective" and policy.applies_to(i)
         block.attention.backend = attention_backend(device, eager_selective=eager_selective)
+        block.mlp_tile = t.mlp_tile
     regions = None
     if compile:
         opts = CompileOptions(

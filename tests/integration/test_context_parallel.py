@@ -127,8 +127,9 @@ def _variants(tmp: str) -> dict[str, tuple[dict, dict]]:
     dpo = {**base, "data": f"{tmp}/pairs.jsonl", "objective": "dpo", "seq_len": 128}
     dpo |= {"val_split": 0.1, "eval_every": 2}
     return {
+        # with full checkpointing (the recompute exchanges again) and MLP tiles
         "cp": (
-            {**base, "save_every": 2, "eval_data": base["data"]},
+            {**base, "save_every": 2, "eval_data": base["data"], "ac": "full", "mlp_tile": 16},
             base | {"eval_data": base["data"]},
         ),
         "cp-gemma2-lora-compiled": (
@@ -173,7 +174,7 @@ def _losses(run_dir: Path) -> list[float]:
 @pytest.mark.slow
 def test_cp_trains_like_one_process_and_resumes(tmp_path: Path) -> None:
     """--cp 2 on 2 ranks (one group sharing every row) against one process with the same rows:
-    plain text with a held-out evaluation, Gemma 2's windows and soft-caps under LoRA and
+    plain text with a held-out evaluation, full checkpointing and MLP tiles, Gemma 2's windows and soft-caps under LoRA and
     compile, DPO's per-pair sums over pieces of the rows; a resume repeats the run exactly."""
     (tmp_path / "corpus.txt").write_text(TEXT)
     with (tmp_path / "pairs.jsonl").open("w") as f:
