@@ -60,9 +60,13 @@ def stop_ids(run: Run) -> set[int]:
 class Grpo:
     """What a GRPO run keeps from step to step: its rewards and stop ids."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, rewards: list[Reward] | None = None) -> None:
+        """`rewards`: loaded already (the trainer loads them before the model, so a reward
+        that cannot load stops the run first); else loaded from the config."""
         o = run.cfg.objective
-        self.rewards: list[Reward] = load_rewards(o.reward or "", o.reward_weights)
+        if rewards is None:
+            rewards = load_rewards(o.reward or "", o.reward_weights)
+        self.rewards: list[Reward] = rewards
         self.stop = stop_ids(run)
         self.opts = GrpoOptions(
             o.grpo_loss, o.epsilon_low, o.epsilon_high, o.beta or 0.0, o.max_new_tokens

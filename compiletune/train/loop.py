@@ -140,12 +140,13 @@ class Trainer:
         self.out, resume_notes = run_dir.check_output_dir(cfg)
         self.log_names = parse_loggers(cfg.run.log)
         check_available(self.log_names)
+        rewards = None
         if cfg.objective.objective == "grpo":  # a reward that cannot load: before the model
-            load_rewards(cfg.objective.reward or "", cfg.objective.reward_weights)
+            rewards = load_rewards(cfg.objective.reward or "", cfg.objective.reward_weights)
         self.run: Run = build_run(cfg, env)
         if cfg.objective.precompute_ref:
             objective.precompute_reference(self.run, self.say)
-        self.grpo = grpo.Grpo(self.run) if cfg.objective.objective == "grpo" else None
+        self.grpo = grpo.Grpo(self.run, rewards) if rewards is not None else None
         if self.run.resume_from is not None:
             pending = run_dir.merge_pending(cfg, self.out)
             run_dir.check_length(cfg.run.max_steps, self.run.start_step, pending)
