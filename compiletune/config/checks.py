@@ -132,6 +132,11 @@ def check_techniques(section: TechniquesConfig, cfg: TrainConfig) -> None:
         raise UserError(
             f"--ac {section.ac} is a setting of the compiler's partitioner; add --compile"
         )
+    if section.fp8 and cfg.lora.rank:
+        raise UserError(
+            "--fp8 with --lora-rank: a LoRA base is frozen in its own linear, which float8 does "
+            "not convert yet; drop one of them"
+        )
     if section.mlp_tile < 0:
         raise UserError(f"--mlp-tile must be a token count (0 = off), got {section.mlp_tile}")
     if section.offload_activations and not section.compile:

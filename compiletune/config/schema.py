@@ -18,6 +18,7 @@ from compiletune.choices import (
     CompileBackend,
     DataFormat,
     Dtype,
+    Fp8Recipe,
     GrpoLoss,
     KdLoss,
     Loss,
@@ -265,6 +266,12 @@ class TechniquesConfig:
     )
     ac: str = opt("none", "activation policy: none | full | selective | budget=F", on_resume="free")
     ac_every: int = opt(1, "apply --ac to every K-th block", on_resume="free")
+    fp8: Fp8Recipe | None = opt(
+        None,
+        "float8 matmuls in the blocks' linears (torchao, compiletune[fp8]; GPUs of compute "
+        "capability 8.9+): rowwise or tensorwise scales",
+        on_resume="free",
+    )
     mlp_tile: int = opt(
         0,
         "run each block's MLP (with its norm) over N tokens at a time, each tile recomputed in "

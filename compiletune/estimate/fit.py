@@ -98,6 +98,9 @@ LORA_RUNGS: list[tuple[str, dict[str, Any]]] = [
     ("+ LoRA r16 (adapters only)", {"lora_rank": 16, "lora_alpha": 32.0}),
     ("+ QLoRA (NF4 base)", {"quantize_base": "nf4"}),
 ]
+# Float8 matmuls: a speed rung (about the same memory), shown beside the full fine-tune's
+# stack; not with LoRA (its frozen base is not converted).
+FP8_RUNG: tuple[str, dict[str, Any]] = ("+ fp8 (speed, full fine-tune)", {"fp8": "rowwise"})
 # Keys a rung sets along with another flag, not shown on their own (LoRA's alpha follows its
 # rank; in-backward steps imply no clipping).
 _IMPLIED = {"lora_alpha", "max_grad_norm"}
@@ -222,7 +225,18 @@ def ladder(
     def measure(c: TrainConfig) -> tuple[MemoryEstimate, None, str]:
         return estimate_memory(c, gpus), None, ""
 
-    return _climb(as_trained(cfg, gpus), LADDER + LORA_RUNGS, progress, measure)
+    rows: list[Rung] = []
+    full = _climb(as_trained(cfg, gpus), LADDER, progress, measure, rows)
+    if not full.techniques.fp8:  # speed, not memory: beside the full fine-tune's stack
+        flags = flags_text(FP8_RUNG[1])
+        try:
+            rows.append(
+                Rung(FP8_RUNG[0], flags, estimate_memory(full.replace(**FP8_RUNG[1]), gpus))
+            )
+        except UserError as e:  # torchao not installed
+            rows.append(Rung(FP8_RUNG[0], flags, None, why=f"n/a ({e})"))
+    _climb(full, LORA_RUNGS, progress, measure, rows)
+    return rows
 
 
 def length_ladder(
@@ -250,7 +264,9 @@ def length_ladder(
         last[0] = longest
         return est, longest, ""
 
-    return _climb(as_trained(cfg, gpus), rungs, progress, measure)
+    rows: list[Rung] = []
+    _climb(as_trained(cfg, gpus), rungs, progress, measure, rows)
+    return rows
 
 
 def _climb(
@@ -258,11 +274,14 @@ def _climb(
     rungs: list[tuple[str, dict[str, Any]]],
     progress: Callable[[str], None] | None,
     measure: Callable[[TrainConfig], tuple[MemoryEstimate | None, int | None, str]],
-) -> list[Rung]:
-    """The ladder's rows: `current`, then each rung's flags added to those before (a rung
-    already on, or invalid for the run, is shown and skipped), each `measure`d."""
-    first = measure(current)
-    rows = [Rung("as configured", "", first[0], first[1], why=first[2])]
+    rows: list[Rung],
+) -> TrainConfig:
+    """The ladder's rows, appended to `rows`: `current` (when `rows` is empty), then each rung's
+    flags added to those before (a rung already on, or invalid for the run, is shown and
+    skipped), each `measure`d. Returns the configuration with every applicable rung."""
+    if not rows:
+        first = measure(current)
+        rows.append(Rung("as configured", "", first[0], first[1], why=first[2]))
     for name, changes in rungs:
         if progress is not None:
             progress(f"  {rows[-1].name}: done; estimating {name}...")
@@ -281,7 +300,7 @@ def _climb(
             continue
         current = candidate
         rows.append(Rung(name, flags_text(todo), result[0], result[1], why=result[2]))
-    return rows
+    return current
 
 
 def suggest(

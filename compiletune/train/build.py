@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from compiletune import distributed as dist_
-from compiletune import hardware
+from compiletune import fp8, hardware
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.compiler.activation import apply_eager_checkpointing, parse_ac
@@ -317,10 +317,14 @@ def apply_techniques(
     env: dist_.DistEnv | None,
     compile: bool,
     device: torch.device | None = None,
+    notes: list[str] | None = None,
+    probe: bool = False,
 ) -> CompiledRegions | None:
     """Every technique that wraps the model, in one place and in this order (`device`: where
-    the model runs; the memory estimate's is the CPU of its fake tensors, also for a GPU run):
+    the model runs; the memory estimate's is the CPU of its fake tensors, also for a GPU run;
+    `notes`: start-up lines about what was done):
 
+    0. float8 linears     (--fp8: torchao's, in the blocks; the estimate's emulated)
     1. activation policy  (eager: torch.utils.checkpoint per block; compiled: a graph pass)
     2. compile            (each block and the head through compiletune's backend)
     3. FSDP2              (after compile, so FSDP's hooks stay outside the compiled blocks)
@@ -328,6 +332,13 @@ def apply_techniques(
     t = cfg.techniques
     policy = parse_ac(t.ac, t.ac_every)
     device = device or model_device(env)
+    if t.fp8:
+        emulate = True if probe else fp8.check_device(device)
+        n, kept = fp8.convert_blocks(model, t.fp8, emulate, env is not None)
+        if notes is not None:
+            where = " (emulated)" if emulate else ""
+            notes.append(f"--fp8 {t.fp8}{where}: {n} block linears in float8")
+            notes += [f"  kept in {cfg.model.dtype or 'bf16'}: {line}" for line in kept]
     for i, block in enumerate(model.layers):
         eager_selective = not compile and policy.kind == "selective" and policy.applies_to(i)
         block.attention.backend = attention_backend(device, eager_selective=eager_selective)
@@ -583,7 +594,8 @@ def build_run(
     head = LossHead(
         model.output, head_kind(cfg.techniques.loss, compiled), model.args.final_softcap
     )
-    regions = apply_techniques(model, head, cfg, env, compiled, device)
+    notes: list[str] = []
+    regions = apply_techniques(model, head, cfg, env, compiled, device, notes, probe is not None)
 
     params: list[nn.Parameter] = []
     with probe.scope() if probe is not None else contextlib.nullcontext():
@@ -627,6 +639,7 @@ def build_run(
         reference=frozen[0].model if frozen[0] is not None else None,
         teacher=frozen[1].model if frozen[1] is not None else None,
         seq=seq,
+        notes=notes,
     )
     if inputs.data is not None:
         # Every rank draws the same global batch of (world / --cp) x --batch-size rows, trains

@@ -564,6 +564,8 @@ class Trainer:
             + (f"; resuming from {run.resume_from.name}" if run.resume_from else "")
         )
         self.say(line)
+        for note in run.notes:
+            self.say(note)
         if run.lora is not None:
             n_trainable = sum(p.numel() for p in run.params)
             stored = cfg.lora.quantize_base or str(run.base_dtype).split(".")[-1]

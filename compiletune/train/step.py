@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from compiletune import distributed as dist_
+from compiletune import fp8
 from compiletune.config import TrainConfig
 from compiletune.data.rows import PackedData, check_targets, count_targets, eval_batches
 from compiletune.loss.head import IGNORE_INDEX, LossHead
@@ -194,6 +195,8 @@ def train_step(
         return StepResult(total, n_targets, grad_norm, stepped=False, router=moe, extras=extras)
     run.optimizer.step()  # a no-op with --optimizer-in-backward: already stepped
     run.optimizer.zero_grad()
+    if cfg.techniques.fp8 and run.env is not None:  # tensorwise: the next all-gather's scales
+        fp8.precompute_scales(run.model, cfg.techniques.fp8)
     rate = cfg.optim.router_bias_update_rate
     if moe is not None and rate:  # the loads of the whole global batch: every rank's
         tokens = moe.expert_tokens.clone()
