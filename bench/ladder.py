@@ -76,6 +76,10 @@ LORA_ROWS: list[tuple[str, list[str]]] = [
     ("full AC", ["--compile", "--ac", "full"]),
     ("LoRA r16", _LORA),
     ("QLoRA r16 (nf4)", [*_LORA, "--quantize-base", "nf4", "--base-dtype", "bf16"]),
+    # float8 matmuls (torchao; GPUs of compute capability 8.9+) on the fused, selective-AC
+    # stack, against "+ selective AC"
+    ("+ fp8 rowwise", [*_SAC, "--fp8", "rowwise"]),
+    ("+ fp8 tensorwise", [*_SAC, "--fp8", "tensorwise"]),
 ]
 # `--models llama3_1_8b --rows 8b`: an 8B model on one GPU (seq 2048 x batch 2), each row with
 # the trainer's pre-flight estimate beside its measured peak.
@@ -84,6 +88,7 @@ EIGHT_B_ROWS: list[tuple[str, list[str]]] = [
     ("8B full: fused + selective AC + 8-bit AdamW in backward", _8B_FULL),
     ("8B LoRA r16", _LORA),
     ("8B QLoRA r16 (nf4)", [*_LORA, "--quantize-base", "nf4", "--base-dtype", "bf16"]),
+    ("8B full + fp8 rowwise", [*_8B_FULL, "--fp8", "rowwise"]),
     ("8B recipe llama3_1_8b_full_24gb", ["--recipe", "llama3_1_8b_full_24gb"]),
 ]
 # A recipe's own keys that a bench run replaces: its data, weights and run length.
