@@ -27,6 +27,8 @@ from torch import Tensor
 
 from compiletune.torch_internals import all_to_all_autograd
 
+from .args import ModelArgs
+
 
 class SeqShards:
     """This rank's place among the `size` ranks that share each sequence."""
@@ -78,6 +80,17 @@ class SeqShards:
         if self.group is None:  # the estimate: a new tensor of the same shape
             return parts.contiguous().clone()
         return all_to_all_autograd(parts.contiguous(), self.group)
+
+
+def unsplittable(args: ModelArgs, n: int, world: int) -> str | None:
+    """Why `args`' model cannot split its rows over n of `world` ranks (None: it can)."""
+    if world % n:
+        return f"must divide the {world} processes"
+    if args.n_heads % n:
+        return f"must divide the model's {args.n_heads} attention heads"
+    if "linear" in {args.layer_kind(i) for i in range(args.n_layers)}:
+        return "cannot split the linear-attention layers' recurrence (Qwen3.5, Qwen3-Next)"
+    return None
 
 
 def split_sequence(model: torch.nn.Module, shards: SeqShards | None) -> None:

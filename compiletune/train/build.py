@@ -60,7 +60,7 @@ from compiletune.models.lora import (
     nf4_unfit,
     parse_targets,
 )
-from compiletune.models.seq_parallel import SeqShards, split_sequence
+from compiletune.models.seq_parallel import SeqShards, split_sequence, unsplittable
 from compiletune.optim import ADAMW_BETAS, Optimizer
 from compiletune.train.inputs import build_data, build_pairs
 
@@ -527,21 +527,11 @@ def sequence_shards(
 ) -> SeqShards | None:
     """--cp N: this rank's place in its group of N consecutive ranks sharing each row (None
     without). `simulated`: the memory estimate's rank 0, the same shapes without a group."""
-    n = cfg.parallel.cp
-    if n == 1:
-        return None
-    world = env.world if env is not None else 1
-    why = None
-    if world % n:
-        why = f"must divide the {world} processes"
-    elif args.n_heads % n:
-        why = f"must divide the model's {args.n_heads} attention heads"
-    elif "linear" in {args.layer_kind(i) for i in range(args.n_layers)}:
-        why = "cannot split the linear-attention layers' recurrence (Qwen3.5, Qwen3-Next)"
-    if why is not None:
+    n, world = cfg.parallel.cp, env.world if env is not None else 1
+    if n > 1 and (why := unsplittable(args, n, world)):
         raise UserError(f"--cp {n} {why}")
-    if simulated or env is None:
-        return SeqShards(n, 0)
+    if n == 1 or simulated or env is None:
+        return None if n == 1 else SeqShards(n, 0)
     return SeqShards(n, env.rank % n, dist_.cp_group(n))
 
 
