@@ -88,12 +88,14 @@ def test_last_good_checkpoint_is_one_to_continue_from(tmp_path, corpus, capsys, 
     names the one before them, and its advice, followed, continues with finite steps."""
     out = tmp_path / "run"
     assert _train(out, corpus, "--max-steps", "2", "--save-every", "1") == 0
-    _nan_on_calls(monkeypatch, {3})  # step 5 of the resumed run
+    # Step 4 of the resumed run fails: injected, since whether lr 1e4 turns its gradient into
+    # NaN by itself there depends on the CPU's arithmetic (it did on one AVX2 machine).
+    _nan_on_calls(monkeypatch, {2})
     resume = ["--resume", "--max-steps", "6", "--lr", "1e4", "--accept-changes"]
     capsys.readouterr()
     assert main(["train", "--output-dir", str(out), *resume, "--save-every", "1"]) == 2
     line = _one_error_line(capsys)
-    assert [s for s, _ in ckpt.list_checkpoints(out)] == [1, 2, 3, 4]  # 3 and 4: blown up
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [1, 2, 3]  # 3: finite, blown up
     assert f"the last good checkpoint is {out / 'step_2'}" in line, line
     advice = line.split("continue from it with a lower learning rate: ")[1].split(" (or")[0]
     assert advice == "--resume --resume-from step_2 --lr 0.001 --accept-changes"
