@@ -48,6 +48,12 @@ def _yarn(theta: float, dim: int, rs: RopeScaling, device: torch.device | str | 
     return interpolation * (1 - keep) + extrapolation * keep
 
 
+def rope_type(args: ModelArgs, kind: str) -> str | None:
+    """The rope scaling type of layers of `kind` ("llama3", "yarn", "longrope", ...; None)."""
+    rs = _rope_base(args, kind)[1]
+    return None if rs is None else rs.rope_type
+
+
 def _rope_base(args: ModelArgs, kind: str) -> tuple[float, RopeScaling | None]:
     """(base, scaling) of layers of `kind`: Gemma 3's sliding layers have their own base and
     no scaling; every other layer uses the model's."""

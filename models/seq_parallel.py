@@ -28,6 +28,7 @@ from torch import Tensor
 from compiletune.torch_internals import all_to_all_autograd
 
 from .args import ModelArgs
+from .rope import rope_type
 
 
 class SeqShards:
@@ -90,6 +91,12 @@ def unsplittable(args: ModelArgs, n: int, world: int) -> str | None:
         return f"must divide the model's {args.n_heads} attention heads"
     if "linear" in {args.layer_kind(i) for i in range(args.n_layers)}:
         return "cannot split the linear-attention layers' recurrence (Qwen3.5, Qwen3-Next)"
+    if any(rope_type(args, args.layer_kind(i)) == "longrope" for i in range(args.n_layers)):
+        # longrope picks its factors from the longest position in view, which differs by piece
+        return (
+            "cannot split a longrope model's rows (Phi-3.5, Phi-4-mini): each piece would pick "
+            "its own rope factors"
+        )
     return None
 
 

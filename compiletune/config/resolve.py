@@ -149,7 +149,8 @@ def fill_defaults(cfg: TrainConfig, facts: RunFacts | None = None) -> TrainConfi
     if run.max_steps is None and run.epochs is None:
         run.max_steps = DEFAULT_MAX_STEPS
     if run.max_steps is None and facts.rows is not None:
-        rows_per_step = cfg.data.batch_size * cfg.data.grad_accum * facts.world // cfg.parallel.cp
+        groups = max(1, facts.world // cfg.parallel.cp)  # ranks with rows of their own
+        rows_per_step = cfg.data.batch_size * cfg.data.grad_accum * groups
         run.max_steps = max(1, run.epochs * -(-facts.rows // rows_per_step))
     if o.warmup_steps is None and run.max_steps is not None:
         o.warmup_steps = max(1, round(WARMUP_FRACTION * run.max_steps)) if run.max_steps > 1 else 0

@@ -145,15 +145,16 @@ def longest_seq_len(
     limit: int | None = None,
     first: int | None = None,
 ) -> tuple[int, MemoryEstimate | None]:
-    """The longest --seq-len, a multiple of SEQ_STEP up to `limit` (default: the model's
-    positions), whose step fits `capacity`, and its estimate; (0, None) when none fits.
+    """The longest --seq-len, a multiple of SEQ_STEP (and of --cp) up to `limit` (default: the
+    model's positions), whose step fits `capacity`, and its estimate; (0, None) when none fits.
 
     Every answer is an estimate that fits with the next multiple one that does not (or the
     limit). Between them the search guesses where the peak meets the capacity on the line
     through the two nearest lengths tried (the peak grows about linearly with the length once
     attention is tiled), bisecting instead when a guess does not halve the interval: about
     five estimates rather than the fifteen of doubling and bisecting."""
-    top = (limit or positions(cfg)) // SEQ_STEP * SEQ_STEP
+    step = math.lcm(SEQ_STEP, cfg.parallel.cp)  # --cp N: rows of N equal pieces
+    top = (limit or positions(cfg)) // step * step
     room = capacity.device_bytes - RESERVE_BYTES
     seen: dict[int, MemoryEstimate] = {}
 
@@ -163,14 +164,14 @@ def longest_seq_len(
         say(f"  --seq-len {n}: {est.peak_bytes / 2**30:.2f} GiB, {'fits' if ok else 'does not'}")
         return ok
 
-    good, bad = 0, top + SEQ_STEP  # the longest that fits, the shortest that does not
-    guess, width = min(top, first or 16 * SEQ_STEP), None
-    while bad - good > SEQ_STEP:
+    good, bad = 0, top + step  # the longest that fits, the shortest that does not
+    guess, width = min(top, max(step, (first or 16 * step) // step * step)), None
+    while bad - good > step:
         if tried(guess):
             good = guess
         else:
             bad = guess
-        if bad - good <= SEQ_STEP:
+        if bad - good <= step:
             break
         # the line through the nearest fit and miss, else (extrapolating) the two longest fits
         bracketed = bad in seen and good > 0
@@ -185,7 +186,7 @@ def longest_seq_len(
                 guess = int(n0 + (room - p0) * (n1 - n0) / (p1 - p0))
             else:
                 guess = (good + bad) // 2 if bad in seen else 2 * good
-        guess = min(max(guess // SEQ_STEP * SEQ_STEP, good + SEQ_STEP), bad - SEQ_STEP)
+        guess = min(max(guess // step * step, good + step), bad - step)
     return good, seen.get(good)
 
 

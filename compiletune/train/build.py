@@ -578,6 +578,8 @@ def build_run(
         frozen = build_frozen(cfg, env, args, spec, lora_kw, device, probe is not None, start)
     seq = sequence_shards(cfg, env, args, fake)
     for m in (model, *(f.model for f in frozen if f is not None)):
+        if seq is not None and m is not model and (why := unsplittable(m.args, seq.size, seq.size)):
+            raise UserError(f"--cp {seq.size}: the teacher {why}")  # (the reference is a copy)
         split_sequence(m, seq)
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None

@@ -202,3 +202,31 @@ def test_cp_trains_like_one_process_and_resumes(tmp_path: Path) -> None:
 def test_bad_cp_flags(flags: dict, message: str) -> None:
     with pytest.raises(UserError, match=message):
         resolve({}, flags)
+
+
+def test_models_that_cannot_split_their_rows_are_refused(tmp_path: Path, capsys) -> None:
+    """Linear attention (a recurrence), longrope (each piece would pick its own factors), heads
+    that --cp does not divide, a KD teacher that cannot split: one line each, before training."""
+    import transformers
+
+    from compiletune.cli import main
+    from compiletune.models import args_from_hf_config, save_hf
+    from compiletune.models.seq_parallel import unsplittable
+
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 16}
+    rope |= {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    phi3 = transformers.Phi3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        max_position_embeddings=64, original_max_position_embeddings=16, rope_parameters=rope,
+    )  # fmt: skip
+    assert "longrope" in unsplittable(args_from_hf_config(phi3.to_dict()), 2, 2)
+    assert "recurrence" in unsplittable(from_name("debug_qwen3_5"), 2, 2)
+    assert "8 attention heads" in unsplittable(from_name("debug"), 3, 3)
+    assert unsplittable(from_name("debug"), 2, 4) is None
+    teacher = from_name("debug_qwen3_5")
+    teacher.n_layers = 4
+    save_hf(build_model(teacher), tmp_path / "teacher", tokenizer=None)
+    flags = ["--model", "debug", "--n-layers", "2", "--gpus", "2", "--fsdp", "--cp", "2"]
+    flags += ["--objective", "kd", "--teacher-dir", str(tmp_path / "teacher")]
+    assert main(["estimate-memory", *flags]) == 2
+    assert "--cp 2: the teacher cannot split" in capsys.readouterr().err
