@@ -228,14 +228,7 @@ def ladder(
 
     rows: list[Rung] = []
     full = _climb(as_trained(cfg, gpus), LADDER, progress, measure, rows)
-    if not full.techniques.fp8:  # speed, not memory: beside the full fine-tune's stack
-        flags = flags_text(FP8_RUNG[1])
-        try:
-            rows.append(
-                Rung(FP8_RUNG[0], flags, estimate_memory(full.replace(**FP8_RUNG[1]), gpus))
-            )
-        except UserError as e:  # torchao not installed
-            rows.append(Rung(FP8_RUNG[0], flags, None, why=f"n/a ({e})"))
+    _climb(full, [FP8_RUNG], progress, measure, rows)  # speed: beside the stack, not on it
     _climb(full, LORA_RUNGS, progress, measure, rows)
     return rows
 
