@@ -1,4 +1,4 @@
-"""Command line: `compiletune train | generate | estimate-memory | models | configs | convert`.
+"""Command line: `compiletune train | generate | eval | estimate-memory | models | configs | convert | plot`.
 
 Flags override `--config run.yaml`, which overrides the defaults in `config.TrainConfig`.
 Bad input prints one line, `compiletune: error: ...`, and exits with code 2.
@@ -49,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_flags(train)
     generate = sub.add_parser("generate", help="generate text from a checkpoint (KV cache)")
     _add_generate_flags(generate)
+    evaluate = sub.add_parser(
+        "eval",
+        help="a checkpoint's held-out loss and perplexity (--data) and lm-eval tasks (--tasks)",
+        description="Evaluate a checkpoint folder (an HF model folder, a run's step_N, or a LoRA "
+        "step folder): with --data, the mean loss per target token and its perplexity, masked "
+        "and packed as training does (a run's step folder takes the run's config.yaml choices "
+        "unless flags say otherwise); with --tasks, lm-evaluation-harness tasks "
+        '(pip install "compiletune[eval]"). See docs/eval.md.',
+    )
+    _add_eval_flags(evaluate)
     est = sub.add_parser(
         "estimate-memory",
         help="predict a training step's peak GPU memory (no GPU needed)",
@@ -107,6 +117,22 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--dtype", choices=choices(BaseDtype), default=None, help="default: as saved"
     )
+    plot = sub.add_parser(
+        "plot",
+        help="chart runs' metrics.jsonl: a PNG and an HTML page (needs matplotlib)",
+        description="Draw each run folder's metrics.jsonl (loss with eval points, lr, tokens/s, "
+        "peak memory, gradient norm, the objective's metrics) into a PNG and an HTML page "
+        "beside it; several runs share the panels. Needs matplotlib: "
+        'pip install "compiletune[plot]".',
+    )
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's --output-dir")
+    plot.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        metavar="PATH.png",
+        help="default: RUN_DIR/plot.png for one run (needed for several); the page is PATH.html",
+    )
     return parser
 
 
@@ -122,6 +148,58 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model-dir)")
     p.add_argument("--dtype", choices=choices(BaseDtype), default=None, help="default: bf16 on GPU")
+
+
+# The config fields `eval` takes as flags: how --data is read, masked and packed.
+_EVAL_DATA_KEYS = (
+    "data_format",
+    "data_columns",
+    "data_roles",
+    "data_split",
+    "cache_dir",
+    "data_workers",
+    "doc_mask",
+    "packing",
+    "truncation",
+    "seq_len",
+    "batch_size",
+)
+_EVAL_OWN = ("command", "checkpoint", "tasks", "include_path", "limit", "max_examples", "dtype")
+_EVAL_OWN += ("tokenizer", "output", "json")
+
+
+def _add_eval_flags(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="HF model folder or a run's step_N")
+    p.add_argument("--data", default=S, metavar="SOURCE", help="held-out data (as train's --data)")
+    p.add_argument("--max-examples", type=int, metavar="N", help="the first N examples of --data")
+    p.add_argument("--tasks", default=None, metavar="T1,T2", help="lm-evaluation-harness tasks")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="lm-eval task YAMLs here")
+    p.add_argument("--limit", type=int, metavar="N", help="--tasks: at most N examples per task")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: CHECKPOINT)")
+    p.add_argument("--dtype", choices=choices(BaseDtype), default=None, help="default: as trained")
+    p.add_argument("--output", default=None, metavar="DIR", help="write loss.json / <tasks>.json")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_flags(p, only=_EVAL_DATA_KEYS)
+
+
+def _cmd_eval(ns: argparse.Namespace) -> int:
+    flags = {k: v for k, v in vars(ns).items() if k not in _EVAL_OWN}
+    from compiletune.evaluation import run_eval  # lazy: a subcommand's cost
+
+    run_eval(
+        ns.checkpoint,
+        flags,
+        tasks=ns.tasks,
+        include_path=ns.include_path,
+        limit=ns.limit,
+        max_examples=ns.max_examples,
+        dtype=ns.dtype,
+        tokenizer=ns.tokenizer,
+        output=ns.output,
+        as_json=ns.json,
+    )
+    return 0
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -342,6 +420,14 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(ns: argparse.Namespace) -> int:
+    from compiletune.plot import plot_runs  # lazy: a subcommand's cost
+
+    png, page = plot_runs(ns.runs, ns.output)
+    print(f"wrote {png} and {page}")
+    return 0
+
+
 def huge_page_tensors() -> None:
     """Back large CPU tensors with transparent huge pages, unless the user chose otherwise.
 
@@ -373,12 +459,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_convert(ns)
         if ns.command == "generate":
             return _cmd_generate(ns)
+        if ns.command == "eval":
+            return _cmd_eval(ns)
         if ns.command == "estimate-memory":
             return _cmd_estimate(ns)
         if ns.command == "configs":
             return _cmd_configs(ns)
         if ns.command == "cache":
             return _cmd_cache(ns)
+        if ns.command == "plot":
+            return _cmd_plot(ns)
         return _cmd_models(ns)
     except UserError as e:
         show(e)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from compiletune import hub
 from compiletune.errors import UserError
 
 from .args import ROPE_TYPES, ModelArgs, RopeScaling
@@ -53,34 +53,23 @@ def read_json(path: Path, fix: str) -> Any:
         raise UserError(f"{path} is not valid JSON ({brief(e)}); {fix}") from e
 
 
-# A hub model id: "org/name" (what `from_pretrained` takes), never a path that exists here.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-
-
-def resolve_model_path(name: str | os.PathLike, flag: str = "--model-dir") -> Path:
-    """The local folder `name` stands for: the path itself when it exists, else (for a hub id
-    such as `HuggingFaceTB/SmolLM2-135M`) its snapshot in the local HF cache. Nothing is ever
-    downloaded; a name that is neither is refused in one line that says how to get the folder.
-    Every loader of a model or tokenizer folder resolves its argument through this."""
+def resolve_model_path(
+    name: str | os.PathLike, flag: str = "--model-dir", weights: bool = True
+) -> Path:
+    """The local folder `name` stands for: the path itself when it exists, else (for a hub spec
+    such as `HuggingFaceTB/SmolLM2-135M` or `ORG/NAME@REVISION`) its snapshot in the HF cache,
+    downloaded on first use (`compiletune.hub`; `weights=False`: a tokenizer's files alone).
+    Anything else is refused in one line. Every loader of a model or tokenizer folder resolves
+    its argument through this."""
     path = Path(name)
     if path.exists():
         return path
-    text = str(name)
-    if _HUB_ID.fullmatch(text) and ".." not in text:
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(text, local_files_only=True))
-        except Exception as e:  # not cached (LocalEntryNotFoundError), invalid id, no hub lib
-            raise UserError(
-                f"{flag} {text}: no such folder, and the hub model {text} is not in the local "
-                f"HF cache ({type(e).__name__}); compiletune downloads nothing: run "
-                f"`hf download {text} --local-dir DIR` (the `hf` command of huggingface_hub) "
-                f"and pass {flag} DIR"
-            ) from e
+    folder = hub.model_folder(str(name), flag, weights)
+    if folder is not None:
+        return folder
     raise UserError(
-        f"model folder {text} does not exist; pass {flag} with a local HF model folder "
-        "(config.json, model.safetensors, tokenizer files)"
+        f"model folder {name} does not exist; pass {flag} with a local HF model folder "
+        "(config.json, model.safetensors, tokenizer files) or a Hub id ORG/NAME[@REVISION]"
     )
 
 
@@ -95,7 +84,7 @@ def load_hf_config(path: str | os.PathLike, flag: str = "--model-dir") -> dict:
     if path.is_file() and path.name != "config.json":
         raise UserError(f"{flag} {path} is a file; pass the model folder that holds config.json")
     if not path.is_file():
-        path = resolve_model_path(path, flag)
+        path = resolve_model_path(path, flag, weights=False)  # config.json is enough here
     file = path if path.is_file() else path / "config.json"
     if not file.is_file():
         hint = ""

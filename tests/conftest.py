@@ -34,6 +34,8 @@ def _token_cache(tmp_path_factory):
     """The token cache of every run in the tests: one fresh folder per session, never the
     user's (COMPILETUNE_CACHE_DIR is what --cache-dir defaults to)."""
     os.environ["COMPILETUNE_CACHE_DIR"] = str(tmp_path_factory.mktemp("token-cache"))
+    # No end-of-run plot (a second of matplotlib per run); test_plot.py turns it back on.
+    os.environ["COMPILETUNE_PLOT"] = "0"
     yield
 
 

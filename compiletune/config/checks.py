@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import fields
+from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 from compiletune import recipes
@@ -261,6 +262,50 @@ def check_run(section: RunConfig, cfg: TrainConfig) -> None:
             "--skip-nonfinite cannot undo a step of --optimizer-in-backward (each parameter "
             "is updated during backward, before the loss is known); drop one of them"
         )
+    _check_eval_tasks(section, cfg)
+
+
+def _check_eval_tasks(section: RunConfig, cfg: TrainConfig) -> None:
+    """--eval-tasks runs lm-eval on the checkpoints the run saves (docs/eval.md)."""
+    if section.eval_tasks is None:
+        for name in ("eval_tasks_every", "eval_tasks_include", "eval_tasks_limit"):
+            if getattr(section, name) not in (None, 0):
+                flag = "--" + name.replace("_", "-")
+                raise UserError(f"{flag} applies to --eval-tasks; add it or drop {flag}")
+        return
+    from compiletune import harness  # lazy: the CLI imports config before torch
+
+    harness.parse_tasks(section.eval_tasks, "--eval-tasks")
+    every, save_every = section.eval_tasks_every, section.save_every
+    if every < 0:
+        raise UserError(f"--eval-tasks-every must be 0 (the final checkpoint) or N, got {every}")
+    if not section.save:
+        raise UserError("--eval-tasks runs on the checkpoints the run saves; drop --no-save")
+    if every and (not save_every or every % save_every):
+        raise UserError(
+            f"--eval-tasks-every {every} runs lm-eval on the checkpoints saved at those steps: "
+            f"make it a multiple of --save-every{f' {save_every}' if save_every else ''} (or "
+            f"pass --save-every {every})"
+        )
+    if section.eval_tasks_limit is not None and section.eval_tasks_limit < 1:
+        raise UserError(f"--eval-tasks-limit must be at least 1, got {section.eval_tasks_limit}")
+    include = section.eval_tasks_include
+    if include is not None and not Path(include).is_dir():
+        raise UserError(f"--eval-tasks-include {include} is not a folder of task YAML files")
+    if cfg.parallel.fsdp:
+        raise UserError(
+            "--eval-tasks with --fsdp: lm-eval runs in one process on HF folders, which a "
+            "sharded run writes only at its end; after the run, `compiletune eval "
+            "OUTPUT_DIR/step_N --tasks ...`"
+        )
+    if cfg.lora.rank and cfg.model.model_dir is None:
+        raise UserError(
+            "--eval-tasks on a LoRA run of a random-init preset: lm-eval loads an adapter on "
+            "its base model folder, and this base has none; add --merge and run `compiletune "
+            "eval OUTPUT_DIR/merged --tasks ...` after the run"
+        )
+    if line := harness.missing("--eval-tasks"):
+        raise UserError(line)
 
 
 def check_objective(section: ObjectiveConfig, cfg: TrainConfig) -> None:

@@ -4,6 +4,7 @@ declaration (name, type, choices, help with the default as it is decided)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 from dataclasses import fields
 from typing import Any, Literal, get_args, get_origin
 
@@ -12,10 +13,15 @@ from compiletune.config.schema import SECTIONS, flag_of, hints_of, key_of, unwra
 _METAVARS = {int: "N", float: "F", str: "VALUE"}
 
 
-def add_flags(parser: argparse.ArgumentParser, *, estimate_only: bool = False) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    estimate_only: bool = False,
+    only: Collection[str] | None = None,
+) -> None:
     """One flag per config field, grouped by section. Every flag defaults to SUPPRESS, so only
     flags the user typed reach the config and YAML values survive. `estimate_only`: just the
-    flags that change a memory estimate."""
+    flags that change a memory estimate; `only`: just the fields of these keys (`eval`)."""
     S = argparse.SUPPRESS
     for cls in SECTIONS.values():
         group = parser.add_argument_group(cls.TITLE)
@@ -23,6 +29,8 @@ def add_flags(parser: argparse.ArgumentParser, *, estimate_only: bool = False) -
         for f in fields(cls):
             meta = f.metadata
             if estimate_only and not meta["estimate"]:
+                continue
+            if only is not None and key_of(f) not in only:
                 continue
             typ, _ = unwrap(hints[f.name])
             help_text = meta["help"]

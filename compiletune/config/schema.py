@@ -81,7 +81,10 @@ class ModelConfig:
         on_resume="fixed",
     )
     model_dir: str | None = opt(
-        None, "local HF model folder to fine-tune", metavar="DIR", on_resume="fixed"
+        None,
+        "HF model folder to fine-tune, or a Hub id ORG/NAME[@REVISION] (downloaded once)",
+        metavar="DIR",
+        on_resume="fixed",
     )
     n_layers: int | None = opt(
         None,
@@ -91,7 +94,7 @@ class ModelConfig:
     )
     tokenizer: str | None = opt(
         None,
-        "local HF tokenizer folder",
+        "HF tokenizer folder or Hub id",
         shows="--model-dir, else a byte tokenizer",
         estimate=False,
         metavar="DIR",
@@ -112,7 +115,7 @@ class DataConfig:
     source: str = opt(
         "pydocs",
         "pydocs (embedded default) | a file (.jsonl .json .parquet .arrow .csv .txt) | a folder "
-        "or glob of shards | a save_to_disk folder | a dataset in the local HF cache | a "
+        "or glob of shards | a save_to_disk folder | a Hub dataset ORG/NAME[/CONFIG][@REV] | a "
         "mixture SRC:W,SRC:W",
         key="data",
         estimate=False,
@@ -376,6 +379,31 @@ class RunConfig:
     save_every: int = opt(
         0, "checkpoint every N steps (0 = at the end only)", estimate=False, on_resume="free"
     )
+    eval_tasks: str | None = opt(
+        None,
+        "lm-evaluation-harness tasks run on saved checkpoints, into OUTPUT_DIR/eval/ "
+        "(compiletune[eval]; docs/eval.md)",
+        estimate=False,
+        metavar="T1,T2",
+        on_resume="free",
+    )
+    eval_tasks_every: int = opt(
+        0,
+        "run --eval-tasks on the checkpoints of every N steps, a multiple of --save-every "
+        "(0 = the final checkpoint only)",
+        estimate=False,
+        on_resume="free",
+    )
+    eval_tasks_include: str | None = opt(
+        None,
+        "a folder of lm-eval task YAML files of your own, for --eval-tasks",
+        estimate=False,
+        metavar="DIR",
+        on_resume="free",
+    )
+    eval_tasks_limit: int | None = opt(
+        None, "--eval-tasks: at most N examples per task", estimate=False, on_resume="free"
+    )
     save: bool = opt(
         True,
         "write no checkpoint at all, not even at the end (benchmarks; the run is not resumable)",
@@ -384,7 +412,10 @@ class RunConfig:
         on_resume="free",
     )
     log: str | None = opt(
-        None, "also log to: tensorboard, wandb (comma-separated)", estimate=False, on_resume="free"
+        None,
+        "also log to: tensorboard, wandb, mlflow (comma-separated)",
+        estimate=False,
+        on_resume="free",
     )
     resume: bool = opt(
         False,
@@ -453,7 +484,7 @@ class ObjectiveConfig:
     )
     teacher_dir: str | None = opt(
         None,
-        "kd: the teacher's HF folder (same vocabulary)",
+        "kd: the teacher's HF folder or Hub id (same vocabulary)",
         estimate=True,
         metavar="DIR",
         on_resume="fixed",

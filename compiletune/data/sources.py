@@ -13,8 +13,9 @@ Containers (`--data SOURCE`):
   (`train-00000-of-00004.parquet`, `test.jsonl`, `train/...`) are filtered by `--data-split`.
 - A folder written by `datasets`' `save_to_disk`: a Dataset (`state.json` + `data-*.arrow`) or
   a DatasetDict (`dataset_dict.json` + one folder per split; `--data-split`, default train).
-- `NAME` or `OWNER/NAME` of a dataset in the local Hugging Face hub cache, read offline from its
-  snapshot folder like a folder of shards (nothing is downloaded).
+- `ORG/NAME[/CONFIG][@REVISION]`: a dataset repository on the Hugging Face Hub. The card's
+  `configs:` (README.md), else the folders and shard names, pick the files of one split
+  (`--data-split`, default train); only those are downloaded into the HF cache (`hub.py`).
 
 Rows of table-like files name `FILE:row N` in messages (row 1 is the first).
 
@@ -23,6 +24,7 @@ What the rows hold (the layouts) is read in `compiletune.data.layouts`.
 
 from __future__ import annotations
 
+import fnmatch
 import glob as globlib
 import hashlib
 import json
@@ -33,6 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from compiletune import hub
 from compiletune.data.corpus import pydoc_corpus
 from compiletune.errors import UserError
 
@@ -45,7 +50,6 @@ _SHARD = re.compile(r"^(?P<split>[A-Za-z][\w.]*?)-\d{5}-of-\d{5}$")
 _SPLIT_NAMES = {"train", "test", "validation", "valid", "dev", "eval", "val"}
 # Files of datasets' own bookkeeping, never rows (hub repositories and save_to_disk folders).
 _METADATA = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
-_REPO_ID = re.compile(r"^[\w.-]+(?:/[\w.-]+)?$")
 
 
 # ----------------------------------------------------------------------------- text helpers
@@ -430,28 +434,113 @@ def _folder_files(folder: Path, source: str, split: str | None) -> _Files:
     return _one_kind(_pick_split(files, folder, source, split), source)
 
 
-def _hf_cache_folder(name: str) -> Path:
+def _card_configs(readme: Path) -> list[dict]:
+    """The `configs:` list of a dataset card's YAML header (README.md), or [] without one."""
+    text = read_text_file(readme) if readme.is_file() else ""
+    if not text.startswith("---"):
+        return []
+    header = text[3:].split("\n---", 1)[0]
     try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
-    except ImportError as e:  # transformers depends on it; only a broken install lacks it
+        card = yaml.safe_load(header)
+    except yaml.YAMLError:
+        return []
+    configs = card.get("configs") if isinstance(card, dict) else None
+    return [c for c in configs if isinstance(c, dict)] if isinstance(configs, list) else []
+
+
+def _card_split_patterns(configs: list[dict], ref: hub.HubRef, source: str) -> dict[str, list]:
+    """split -> file patterns of the config `ref` names (else the card's default one)."""
+    names = [str(c.get("config_name", "default")) for c in configs]
+    if ref.config is not None:
+        if ref.config not in names:
+            raise UserError(
+                f"--data {source}: the dataset has no config {ref.config!r} (configs: "
+                f"{', '.join(names)}); pass ORG/NAME/CONFIG with one of them"
+            )
+        chosen = configs[names.index(ref.config)]
+    else:
+        marked = [c for c in configs if c.get("default") is True]
+        chosen = (
+            marked[0]
+            if marked
+            else configs[names.index("default")]
+            if "default" in names
+            else configs[0]
+        )
+    files = chosen.get("data_files")
+    if isinstance(files, (str, list)) and all(isinstance(f, str) for f in _as_list(files)):
+        return {"train": _as_list(files)}
+    out: dict[str, list] = {}
+    for entry in _as_list(files):
+        if isinstance(entry, dict) and "split" in entry and "path" in entry:
+            out[str(entry["split"])] = [str(p) for p in _as_list(entry["path"])]
+    return out
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+def _hub_dataset(source: str, split: str | None) -> _Files:
+    """A dataset repository on the Hub (`ORG/NAME[/CONFIG][@REVISION]`): its card's configs or
+    its folders and shard names pick the files of one split, and only those are downloaded."""
+    return _hub_download(source, split)[0]
+
+
+def pinned_source(source: str, split: str | None = None) -> str:
+    """`source` itself, or for a Hub dataset the spec at the commit its files were read from
+    (downloading them now if needed): what config.yaml keeps so `--resume` reads the same."""
+    if source == "pydocs" or Path(source).exists() or any(c in source for c in "*?["):
+        return source
+    ref = hub.parse(source, dataset=True)
+    if ref is None:
+        return source
+    return ref.pinned(_hub_download(source, split)[1].name)
+
+
+def _hub_download(source: str, split: str | None) -> tuple[_Files, Path]:
+    ref = hub.parse(source, dataset=True)
+    assert ref is not None
+    names = hub.dataset_files(ref)
+    configs = []
+    if "README.md" in names:
+        configs = _card_configs(
+            hub.download(ref, "dataset", ["README.md"], "--data", quiet=True) / "README.md"
+        )
+    data = [
+        n
+        for n in names
+        if _kind_of(Path(n)) and not any(part.startswith(".") for part in Path(n).parts)
+    ]
+    if configs:
+        patterns = _card_split_patterns(configs, ref, source)
+        want = split or (
+            "train" if "train" in patterns or len(patterns) != 1 else next(iter(patterns))
+        )
+        if want not in patterns:
+            raise UserError(
+                f"{source} has no split {want!r} (splits: {', '.join(patterns)}); pass "
+                "--data-split with one of them"
+            )
+        picked = [n for n in data if any(fnmatch.fnmatch(n, p) for p in patterns[want])]
+    else:
+        if ref.config is not None:
+            data = [n for n in data if n.startswith(f"{ref.config}/")]
+            if not data:
+                folders = sorted({n.split("/")[0] for n in names if "/" in n})
+                raise UserError(
+                    f"--data {source}: the dataset has no config {ref.config!r} (folders: "
+                    f"{', '.join(folders) or 'none'}); pass ORG/NAME/CONFIG with one of them"
+                )
+        picked = [str(p) for p in _pick_split([Path(n) for n in data], Path(), source, split)]
+    if not picked:
         raise UserError(
-            f"{name}: reading a dataset from the Hugging Face cache needs huggingface_hub; "
-            "pip install huggingface_hub"
-        ) from e
-    try:
-        return Path(snapshot_download(name, repo_type="dataset", local_files_only=True))
-    except LocalEntryNotFoundError as e:
-        raise UserError(
-            f"{name} is not a path, and not a dataset in the local Hugging Face cache; download "
-            f"it first (hf download {name} --repo-type dataset) or pass a file or folder"
-        ) from e
-    except Exception as e:  # an invalid repo id and the like
-        why = " ".join(str(e).split())[:200]
-        raise UserError(
-            f"data source {name} does not exist ({why}); pass --data pydocs, a file, a folder, "
-            "a glob or a dataset name in the local Hugging Face cache"
-        ) from e
+            f"{source} holds no data files ({', '.join(FILE_KINDS)}) for that split; check the "
+            "dataset's files on the Hub"
+        )
+    kind = _one_kind([Path(n) for n in picked], source).kind
+    folder = hub.download(ref, "dataset", picked, "--data")
+    return _Files([folder / n for n in sorted(picked)], kind), folder
 
 
 def _resolve(source: str, split: str | None) -> _Files:
@@ -480,11 +569,11 @@ def _resolve(source: str, split: str | None) -> _Files:
             root = Path(os.path.commonpath([f.parent for f in files]))
             files = _pick_split(files, root, source, split)
         return _one_kind(files, source)
-    if _REPO_ID.match(source) and _kind_of(path) is None:
-        return _folder_files(_hf_cache_folder(source), source, split)
+    if hub.parse(source, dataset=True) is not None and _kind_of(path) is None:
+        return _hub_dataset(source, split)
     raise UserError(
         f"data source {source} does not exist; pass --data pydocs, a file, a folder, a glob "
-        "or a dataset name in the local Hugging Face cache"
+        "or a Hub dataset ORG/NAME[/CONFIG][@REVISION]"
     )
 
 

@@ -112,14 +112,14 @@ _MIN_TOKENS = 32
 
 def load_tokenizer(path: str | Path, flag: str = "--model-dir") -> PreTrainedTokenizerBase:
     """Load a tokenizer from a local folder (a HF checkpoint or a `save_pretrained` output; a hub
-    id is taken from the local HF cache, see `resolve_model_path`). `flag` is the option that
+    id's tokenizer files are downloaded on first use, see `resolve_model_path`). `flag` is the option that
     named the folder, for the messages.
 
     A folder that loads but has no vocabulary (tokenizer_config.json without tokenizer.json
     gives a tokenizer of its special tokens only) is refused: it would encode every text to
     nothing and a run would train on special tokens alone."""
 
-    folder = resolve_model_path(path, flag)
+    folder = resolve_model_path(path, flag, weights=False)
     if not folder.is_dir():
         raise UserError(
             f"{flag} {path} is a file; pass the folder that holds tokenizer.json or "

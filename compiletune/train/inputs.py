@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from compiletune.config import TrainConfig
 from compiletune.data.pairs import PairRows, read_pairs
 from compiletune.data.rows import PackedData, check_rows, pack_store, split_indices
@@ -21,15 +23,7 @@ def build_data(
     first if needed (data/token_cache.py); an entry holding a token id outside the model's `vocab`
     is refused."""
     d = cfg.data
-    opts = {
-        "fmt": d.data_format,
-        "columns": d.data_columns,
-        "split": d.data_split,
-        "roles": d.data_roles,
-        "cache_dir": d.cache_dir,
-        "workers": d.data_workers,
-        "say": say,
-    }
+    opts = _read_options(cfg, say)
     sources = parse_sources(d.source)
     stores: list[Store] = [cached_store(src, tokenizer, **opts) for src, _ in sources]
     if vocab is not None:
@@ -47,14 +41,7 @@ def build_data(
         held = MemoryStore.from_documents(docs)
         held_name = f"the --val-split {d.val_split} held-out examples"
     elif d.eval_data is not None:
-        evals = [cached_store(src, tokenizer, **opts) for src, _ in parse_sources(d.eval_data)]
-        for store in evals if vocab is not None else []:
-            check_vocabulary(store, vocab)
-        held = (
-            evals[0]
-            if len(evals) == 1
-            else MemoryStore.from_documents([e.document(j) for e in evals for j in range(e.n_docs)])
-        )
+        held = read_held_out(d.eval_data, tokenizer, opts, vocab)
         held_name = f"--eval-data {d.eval_data}"
     datas = [
         check_rows(pack_store(store, d.seq_len, d.packing, d.truncation), src)
@@ -63,11 +50,56 @@ def build_data(
     for data, (src, _) in zip(datas, sources, strict=True):
         if isinstance(data, ExampleRows):
             say(f"{src}: {data.summary()}")
-    eval_set = None
-    if held is not None:
-        eval_set = pack_store(held, d.seq_len, d.packing, d.truncation, keep_tail=True)
-        eval_set = check_rows(eval_set, held_name)
+    eval_set = None if held is None else pack_held_out(cfg, held, held_name)
     return datas, [w for _, w in sources], eval_set
+
+
+def _read_options(cfg: TrainConfig, say: Any) -> dict[str, Any]:
+    """How `cached_store` reads a source of this run (layout, columns, split, roles, cache)."""
+    d = cfg.data
+    return {
+        "fmt": d.data_format,
+        "columns": d.data_columns,
+        "split": d.data_split,
+        "roles": d.data_roles,
+        "cache_dir": d.cache_dir,
+        "workers": d.data_workers,
+        "say": say,
+    }
+
+
+def read_held_out(
+    source: str, tokenizer: Any, opts: dict[str, Any], vocab: int | None = None
+) -> Store:
+    """The examples of a held-out SOURCE (one, or several joined), from the token cache."""
+    evals = [cached_store(src, tokenizer, **opts) for src, _ in parse_sources(source)]
+    for store in evals if vocab is not None else []:
+        check_vocabulary(store, vocab)
+    if len(evals) == 1:
+        return evals[0]
+    return MemoryStore.from_documents([e.document(j) for e in evals for j in range(e.n_docs)])
+
+
+def pack_held_out(cfg: TrainConfig, held: Store, name: str) -> PackedData:
+    """Held-out examples packed into rows as training packs them, the tail that does not fill a
+    row padded into a last one (so every held-out target counts)."""
+    d = cfg.data
+    return check_rows(pack_store(held, d.seq_len, d.packing, d.truncation, keep_tail=True), name)
+
+
+def build_eval_set(
+    cfg: TrainConfig,
+    tokenizer: Any,
+    say: Any = print,
+    vocab: int | None = None,
+    max_examples: int | None = None,
+) -> tuple[PackedData, int]:
+    """`cfg.data.source` read as held-out data (`compiletune eval`): its rows, packed and masked
+    as --eval-data would be, and how many examples they hold (the first `max_examples`)."""
+    held = read_held_out(cfg.data.source, tokenizer, _read_options(cfg, say), vocab)
+    if max_examples is not None and max_examples < held.n_docs:
+        held = held.subset(np.arange(max_examples))
+    return pack_held_out(cfg, held, f"--data {cfg.data.source}"), held.n_docs
 
 
 def build_pairs(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[list, list, Any]:

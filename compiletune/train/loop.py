@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from compiletune import distributed as dist_
-from compiletune import faults, recipes, torch_internals
+from compiletune import faults, harness, plot, recipes, torch_internals
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.config import TrainConfig, default_lr
@@ -57,6 +57,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     the config and the summary, and prints.
     """
     recipes.check_no_placeholders(cfg)
+    # Hub models and datasets: downloaded now, and pinned to their commit for config.yaml.
+    cfg = run_dir.pin_hub_specs(cfg)
     estimate_gib = None
     if cfg.run.preflight and pick_device().type == "cuda":
         estimate_gib = preflight_check(cfg)
@@ -140,6 +142,8 @@ class Trainer:
         self.out, resume_notes = run_dir.check_output_dir(cfg)
         self.log_names = parse_loggers(cfg.run.log)
         check_available(self.log_names)
+        # --eval-tasks: lm-eval's task names looked up now, so a wrong one is refused here
+        self.tasks = harness.TrainingTasks(cfg, self.out, self.say) if cfg.run.eval_tasks else None
         rewards = None
         if cfg.objective.objective == "grpo":  # a reward that cannot load: before the model
             rewards = load_rewards(cfg.objective.reward or "", cfg.objective.reward_weights)
@@ -224,6 +228,7 @@ class Trainer:
                         self.write_dump()  # every region has compiled by now
                     if cfg.run.save and run_dir.checkpoint_due(cfg, self.step):
                         self.last_saved = self.save(final=False)
+                        self.run_tasks(final=False)
                 train_peaks = self.gather_peaks()  # before the final save adds its own
                 merged = self.finish()
         finally:
@@ -478,6 +483,15 @@ class Trainer:
             self.last_good = path
         return path
 
+    def run_tasks(self, final: bool) -> None:
+        """--eval-tasks on the checkpoint just saved, when due (harness.py); its time is kept
+        out of the training time, as the held-out loss's is."""
+        if self.tasks is None or self.last_saved is None or not self.tasks.due(self.step, final):
+            return
+        dtype = "bf16" if self.run.dtype == torch.bfloat16 else "fp32"
+        device = str(self.run.device)
+        self.eval_seconds += self.tasks.run(self.last_saved, self.step, dtype, device)
+
     def restart_advice(self) -> str:
         """Where to go on from after a divergence: the last good checkpoint, with a tenth of the
         learning rate (the command to run), or a new start when there is none."""
@@ -507,6 +521,8 @@ class Trainer:
             return None
         if self.step > self.run.start_step or self.run.resume_from is None:
             self.last_saved = self.save(final=True)
+            if self.step >= self.cfg.run.max_steps:  # not after a stop signal
+                self.run_tasks(final=True)
         if not (self.cfg.lora.merge and self.step >= self.cfg.run.max_steps):
             return None
         path = self.out / adapter_io.MERGED_DIR
@@ -629,5 +645,6 @@ class Trainer:
         }
         if self.main:
             run_dir.write_summary(self.out, summary)
+            plot.after_run(self.out, self.say)  # with matplotlib; a failure is a warning line
         self.say(run_dir.closing_line(summary))
         return summary

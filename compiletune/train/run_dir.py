@@ -5,6 +5,8 @@
     OUTPUT_DIR/step_N/          checkpoints every --save-every steps and at the end
     OUTPUT_DIR/merged/          --merge: the LoRA adapters folded into the base
     OUTPUT_DIR/summary.json     the run summary, also printed as the closing line
+    OUTPUT_DIR/plot.png, .html  metrics.jsonl's charts, at the end (with matplotlib; plot.py)
+    OUTPUT_DIR/eval/            --eval-tasks: lm-eval's results per checkpoint (harness.py)
 
 Everything a user can get wrong about the folder is checked (`check_output_dir`) before the
 run is built, and nothing is written until the build succeeded, so a bad flag never leaves a
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compiletune import hub
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.checkpoint.atomic import make_folder, recover
@@ -35,9 +38,12 @@ from compiletune.config import (
     resume_changes,
     save_yaml,
 )
+from compiletune.data import sources
 from compiletune.errors import UserError
-from compiletune.loggers import WANDB_RUN_ID
+from compiletune.harness import EVAL_DIR
+from compiletune.loggers import MLFLOW_DIR, MLFLOW_RUN_ID, WANDB_RUN_ID
 from compiletune.metrics import strict_json
+from compiletune.plot import PLOT_FILES
 from compiletune.train.step import lr_factor
 
 LOCK_FILE = ".compiletune.lock"
@@ -253,7 +259,16 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, list[str]]:
 
 
 # What a run folder holds (besides what a user may add to a run's folder afterwards).
-_RUN_ENTRIES = {SAVED_CONFIG, "metrics.jsonl", "summary.json", "tensorboard", "wandb"}
+_RUN_ENTRIES = {
+    SAVED_CONFIG,
+    "metrics.jsonl",
+    "summary.json",
+    "tensorboard",
+    "wandb",
+    MLFLOW_DIR,
+    *PLOT_FILES,
+    EVAL_DIR,
+}
 
 
 def foreign_files(out: Path) -> list[Path]:
@@ -339,12 +354,16 @@ def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
     if cfg.run.overwrite and out.exists():
         for _, path in ckpt.list_checkpoints(out):
             shutil.rmtree(path)
-        if (out / adapter_io.MERGED_DIR).is_dir():
-            shutil.rmtree(out / adapter_io.MERGED_DIR)
-        # The W&B run id too: a later --resume must not continue the discarded run.
-        for stale in ("metrics.jsonl", "summary.json", WANDB_RUN_ID):
+        for folder in (adapter_io.MERGED_DIR, EVAL_DIR):
+            if (out / folder).is_dir():
+                shutil.rmtree(out / folder)
+        # The W&B and MLflow run ids too: a later --resume must not continue the discarded
+        # run (the runs themselves stay in their stores).
+        for stale in ("metrics.jsonl", "summary.json", WANDB_RUN_ID, MLFLOW_RUN_ID):
             (out / stale).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in PLOT_FILES:  # charts of metrics.jsonl as it was; redrawn at the run's end
+        (out / stale).unlink(missing_ok=True)
     save_yaml(cfg, out / SAVED_CONFIG)
 
 
@@ -508,3 +527,59 @@ class LateSignal(_StopSignals):
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum).name
+
+
+# Options that may name a Hub repository: (flat key, kind, flag).
+_HUB_OPTIONS = (
+    ("model_dir", "model", "--model-dir"),
+    ("tokenizer", "tokenizer", "--tokenizer"),
+    ("teacher_dir", "model", "--teacher-dir"),
+    ("data", "dataset", "--data"),
+    ("eval_data", "dataset", "--eval-data"),
+)
+
+
+def pin_hub_specs(cfg: TrainConfig) -> TrainConfig:
+    """Download what the options name on the Hub and write each as `ORG/NAME@<commit>`, so the
+    run's config.yaml (and `--resume`) reads the same files. A resumed run that names the same
+    repository without a revision keeps the commit its config.yaml holds."""
+    saved = (read_saved_config(cfg.run.output_dir) if cfg.run.resume else None) or {}
+    changes = {}
+    for key, kind, flag in _HUB_OPTIONS:
+        value = cfg.get(key)
+        if not isinstance(value, str):
+            continue
+        was = saved.get(key) if isinstance(saved.get(key), str) else ""
+        if kind == "dataset":
+            split = cfg.data.data_split
+            parts = [_pin_one(s, kind, flag, split, was) for s in value.split(",")]
+            pinned = ",".join(parts)
+        else:
+            pinned = _pin_one(value, kind, flag, None, was)
+        if pinned != value:
+            changes[key] = pinned
+    return cfg.replace(**changes) if changes else cfg
+
+
+def _pin_one(part: str, kind: str, flag: str, split: str | None, saved: str) -> str:
+    text, sep, weight = part.strip(), "", ""
+    if kind == "dataset":  # a mixture's part: SRC:W
+        head, colon, tail = text.rpartition(":")
+        if colon and head:
+            text, sep, weight = head, ":", tail
+    if Path(text).exists() or text == "pydocs":
+        return part
+    ref = hub.parse(text, dataset=kind == "dataset")
+    if ref is None:
+        return part
+    if ref.revision is None:  # --resume naming the repo again: the commit the run used
+        for old in saved.split(","):
+            old_ref = hub.parse(old.strip().rpartition(":")[0] or old.strip(), kind == "dataset")
+            if old_ref and (old_ref.repo, old_ref.config) == (ref.repo, ref.config):
+                ref = old_ref
+    if kind == "dataset":
+        pinned = sources.pinned_source(str(ref), split)
+    else:
+        folder = hub.model_folder(str(ref), flag, weights=kind == "model")
+        pinned = ref.pinned(folder.name)
+    return pinned + sep + weight

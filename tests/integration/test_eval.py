@@ -129,7 +129,7 @@ def test_eval_data_shorter_than_a_row_is_evaluated_whole(tmp_path, corpus):
         (lambda t: ["--eval-every", "5"], "--eval-every needs held-out data"),
         (lambda t: ["--val-split", "0.1", "--eval-data", "x.txt"], "pass one of them"),
         (lambda t: ["--val-split", "1.5"], r"--val-split must be a fraction in \[0, 1\)"),
-        (lambda t: ["--log", "mlflow"], "unknown logger 'mlflow'"),
+        (lambda t: ["--log", "neptune"], "unknown logger 'neptune'"),
     ],
 )
 def test_bad_eval_flags(tmp_path, corpus, capsys, make_argv, needle):
@@ -164,6 +164,9 @@ def test_tensorboard_events_match_metrics(tmp_path, corpus):
     (eval_loss,) = events.Scalars("eval/loss")
     assert eval_loss.step == 3 and eval_loss.value == pytest.approx(rows[-1]["eval_loss"])
     assert "train/lr" in events.Tags()["scalars"]
+    (params,) = events.Tensors("params/text_summary")  # the run's parameters, at step 0
+    table = params.tensor_proto.string_val[0].decode()
+    assert params.step == 0 and "| trainer_commit | " in table and "| max_steps | 3 |" in table
 
 
 def test_wandb_offline_run(tmp_path, corpus, monkeypatch):
@@ -175,6 +178,7 @@ def test_wandb_offline_run(tmp_path, corpus, monkeypatch):
     # The offline run's record log (protobuf) holds the logged keys; wandb ships no reader.
     content = Path(run_file).read_bytes()
     assert b"train/loss" in content and b"eval/loss" in content and b"eval/ppl" in content
+    assert b"trainer_commit" in content and b"compiletune_version" in content  # in the config
 
 
 def test_wandb_resumed_run_continues_the_same_run(tmp_path, corpus, monkeypatch):
@@ -223,3 +227,40 @@ def test_wandb_init_resumes_only_a_resumed_run(tmp_path, corpus, monkeypatch):
     run(tmp_path, corpus, max_steps=4, log="wandb", resume=True)
     asked = [(c["id"], c["resume"]) for c in calls]
     assert asked == [(None, None), ("run1", "allow"), (None, None), ("run3", "allow")]
+
+
+def test_mlflow_run_matches_metrics_and_resumes(tmp_path, corpus, monkeypatch):
+    """--log mlflow without MLFLOW_TRACKING_URI: a run in OUTPUT_DIR/mlflow/mlflow.db with
+    metrics.jsonl's losses per step and the run's parameters; --resume continues that run (one
+    value per step when it resumes from the last step logged)."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    from mlflow.tracking import MlflowClient
+
+    from compiletune.loggers import trainer_commit
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    out = tmp_path / "run"
+    run(tmp_path, corpus, max_steps=2, log="mlflow")
+    run_id = (out / "mlflow" / "run_id").read_text()
+    run(tmp_path, corpus, max_steps=4, log="mlflow", resume=True)
+    assert (out / "mlflow" / "run_id").read_text() == run_id
+    client = MlflowClient(f"sqlite:///{out / 'mlflow' / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "compiletune"]
+    (only,) = client.search_runs([experiment.experiment_id])
+    assert only.info.run_id == run_id and only.info.run_name == "run"
+    assert only.info.status == "FINISHED"
+    rows = read_metrics(out / "metrics.jsonl")
+    loss = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+    assert [m.step for m in loss] == [1, 2, 3, 4]
+    assert [m.value for m in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    params, tags = only.data.params, only.data.tags
+    assert params["trainer_commit"] == trainer_commit() and "model_dir" in params
+    # parameters are the first invocation's; what the resume changed is a tag
+    assert params["max_steps"] == "2" and params["resume"] == "false"
+    assert tags["resumed_at_step_2.max_steps"] == "4"
+    # --overwrite forgets the run id: a new MLflow run, the old one stays in the store
+    run(tmp_path, corpus, max_steps=1, log="mlflow", overwrite=True)
+    assert (out / "mlflow" / "run_id").read_text() != run_id
+    assert len(client.search_runs([experiment.experiment_id])) == 2

@@ -261,7 +261,7 @@ def test_hub_id_not_cached_and_cached(work, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     argv = ["--model-dir", "someorg/tiny-model", "--data", str(work / "good.jsonl")]
     msg = refused(capsys, argv, cache / "out")
-    assert "hf download someorg/tiny-model --local-dir" in msg
+    assert "--model-dir someorg/tiny-model: not in the HF cache" in msg and "HF_HUB_OFFLINE" in msg
     # the same id in the local HF cache: found there, nothing downloaded
     repo = cache / "models--someorg--tiny-model"
     shutil.copytree(work / "model", repo / "snapshots" / "abc123")

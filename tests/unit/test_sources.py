@@ -241,7 +241,9 @@ def test_hf_cache_dataset_offline(tok, tmp_path, monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match=r"org/set is not a path, and not a dataset in the local "):
+    with pytest.raises(
+        UserError, match=r"--data org/set: not in the HF cache .* HF_HUB_OFFLINE is set"
+    ):
         load_examples("org/set", tok)
     repo = tmp_path / "hub" / "datasets--org--set"
     commit = "0" * 40

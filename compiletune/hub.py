@@ -1,0 +1,262 @@
+"""Models and datasets from the Hugging Face Hub, downloaded on first use.
+
+`ORG/NAME[@REVISION]` (a model, a tokenizer, a teacher) and `ORG/NAME[/CONFIG][@REVISION]` (a
+dataset) name a Hub repository. `download` fetches only the files compiletune reads into the
+standard HF cache (`HF_HOME`, `HF_HUB_CACHE`) through huggingface_hub, with its progress bar;
+an interrupted download resumes from its `.incomplete` file on the next run. Later runs find
+the files there. The environment is read at each call, not when this module is imported:
+`HF_ENDPOINT` (a mirror), `HF_HUB_OFFLINE=1` (the cache alone), `HF_TOKEN` or `hf auth login`.
+
+Each failure is one UserError line that says what to do (`explain`). `pin` turns a spec into
+`ORG/NAME@<commit>`: train writes that into config.yaml, so `--resume` reads the same files.
+Under torchrun the processes of one machine take a lock per repository in the cache: the first
+downloads, the others wait and then find the files cached (no bytes fetched twice).
+
+This is the only module that calls huggingface_hub; docs/hub.md is the user's page.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from compiletune.errors import UserError
+
+# A repository id as the Hub spells it, then an optional dataset config, then a revision.
+_SPEC = re.compile(
+    r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)"
+    r"(?:/(?P<config>[A-Za-z0-9][\w.-]*))?"
+    r"(?:@(?P<revision>[\w.-]+(?:/[\w.-]+)*))?"
+)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+# What a model or tokenizer folder needs: weights as safetensors, configs, tokenizer files and
+# chat templates, at the top of the repository. Never .bin/.pth/.gguf weights, never original/.
+MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+TOKENIZER_FILES = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+_SUBFOLDERS = ("*/*",)
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """A parsed spec: `repo` ("org/name"), `revision` (None: the default branch), and for a
+    dataset the `config` (a subset's name, or None)."""
+
+    repo: str
+    revision: str | None = None
+    config: str | None = None
+
+    def pinned(self, commit: str) -> str:
+        """The spec at one commit: what config.yaml keeps."""
+        config = f"/{self.config}" if self.config else ""
+        return f"{self.repo}{config}@{commit}"
+
+    def __str__(self) -> str:
+        config = f"/{self.config}" if self.config else ""
+        return f"{self.repo}{config}" + (f"@{self.revision}" if self.revision else "")
+
+
+def parse(text: str, dataset: bool = False) -> HubRef | None:
+    """The HubRef `text` spells, or None when it is not a hub spec (a local path that exists is
+    never one; the caller checks that first). A config part is allowed for datasets only."""
+    match = _SPEC.fullmatch(text)
+    if match is None or ".." in text or (match["config"] and not dataset):
+        return None
+    return HubRef(match["repo"], match["revision"], match["config"])
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set to a true value, read now."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().lower() in ("1", "on", "yes", "true")
+
+
+def endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def cache_dir() -> Path:
+    """The HF hub cache as the environment gives it now (HF_HUB_CACHE, else HF_HOME/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants  # deferred: the hub library's import cost
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _hub():
+    try:
+        import huggingface_hub
+    except ImportError as e:  # transformers depends on it; only a broken install lacks it
+        raise UserError(
+            f"Hub downloads need huggingface_hub ({e}); pip install huggingface_hub"
+        ) from e
+    return huggingface_hub
+
+
+def _lock(ref: HubRef, kind: str):
+    """A lock per repository in the cache, so the processes of one machine download once."""
+    import filelock  # deferred: huggingface_hub's dependency, needed only for a download
+
+    folder = cache_dir() / ".locks" / "compiletune"
+    folder.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha1(f"{kind}:{ref.repo}".encode()).hexdigest()[:16]
+    return filelock.FileLock(str(folder / f"{key}.lock"))
+
+
+def download(
+    ref: HubRef,
+    kind: str = "model",
+    patterns: tuple[str, ...] | list[str] = MODEL_FILES,
+    flag: str = "--model-dir",
+    quiet: bool = False,
+) -> Path:
+    """The snapshot folder of `ref` in the HF cache, holding the files that match `patterns`
+    (top-level only for models), downloaded now if they are not there. `kind` is "model" or
+    "dataset"; `flag` names the option in messages; `quiet` skips the line that says the Hub
+    is asked (huggingface_hub's progress bars show what is fetched)."""
+    hub = _hub()
+    local_only = offline() or bool(ref.revision and _COMMIT.fullmatch(ref.revision))
+    kwargs = dict(
+        repo_type=kind,
+        revision=ref.revision,
+        cache_dir=str(cache_dir()),
+        endpoint=endpoint(),
+        allow_patterns=list(patterns),
+        ignore_patterns=list(_SUBFOLDERS) if kind == "model" else None,
+    )
+    try:
+        with _lock(ref, kind):
+            if local_only:  # a commit is immutable: a complete snapshot needs no network
+                try:
+                    return Path(hub.snapshot_download(ref.repo, local_files_only=True, **kwargs))
+                except hub.errors.LocalEntryNotFoundError:
+                    if offline():
+                        raise
+            if not quiet:
+                print(f"{flag} {ref}: asking {endpoint()} (cache {cache_dir()})", flush=True)
+            return Path(hub.snapshot_download(ref.repo, **kwargs))
+    except Exception as e:
+        raise explain(e, ref, kind, flag) from e
+
+
+def commit_of(folder: Path) -> str:
+    """The commit a snapshot folder holds (its name in the cache)."""
+    return folder.name
+
+
+def explain(error: BaseException, ref: HubRef, kind: str, flag: str) -> BaseException:
+    """One line for a failed download, naming what to do; other errors are returned as they
+    are (KeyboardInterrupt, bugs)."""
+    if isinstance(error, UserError):
+        return error
+    hub = _hub()
+    errors = hub.errors
+    what = f"{flag} {ref}"
+    site = endpoint()
+    login = "log in with `hf auth login` or set HF_TOKEN"
+    if isinstance(error, errors.GatedRepoError):
+        return UserError(
+            f"{what}: the {kind} is gated; accept its terms on {site}/{_page(ref, kind)} with "
+            f"your account, then {login}"
+        )
+    if isinstance(error, errors.RepositoryNotFoundError):
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        private = " (the Hub refused the token)" if status == 401 and _token() else ""
+        return UserError(
+            f"{what}: no such local path, and no {kind} repository {ref.repo} on {site} (or it "
+            f"is private{private}); check the name, and for a private one {login}"
+        )
+    if isinstance(error, errors.RevisionNotFoundError):
+        return UserError(
+            f"{what}: {ref.repo} has no revision {ref.revision!r}; pass a branch, tag or commit "
+            f"that exists (ORG/NAME@REVISION), or drop @{ref.revision}"
+        )
+    if isinstance(error, errors.LocalEntryNotFoundError):
+        if offline():
+            return UserError(
+                f"{what}: not in the HF cache ({cache_dir()}) and HF_HUB_OFFLINE is set; run "
+                "once with network (or unset HF_HUB_OFFLINE), or point HF_HOME at a cache that "
+                "holds it"
+            )
+        return UserError(
+            f"{what}: cannot reach {site} and the {kind} is not in the HF cache ({cache_dir()}); "
+            "check the network, or set HF_ENDPOINT to a mirror"
+        )
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return UserError(
+            f"{what}: the disk filled while downloading into {cache_dir()}; free space or set "
+            "HF_HOME to a larger disk, and run again (the download resumes)"
+        )
+    if isinstance(error, (errors.HfHubHTTPError, OSError, ConnectionError)):
+        text = " ".join(str(error).split())[:200]
+        return UserError(
+            f"{what}: the download failed ({type(error).__name__}: {text}); run again to "
+            "resume it, or set HF_ENDPOINT to a mirror"
+        )
+    return error
+
+
+def _page(ref: HubRef, kind: str) -> str:
+    return f"datasets/{ref.repo}" if kind == "dataset" else ref.repo
+
+
+def _token() -> bool:
+    if os.environ.get("HF_TOKEN"):
+        return True
+    try:
+        return _hub().get_token() is not None
+    except Exception:  # no token file, unreadable: no token
+        return False
+
+
+def model_folder(text: str, flag: str = "--model-dir", weights: bool = True) -> Path | None:
+    """The local folder of a hub model spec (downloaded if needed), or None when `text` is not
+    one. `weights=False` fetches a tokenizer's files alone."""
+    ref = parse(text)
+    if ref is None:
+        return None
+    folder = download(ref, "model", MODEL_FILES if weights else TOKENIZER_FILES, flag)
+    if weights and not any(folder.glob("*.safetensors")):
+        raise UserError(
+            f"{flag} {ref}: the repository has no .safetensors weights (compiletune does not "
+            "read .bin/.pth pickles); pick a repository or revision with safetensors files"
+        )
+    return folder
+
+
+def dataset_files(ref: HubRef, flag: str = "--data") -> list[str]:
+    """The repository's file paths at `ref` (listed on the Hub, or from the cache's listing
+    when offline or pinned to a commit)."""
+    hub = _hub()
+    try:
+        if offline() or (ref.revision and _COMMIT.fullmatch(ref.revision)):
+            try:
+                files = hub.get_cached_repo_tree(
+                    ref.repo, repo_type="dataset", revision=ref.revision, cache_dir=cache_dir()
+                )
+                return [f.path for f in files]
+            except hub.errors.CachedRepoTreeNotFoundError:
+                if offline():  # a snapshot an older huggingface_hub wrote: its files
+                    folder = Path(
+                        hub.snapshot_download(
+                            ref.repo,
+                            repo_type="dataset",
+                            revision=ref.revision,
+                            cache_dir=str(cache_dir()),
+                            local_files_only=True,
+                        )
+                    )
+                    return [
+                        p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
+                    ]
+        api = hub.HfApi(endpoint=endpoint())
+        return list(api.list_repo_files(ref.repo, repo_type="dataset", revision=ref.revision))
+    except Exception as e:
+        raise explain(e, ref, "dataset", flag) from e
