@@ -9,8 +9,8 @@ the files there. The environment is read at each call, not when this module is i
 
 Each failure is one UserError line that says what to do (`explain`). `pin` turns a spec into
 `ORG/NAME@<commit>`: train writes that into config.yaml, so `--resume` reads the same files.
-Under torchrun the processes of one machine take a lock per repository in the cache: the first
-downloads, the others wait and then find the files cached (no bytes fetched twice).
+Under torchrun every process resolves the same specs: huggingface_hub locks each file in the
+cache, so the first process downloads it and the others wait and then find it there.
 
 This is the only module that calls huggingface_hub; docs/hub.md is the user's page.
 """
@@ -18,7 +18,6 @@ This is the only module that calls huggingface_hub; docs/hub.md is the user's pa
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -100,16 +99,6 @@ def _hub():
     return huggingface_hub
 
 
-def _lock(ref: HubRef, kind: str):
-    """A lock per repository in the cache, so the processes of one machine download once."""
-    import filelock  # deferred: huggingface_hub's dependency, needed only for a download
-
-    folder = cache_dir() / ".locks" / "compiletune"
-    folder.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha1(f"{kind}:{ref.repo}".encode()).hexdigest()[:16]
-    return filelock.FileLock(str(folder / f"{key}.lock"))
-
-
 def download(
     ref: HubRef,
     kind: str = "model",
@@ -132,23 +121,17 @@ def download(
         ignore_patterns=list(_SUBFOLDERS) if kind == "model" else None,
     )
     try:
-        with _lock(ref, kind):
-            if local_only:  # a commit is immutable: a complete snapshot needs no network
-                try:
-                    return Path(hub.snapshot_download(ref.repo, local_files_only=True, **kwargs))
-                except hub.errors.LocalEntryNotFoundError:
-                    if offline():
-                        raise
-            if not quiet:
-                print(f"{flag} {ref}: asking {endpoint()} (cache {cache_dir()})", flush=True)
-            return Path(hub.snapshot_download(ref.repo, **kwargs))
+        if local_only:  # a commit is immutable: a complete snapshot needs no network
+            try:
+                return Path(hub.snapshot_download(ref.repo, local_files_only=True, **kwargs))
+            except hub.errors.LocalEntryNotFoundError:
+                if offline():
+                    raise
+        if not quiet:
+            print(f"{flag} {ref}: asking {endpoint()} (cache {cache_dir()})", flush=True)
+        return Path(hub.snapshot_download(ref.repo, **kwargs))
     except Exception as e:
         raise explain(e, ref, kind, flag) from e
-
-
-def commit_of(folder: Path) -> str:
-    """The commit a snapshot folder holds (its name in the cache)."""
-    return folder.name
 
 
 def explain(error: BaseException, ref: HubRef, kind: str, flag: str) -> BaseException:

@@ -199,3 +199,30 @@ def test_train_pins_the_commits_and_resumes_offline(server, tmp_path, monkeypatc
     assert server.requests[before:] == []
     steps = [json.loads(s)["step"] for s in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_processes_of_one_machine_download_once(server, tmp_path):
+    """What torchrun's processes do at start-up: resolve the same spec at the same time. The
+    lock in the cache lets one download; the other waits and fetches nothing."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from compiletune.models import resolve_model_path; print(resolve_model_path('org/tiny'))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**os.environ, "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    folders = {p.communicate(timeout=300)[0].strip().splitlines()[-1] for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(folders) == 1
+    gets = server.file_gets()
+    assert sorted(gets) == sorted(set(gets)) and any(g.endswith(".safetensors") for g in gets)
