@@ -106,6 +106,9 @@ def eval_loss(
         raise UserError(f"--max-examples must be at least 1, got {max_examples}")
     t0 = time.perf_counter()
     values = {k: ckpt.saved[k] for k in FROM_RUN if ckpt.saved.get(k) is not None}
+    split = ckpt.saved.get("eval_split") or ckpt.saved.get("data_split")
+    if split is not None:  # the split the run read its held-out data from
+        values["data_split"] = split
     cfg = resolve({}, {**values, **flags})
     device = pick_device()
     dtype = pick_dtype(dtype_name or ckpt.saved.get("dtype"), device)

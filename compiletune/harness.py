@@ -76,7 +76,10 @@ def results_folder(checkpoint: Path, output: str | None = None) -> Path:
     run = run_folder(checkpoint)
     if run is not None:
         return run / EVAL_DIR / checkpoint.resolve().name
-    return Path(EVAL_DIR) / checkpoint.resolve().name
+    folder = checkpoint.resolve()
+    if folder.parent.name == "snapshots":  # a Hub model in the HF cache: named by its repo
+        return Path(EVAL_DIR) / folder.parent.parent.name.removeprefix("models--")
+    return Path(EVAL_DIR) / folder.name
 
 
 @dataclass

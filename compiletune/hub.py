@@ -3,8 +3,7 @@
 `ORG/NAME[@REVISION]` (a model, a tokenizer, a teacher) and `ORG/NAME[/CONFIG][@REVISION]` (a
 dataset) name a Hub repository. `download` fetches only the files compiletune reads into the
 standard HF cache (`HF_HOME`, `HF_HUB_CACHE`) through huggingface_hub, with its progress bar;
-an interrupted download resumes from its `.incomplete` file on the next run. Later runs find
-the files there. The environment is read at each call, not when this module is imported:
+files fetched before an interruption are not fetched again. Later runs find the files there. The environment is read at each call, not when this module is imported:
 `HF_ENDPOINT` (a mirror), `HF_HUB_OFFLINE=1` (the cache alone), `HF_TOKEN` or `hf auth login`.
 
 Each failure is one UserError line that says what to do (`explain`). `pin` turns a spec into
@@ -18,8 +17,10 @@ This is the only module that calls huggingface_hub; docs/hub.md is the user's pa
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,9 +34,8 @@ _SPEC = re.compile(
 )
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
-# What a model or tokenizer folder needs: weights as safetensors, configs, tokenizer files and
-# chat templates, at the top of the repository. Never .bin/.pth/.gguf weights, never original/.
-MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+# What a model folder needs beside its weights: configs, tokenizer files and chat templates, at
+# the top of the repository (the weights: `model_folder`). Never .bin/.pth/.gguf, nor original/.
 TOKENIZER_FILES = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 _SUBFOLDERS = ("*/*",)
 
@@ -101,8 +101,8 @@ def _hub():
 
 def download(
     ref: HubRef,
-    kind: str = "model",
-    patterns: tuple[str, ...] | list[str] = MODEL_FILES,
+    kind: str,
+    patterns: tuple[str, ...] | list[str],
     flag: str = "--model-dir",
     quiet: bool = False,
 ) -> Path:
@@ -111,7 +111,6 @@ def download(
     "dataset"; `flag` names the option in messages; `quiet` skips the line that says the Hub
     is asked (huggingface_hub's progress bars show what is fetched)."""
     hub = _hub()
-    local_only = offline() or bool(ref.revision and _COMMIT.fullmatch(ref.revision))
     kwargs = dict(
         repo_type=kind,
         revision=ref.revision,
@@ -120,15 +119,12 @@ def download(
         allow_patterns=list(patterns),
         ignore_patterns=list(_SUBFOLDERS) if kind == "model" else None,
     )
+    pinned = bool(ref.revision and _COMMIT.fullmatch(ref.revision))
     try:
-        if local_only:  # a commit is immutable: a complete snapshot needs no network
-            try:
-                return Path(hub.snapshot_download(ref.repo, local_files_only=True, **kwargs))
-            except hub.errors.LocalEntryNotFoundError:
-                if offline():
-                    raise
-        if not quiet:
-            print(f"{flag} {ref}: asking {endpoint()} (cache {cache_dir()})", flush=True)
+        if offline():
+            return Path(hub.snapshot_download(ref.repo, local_files_only=True, **kwargs))
+        if not quiet and not pinned:  # a commit whose files are cached needs no request
+            print(f"{flag} {ref}: asking {endpoint()} (cache {cache_dir()})", file=sys.stderr)
         return Path(hub.snapshot_download(ref.repo, **kwargs))
     except Exception as e:
         raise explain(e, ref, kind, flag) from e
@@ -161,29 +157,40 @@ def explain(error: BaseException, ref: HubRef, kind: str, flag: str) -> BaseExce
             f"{what}: {ref.repo} has no revision {ref.revision!r}; pass a branch, tag or commit "
             f"that exists (ORG/NAME@REVISION), or drop @{ref.revision}"
         )
-    if isinstance(error, errors.LocalEntryNotFoundError):
-        if offline():
-            return UserError(
-                f"{what}: not in the HF cache ({cache_dir()}) and HF_HUB_OFFLINE is set; run "
-                "once with network (or unset HF_HUB_OFFLINE), or point HF_HOME at a cache that "
-                "holds it"
-            )
+    if isinstance(error, errors.LocalEntryNotFoundError) and offline():
         return UserError(
-            f"{what}: cannot reach {site} and the {kind} is not in the HF cache ({cache_dir()}); "
-            "check the network, or set HF_ENDPOINT to a mirror"
+            f"{what}: no such local path, and not in the HF cache ({cache_dir()}) with "
+            "HF_HUB_OFFLINE set; run once with network (or unset HF_HUB_OFFLINE), or point "
+            "HF_HOME at a cache that holds it"
+        )
+    if isinstance(error, (errors.LocalEntryNotFoundError, ConnectionError)) or _network(error):
+        return UserError(
+            f"{what}: no such local path, and {site} cannot be reached with the {kind} not in "
+            f"the HF cache ({cache_dir()}); check the network, or set HF_ENDPOINT to a mirror"
         )
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         return UserError(
             f"{what}: the disk filled while downloading into {cache_dir()}; free space or set "
             "HF_HOME to a larger disk, and run again (the download resumes)"
         )
-    if isinstance(error, (errors.HfHubHTTPError, OSError, ConnectionError)):
-        text = " ".join(str(error).split())[:200]
+    text = " ".join(str(error).split())[:200]
+    if isinstance(error, (errors.HfHubHTTPError, OSError)):
         return UserError(
             f"{what}: the download failed ({type(error).__name__}: {text}); run again to "
             "resume it, or set HF_ENDPOINT to a mirror"
         )
+    if isinstance(error, ValueError):  # huggingface_hub's HFValidationError: not a repo id
+        return UserError(f"{what}: no such local path, and not a Hub id ORG/NAME ({text})")
     return error
+
+
+def _network(error: BaseException) -> bool:
+    """A transport failure of the HTTP client huggingface_hub uses (httpx in 1.x, requests
+    before): no connection, a timeout, a broken stream."""
+    modules = {c.__module__.split(".")[0] for c in type(error).__mro__}
+    return bool(
+        modules & {"httpx", "httpx2", "httpcore", "requests", "urllib3"}
+    ) and not isinstance(error, _hub().errors.HfHubHTTPError)
 
 
 def _page(ref: HubRef, kind: str) -> str:
@@ -201,15 +208,34 @@ def _token() -> bool:
 
 def model_folder(text: str, flag: str = "--model-dir", weights: bool = True) -> Path | None:
     """The local folder of a hub model spec (downloaded if needed), or None when `text` is not
-    one. `weights=False` fetches a tokenizer's files alone."""
+    one. The configs and tokenizer come first; then the weights that
+    `model.safetensors.index.json` names (else `model.safetensors`), so a repository's second
+    copy (Mistral's `consolidated.safetensors`) is never fetched. `weights=False`: the configs
+    and tokenizer alone."""
     ref = parse(text)
     if ref is None:
         return None
-    folder = download(ref, "model", MODEL_FILES if weights else TOKENIZER_FILES, flag)
-    if weights and not any(folder.glob("*.safetensors")):
+    folder = download(ref, "model", TOKENIZER_FILES, flag)
+    if not weights:
+        return folder
+    if _COMMIT.fullmatch(folder.name):  # the same commit for the weights
+        ref = HubRef(ref.repo, folder.name)
+    index = folder / "model.safetensors.index.json"
+    shards = ["model.safetensors"]
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(
+                f"{flag} {text}: {index.name} is not a safetensors index ({e!r}); pick another "
+                "revision of the repository"
+            ) from e
+    folder = download(ref, "model", [*TOKENIZER_FILES, *shards], flag, quiet=True)
+    if not all((folder / name).is_file() for name in shards):
         raise UserError(
-            f"{flag} {ref}: the repository has no .safetensors weights (compiletune does not "
-            "read .bin/.pth pickles); pick a repository or revision with safetensors files"
+            f"{flag} {text}: the repository has no {shards[0] if len(shards) == 1 else 'shards'} "
+            "of safetensors weights (compiletune does not read .bin/.pth pickles); pick a "
+            "repository or revision with safetensors files"
         )
     return folder
 
@@ -219,14 +245,17 @@ def dataset_files(ref: HubRef, flag: str = "--data") -> list[str]:
     when offline or pinned to a commit)."""
     hub = _hub()
     try:
+        cached_tree = getattr(hub, "get_cached_repo_tree", None)  # huggingface_hub 2.x
         if offline() or (ref.revision and _COMMIT.fullmatch(ref.revision)):
             try:
-                files = hub.get_cached_repo_tree(
+                if cached_tree is None:
+                    raise LookupError("no cached listings in this huggingface_hub")
+                files = cached_tree(
                     ref.repo, repo_type="dataset", revision=ref.revision, cache_dir=cache_dir()
                 )
                 return [f.path for f in files]
-            except hub.errors.CachedRepoTreeNotFoundError:
-                if offline():  # a snapshot an older huggingface_hub wrote: its files
+            except (LookupError, getattr(hub.errors, "CachedRepoTreeNotFoundError", LookupError)):
+                if offline():  # a snapshot written without a listing: its files
                     folder = Path(
                         hub.snapshot_download(
                             ref.repo,

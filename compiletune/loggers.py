@@ -394,13 +394,18 @@ def open_loggers(
     params = run_params(config)
     trainer = {k: params[k] for k in ("trainer_commit", "compiletune_version")}
     loggers: list[MetricLogger] = []
-    for name in names:
-        if name == "tensorboard":
-            loggers.append(TensorBoardLogger(out, resume_step, params))
-        elif name == "wandb":
-            loggers.append(
-                WandbLogger(out, {**config, **trainer}, resuming=resume_step is not None)
-            )
-        else:
-            loggers.append(MlflowLogger(out, params, resume_step))
+    try:
+        for name in names:
+            if name == "tensorboard":
+                loggers.append(TensorBoardLogger(out, resume_step, params))
+            elif name == "wandb":
+                loggers.append(
+                    WandbLogger(out, {**config, **trainer}, resuming=resume_step is not None)
+                )
+            else:
+                loggers.append(MlflowLogger(out, params, resume_step))
+    except BaseException:  # one that cannot start: close the ones already open
+        for logger in loggers:
+            logger.close()
+        raise
     return loggers

@@ -13,6 +13,11 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # time for the whole run on 2 cores).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Nothing reaches the network: the Hub is offline for every test (and for the processes they
+# start), and a stray request goes to a closed loopback port. tests/unit/test_hub.py serves its
+# own Hub and turns these back for its tests.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

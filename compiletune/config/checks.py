@@ -79,6 +79,8 @@ def check_data(section: DataConfig, cfg: TrainConfig) -> None:
         raise UserError("--val-split and --eval-data both name the held-out data; pass one of them")
     if section.eval_every > 0 and section.eval_data is None and section.val_split == 0:
         raise UserError("--eval-every needs held-out data: add --eval-data SOURCE or --val-split F")
+    if section.eval_split is not None and section.eval_data is None:
+        raise UserError("--eval-split picks a split of --eval-data; add --eval-data SOURCE")
 
 
 def check_optim(section: OptimConfig, cfg: TrainConfig) -> None:

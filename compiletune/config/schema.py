@@ -140,10 +140,18 @@ class DataConfig:
     )
     data_split: str | None = opt(
         None,
-        "the split of a DatasetDict or HF-cache dataset",
+        "the split of a DatasetDict or Hub dataset",
         shows="train",
         estimate=False,
         metavar="NAME",
+    )
+    eval_split: str | None = opt(
+        None,
+        "the split of --eval-data (e.g. test)",
+        shows="--data-split",
+        estimate=False,
+        metavar="NAME",
+        on_resume="free",
     )
     cache_dir: str | None = opt(
         None,

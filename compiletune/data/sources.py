@@ -24,7 +24,6 @@ What the rows hold (the layouts) is read in `compiletune.data.layouts`.
 
 from __future__ import annotations
 
-import fnmatch
 import glob as globlib
 import hashlib
 import json
@@ -448,8 +447,9 @@ def _card_configs(readme: Path) -> list[dict]:
     return [c for c in configs if isinstance(c, dict)] if isinstance(configs, list) else []
 
 
-def _card_split_patterns(configs: list[dict], ref: hub.HubRef, source: str) -> dict[str, list]:
-    """split -> file patterns of the config `ref` names (else the card's default one)."""
+def _card_config(configs: list[dict], ref: hub.HubRef, source: str) -> dict:
+    """The card's config that `ref` names (else the one marked default, or named so, or the
+    first)."""
     names = [str(c.get("config_name", "default")) for c in configs]
     if ref.config is not None:
         if ref.config not in names:
@@ -457,24 +457,40 @@ def _card_split_patterns(configs: list[dict], ref: hub.HubRef, source: str) -> d
                 f"--data {source}: the dataset has no config {ref.config!r} (configs: "
                 f"{', '.join(names)}); pass ORG/NAME/CONFIG with one of them"
             )
-        chosen = configs[names.index(ref.config)]
-    else:
-        marked = [c for c in configs if c.get("default") is True]
-        chosen = (
-            marked[0]
-            if marked
-            else configs[names.index("default")]
-            if "default" in names
-            else configs[0]
-        )
-    files = chosen.get("data_files")
-    if isinstance(files, (str, list)) and all(isinstance(f, str) for f in _as_list(files)):
-        return {"train": _as_list(files)}
-    out: dict[str, list] = {}
+        return configs[names.index(ref.config)]
+    marked = [c for c in configs if c.get("default") is True]
+    if marked:
+        return marked[0]
+    return configs[names.index("default")] if "default" in names else configs[0]
+
+
+def _split_patterns(config: dict) -> dict[str, list[str]]:
+    """split -> file patterns of a card config's `data_files` ({} when it has none)."""
+    files = config.get("data_files")
+    if all(isinstance(f, str) for f in _as_list(files)):
+        return {"train": _as_list(files)} if files else {}
+    out: dict[str, list[str]] = {}
     for entry in _as_list(files):
         if isinstance(entry, dict) and "split" in entry and "path" in entry:
             out[str(entry["split"])] = [str(p) for p in _as_list(entry["path"])]
     return out
+
+
+def _glob(pattern: str) -> re.Pattern:
+    """A data_files pattern as the Hub reads it: `*` and `?` within one folder, `**` across."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out)
 
 
 def _as_list(value: Any) -> list:
@@ -487,10 +503,15 @@ def _hub_dataset(source: str, split: str | None) -> _Files:
     return _hub_download(source, split)[0]
 
 
+def is_file_spec(source: str) -> bool:
+    """A glob, or a name ending in a data file's extension: a local path, never a Hub id."""
+    return any(c in source for c in "*?[") or _kind_of(Path(source)) is not None
+
+
 def pinned_source(source: str, split: str | None = None) -> str:
     """`source` itself, or for a Hub dataset the spec at the commit its files were read from
     (downloading them now if needed): what config.yaml keeps so `--resume` reads the same."""
-    if source == "pydocs" or Path(source).exists() or any(c in source for c in "*?["):
+    if source == "pydocs" or Path(source).exists() or is_file_spec(source):
         return source
     ref = hub.parse(source, dataset=True)
     if ref is None:
@@ -512,8 +533,22 @@ def _hub_download(source: str, split: str | None) -> tuple[_Files, Path]:
         for n in names
         if _kind_of(Path(n)) and not any(part.startswith(".") for part in Path(n).parts)
     ]
+    patterns: dict[str, list[str]] = {}
     if configs:
-        patterns = _card_split_patterns(configs, ref, source)
+        chosen = _card_config(configs, ref, source)
+        patterns = _split_patterns(chosen)
+        folder = str(chosen.get("data_dir") or "").strip("/")
+        if not patterns and folder:  # a config that names a folder: its shards' names
+            data = [n for n in data if n.startswith(f"{folder}/")]
+    elif ref.config is not None:
+        data = [n for n in data if n.startswith(f"{ref.config}/")]
+        if not data:
+            folders = sorted({n.split("/")[0] for n in names if "/" in n})
+            raise UserError(
+                f"--data {source}: the dataset has no config {ref.config!r} (folders: "
+                f"{', '.join(folders) or 'none'}); pass ORG/NAME/CONFIG with one of them"
+            )
+    if patterns:
         want = split or (
             "train" if "train" in patterns or len(patterns) != 1 else next(iter(patterns))
         )
@@ -522,16 +557,9 @@ def _hub_download(source: str, split: str | None) -> tuple[_Files, Path]:
                 f"{source} has no split {want!r} (splits: {', '.join(patterns)}); pass "
                 "--data-split with one of them"
             )
-        picked = [n for n in data if any(fnmatch.fnmatch(n, p) for p in patterns[want])]
+        globs = [_glob(p) for p in patterns[want]]
+        picked = [n for n in data if any(g.fullmatch(n) for g in globs)]
     else:
-        if ref.config is not None:
-            data = [n for n in data if n.startswith(f"{ref.config}/")]
-            if not data:
-                folders = sorted({n.split("/")[0] for n in names if "/" in n})
-                raise UserError(
-                    f"--data {source}: the dataset has no config {ref.config!r} (folders: "
-                    f"{', '.join(folders) or 'none'}); pass ORG/NAME/CONFIG with one of them"
-                )
         picked = [str(p) for p in _pick_split([Path(n) for n in data], Path(), source, split)]
     if not picked:
         raise UserError(

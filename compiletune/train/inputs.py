@@ -41,7 +41,8 @@ def build_data(
         held = MemoryStore.from_documents(docs)
         held_name = f"the --val-split {d.val_split} held-out examples"
     elif d.eval_data is not None:
-        held = read_held_out(d.eval_data, tokenizer, opts, vocab)
+        held_opts = {**opts, "split": d.eval_split or d.data_split}
+        held = read_held_out(d.eval_data, tokenizer, held_opts, vocab)
         held_name = f"--eval-data {d.eval_data}"
     datas = [
         check_rows(pack_store(store, d.seq_len, d.packing, d.truncation), src)
@@ -112,7 +113,8 @@ def build_pairs(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[lis
         train, out = split_indices(len(pairs), d.val_split, cfg.run.seed)
         pairs, held = [pairs[i] for i in train], [pairs[i] for i in out]
     elif d.eval_data is not None:
-        held = read_pairs(d.eval_data, tokenizer, d.data_columns, d.data_split, say, d.data_roles)
+        split = d.eval_split or d.data_split
+        held = read_pairs(d.eval_data, tokenizer, d.data_columns, split, say, d.data_roles)
     rows = PairRows(pairs, d.seq_len)
     say(f"preference pairs: {rows.n_pairs} in {rows.rows} rows of {d.seq_len} tokens")
     return [rows], [1.0], None if held is None else PairRows(held, d.seq_len)

@@ -7,6 +7,7 @@ the run folder's duties are `run_dir.py`'s.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import sys
@@ -57,8 +58,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     the config and the summary, and prints.
     """
     recipes.check_no_placeholders(cfg)
-    # Hub models and datasets: downloaded now, and pinned to their commit for config.yaml.
-    cfg = run_dir.pin_hub_specs(cfg)
+    cfg = run_dir.align_hub_specs(cfg)  # --resume naming a Hub repo again: the run's commit
     estimate_gib = None
     if cfg.run.preflight and pick_device().type == "cuda":
         estimate_gib = preflight_check(cfg)
@@ -105,6 +105,23 @@ def _train_locked(
     return trainer.train()
 
 
+def pin_hub_specs(cfg: TrainConfig, env: dist_.DistEnv | None) -> TrainConfig:
+    """Hub models and datasets downloaded once the options are known good, and pinned to their
+    commit (run_dir.pin_hub_specs). Every process resolves them; should a branch move while the
+    job starts, the processes would train on different commits: refused."""
+    box: list[TrainConfig] = []
+    dist_.agree(dist_.attempt(lambda: box.append(run_dir.pin_hub_specs(cfg))), str)
+    pinned = box[0]
+    if env is not None and env.world > 1:
+        key = hashlib.sha256(run_dir.hub_specs(pinned).encode()).digest()[:6]
+        if len(set(dist_.gather_floats(float(int.from_bytes(key, "big")), env.device))) > 1:
+            raise UserError(
+                "the processes resolved different Hub commits (a repository changed while the "
+                "job started); pass each Hub id with @COMMIT, or run again"
+            )
+    return pinned
+
+
 def preflight_check(cfg: TrainConfig) -> float | None:
     """Before anything is allocated: refuse a step that cannot fit this GPU, naming flags that
     would make it fit (estimate/fit.py, fake tensors; seconds for an 8B model). Runs before the
@@ -136,6 +153,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.env = cfg, env
         self.estimate_peak_gib: float | None = None
+        self.peak_floor = 0.0  # the training's peak before --eval-tasks reset the GPU's counter
         self.main = env is None or env.is_main
         self.graphs_before = torch_internals.dynamo_graphs_compiled()
         # Everything that can be wrong is checked before anything is written.
@@ -147,6 +165,7 @@ class Trainer:
         rewards = None
         if cfg.objective.objective == "grpo":  # a reward that cannot load: before the model
             rewards = load_rewards(cfg.objective.reward or "", cfg.objective.reward_weights)
+        cfg = self.cfg = pin_hub_specs(cfg, env)
         self.run: Run = build_run(cfg, env)
         if cfg.objective.precompute_ref:
             objective.precompute_reference(self.run, self.say)
@@ -316,7 +335,7 @@ class Trainer:
             "targets": result.n_targets,
             "tokens_per_s": n_tokens / dt,
             "step_time_s": dt,
-            "peak_mem_gib": peak_memory_gib(run.device),
+            "peak_mem_gib": self.peak_gib(),
             "epoch": run.batches.epoch,
         }
         if result.router is not None:
@@ -490,7 +509,15 @@ class Trainer:
             return
         dtype = "bf16" if self.run.dtype == torch.bfloat16 else "fp32"
         device = str(self.run.device)
+        self.peak_floor = self.peak_gib()
         self.eval_seconds += self.tasks.run(self.last_saved, self.step, dtype, device)
+        if self.run.device.type == "cuda":  # lm-eval's own model is not the run's peak
+            torch.cuda.reset_peak_memory_stats(self.run.device)
+
+    def peak_gib(self) -> float:
+        """This process's peak memory in training (a GPU's peak restarts after --eval-tasks,
+        whose model is not the run's; on a CPU the peak RSS includes it)."""
+        return max(self.peak_floor, peak_memory_gib(self.run.device))
 
     def restart_advice(self) -> str:
         """Where to go on from after a divergence: the last good checkpoint, with a tenth of the
@@ -553,7 +580,7 @@ class Trainer:
 
     def gather_peaks(self) -> list[float]:
         """Every rank's peak memory so far (the busiest rank's is the run's)."""
-        peak = peak_memory_gib(self.run.device)
+        peak = self.peak_gib()
         return [peak] if self.env is None else dist_.gather_floats(peak, self.run.device)
 
     def banner(self) -> None:

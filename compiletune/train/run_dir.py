@@ -539,47 +539,79 @@ _HUB_OPTIONS = (
 )
 
 
+def _parts(value: str, kind: str) -> list[tuple[str, str]]:
+    """(source, ":W" or "") for each source of a mixture; one for a model."""
+    if kind != "dataset":
+        return [(value, "")]
+    out = []
+    for part in value.split(","):
+        head, colon, tail = part.strip().rpartition(":")
+        out.append((head, colon + tail) if colon and head else (part.strip(), ""))
+    return out
+
+
+def _hub_ref(text: str, kind: str) -> hub.HubRef | None:
+    if (
+        text == "pydocs"
+        or Path(text).exists()
+        or (kind == "dataset" and sources.is_file_spec(text))
+    ):
+        return None
+    return hub.parse(text, dataset=kind == "dataset")
+
+
+def align_hub_specs(cfg: TrainConfig) -> TrainConfig:
+    """--resume naming a Hub repository again without a revision: the commit the run's
+    config.yaml holds, so the resumed run reads the same files (no network)."""
+    saved = (read_saved_config(cfg.run.output_dir) if cfg.run.resume else None) or {}
+    changes = {}
+    for key, kind, _ in _HUB_OPTIONS:
+        value, was = cfg.get(key), saved.get(key)
+        if not (isinstance(value, str) and isinstance(was, str)) or value == was:
+            continue
+        olds = {}
+        for text, _ in _parts(was, kind):
+            ref = _hub_ref(text, kind)
+            if ref is not None and ref.revision is not None:
+                olds[(ref.repo, ref.config)] = text
+        parts = []
+        for text, weight in _parts(value, kind):
+            ref = _hub_ref(text, kind)
+            if ref is not None and ref.revision is None:
+                text = olds.get((ref.repo, ref.config), text)
+            parts.append(text + weight)
+        aligned = ",".join(parts)
+        if aligned != value:
+            changes[key] = aligned
+    return cfg.replace(**changes) if changes else cfg
+
+
 def pin_hub_specs(cfg: TrainConfig) -> TrainConfig:
     """Download what the options name on the Hub and write each as `ORG/NAME@<commit>`, so the
-    run's config.yaml (and `--resume`) reads the same files. A resumed run that names the same
-    repository without a revision keeps the commit its config.yaml holds."""
+    run's config.yaml (and `--resume`) reads the same files. A value a resumed run keeps as its
+    config.yaml has it is left as it is (pinned already, or a run from before pinning)."""
     saved = (read_saved_config(cfg.run.output_dir) if cfg.run.resume else None) or {}
     changes = {}
     for key, kind, flag in _HUB_OPTIONS:
         value = cfg.get(key)
-        if not isinstance(value, str):
+        if not isinstance(value, str) or value == saved.get(key):
             continue
-        was = saved.get(key) if isinstance(saved.get(key), str) else ""
-        if kind == "dataset":
-            split = cfg.data.data_split
-            parts = [_pin_one(s, kind, flag, split, was) for s in value.split(",")]
-            pinned = ",".join(parts)
-        else:
-            pinned = _pin_one(value, kind, flag, None, was)
+        parts = []
+        for text, weight in _parts(value, kind):
+            ref = _hub_ref(text, kind)
+            if ref is not None and kind == "dataset":
+                split = cfg.data.data_split if key == "data" else cfg.data.eval_split
+                text = sources.pinned_source(text, split or cfg.data.data_split)
+            elif ref is not None:
+                folder = hub.model_folder(text, flag, weights=kind == "model")
+                text = ref.pinned(folder.name)
+            parts.append(text + weight)
+        pinned = ",".join(parts) if kind == "dataset" else parts[0]
         if pinned != value:
             changes[key] = pinned
     return cfg.replace(**changes) if changes else cfg
 
 
-def _pin_one(part: str, kind: str, flag: str, split: str | None, saved: str) -> str:
-    text, sep, weight = part.strip(), "", ""
-    if kind == "dataset":  # a mixture's part: SRC:W
-        head, colon, tail = text.rpartition(":")
-        if colon and head:
-            text, sep, weight = head, ":", tail
-    if Path(text).exists() or text == "pydocs":
-        return part
-    ref = hub.parse(text, dataset=kind == "dataset")
-    if ref is None:
-        return part
-    if ref.revision is None:  # --resume naming the repo again: the commit the run used
-        for old in saved.split(","):
-            old_ref = hub.parse(old.strip().rpartition(":")[0] or old.strip(), kind == "dataset")
-            if old_ref and (old_ref.repo, old_ref.config) == (ref.repo, ref.config):
-                ref = old_ref
-    if kind == "dataset":
-        pinned = sources.pinned_source(str(ref), split)
-    else:
-        folder = hub.model_folder(str(ref), flag, weights=kind == "model")
-        pinned = ref.pinned(folder.name)
-    return pinned + sep + weight
+def hub_specs(cfg: TrainConfig) -> str:
+    """The run's Hub-capable options, as one string (to compare across processes)."""
+    return repr([cfg.get(key) for key, _, _ in _HUB_OPTIONS])

@@ -254,14 +254,15 @@ def test_missing_model_folder_and_config(work, capsys):
 
 
 def test_hub_id_not_cached_and_cached(work, capsys, monkeypatch):
-    import huggingface_hub.constants
-
     cache = scratch(work)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))  # what compiletune/hub.py reads
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     argv = ["--model-dir", "someorg/tiny-model", "--data", str(work / "good.jsonl")]
     msg = refused(capsys, argv, cache / "out")
-    assert "--model-dir someorg/tiny-model: not in the HF cache" in msg and "HF_HUB_OFFLINE" in msg
+    assert (
+        "--model-dir someorg/tiny-model: no such local path, and not in the HF cache" in msg
+        and "HF_HUB_OFFLINE" in msg
+    )
     # the same id in the local HF cache: found there, nothing downloaded
     repo = cache / "models--someorg--tiny-model"
     shutil.copytree(work / "model", repo / "snapshots" / "abc123")

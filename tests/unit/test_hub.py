@@ -28,6 +28,8 @@ configs:
     path: data/test-*
 - config_name: other
   data_files: other/*.jsonl
+- config_name: folder
+  data_dir: sub
 ---
 # a dataset card
 """
@@ -59,6 +61,7 @@ def model_files(tmp_path_factory) -> dict[str, bytes]:
     files["pytorch_model.bin"] = b"pickle" * 50
     files["original/consolidated.00.pth"] = b"meta" * 50
     files["model.Q4_K_M.gguf"] = b"gguf" * 50
+    files["consolidated.safetensors"] = files["model.safetensors"]  # Mistral's second copy
     return files
 
 
@@ -69,11 +72,19 @@ def server(tmp_path, monkeypatch, model_files):
     s.add("model", "org/gated", Repo(dict(model_files), gated=True))
     s.add("model", "org/secret", Repo(dict(model_files), private=True))
     s.add("model", "org/binonly", Repo({"config.json": model_files["config.json"], "x.bin": b"0"}))
+    sharded = {k: v for k, v in model_files.items() if k != "model.safetensors"}
+    sharded["model-00001-of-00001.safetensors"] = model_files["model.safetensors"]
+    index = {"weight_map": {"w": "model-00001-of-00001.safetensors"}}
+    sharded["model.safetensors.index.json"] = json.dumps(index).encode()
+    s.add("model", "org/sharded", Repo(sharded))
     files = {
         "README.md": CARD.encode(),
         "data/train-00000-of-00001.jsonl": _jsonl(TRAIN),
         "data/test-00000-of-00001.jsonl": _jsonl(TRAIN[:3]),
         "other/a.jsonl": _jsonl(TRAIN[:5]),
+        "data/extra/train-x.jsonl": b"not a row",  # data/train-* does not reach into folders
+        "sub/train.jsonl": _jsonl(TRAIN[:4]),
+        "sub/test.jsonl": _jsonl(TRAIN[:1]),
     }
     s.add("dataset", "org/set", Repo(files))
     s.add("dataset", "org/plain", Repo({"train.jsonl": _jsonl(TRAIN), "test.jsonl": b"{}"}))
@@ -81,6 +92,8 @@ def server(tmp_path, monkeypatch, model_files):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
         monkeypatch.delenv(name, raising=False)
+    # conftest makes every test offline; huggingface_hub read that when it was imported
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     yield s
     s.close()
@@ -91,8 +104,8 @@ def test_a_model_downloads_only_what_is_read_then_comes_from_the_cache(server, m
     commit = server.repos[("model", "org/tiny")].commit
     assert folder.name == commit and folder.parent.parent.name == "models--org--tiny"
     got = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-    want = {n for n in model_files if n.endswith((".json", ".safetensors", ".jinja"))}
-    assert got == want  # no .bin, no original/, no .gguf
+    want = {n for n in model_files if n.endswith((".json", ".jinja"))} | {"model.safetensors"}
+    assert got == want  # no .bin, no original/, no .gguf, no consolidated.safetensors
     assert not any(p.endswith((".bin", ".pth", ".gguf")) for p in server.file_gets())
     for name in want:
         assert (folder / name).read_bytes() == model_files[name]
@@ -110,9 +123,20 @@ def test_a_model_downloads_only_what_is_read_then_comes_from_the_cache(server, m
     assert not any("org/other" in p and p.endswith(".safetensors") for p in server.file_gets())
 
 
+def test_a_sharded_model_fetches_the_shards_its_index_names(server):
+    folder = resolve_model_path("org/sharded")
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == [
+        "model-00001-of-00001.safetensors"
+    ]
+    assert not any("consolidated" in p for p in server.file_gets())
+
+
 def test_offline_uses_the_cache_or_says_so(server, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match=r"--model-dir org/tiny: not in the HF cache .*HF_HUB_OFF"):
+    with pytest.raises(
+        UserError,
+        match=r"--model-dir org/tiny: no such local path, and not in the HF cache .*HF_HUB_OFF",
+    ):
         resolve_model_path("org/tiny")
     monkeypatch.delenv("HF_HUB_OFFLINE")
     folder = resolve_model_path("org/tiny")
@@ -141,7 +165,8 @@ def test_a_dropped_download_resumes_where_it_stopped(server, model_files, monkey
         ("org/secret", r"or it is private\); check the name, and for a private one log in"),
         ("org/gated", r"the model is gated; accept its terms on http://127.0.0.1:\d+/org/gated"),
         ("org/tiny@v9", r"org/tiny has no revision 'v9'; pass a branch, tag or commit"),
-        ("org/binonly", r"has no .safetensors weights"),
+        ("org/binonly", r"has no model.safetensors of safetensors weights"),
+        ("runs/exp--2", r"no such local path, and not a Hub id ORG/NAME"),
     ],
 )
 def test_hub_errors_are_one_line(server, spec, message):
@@ -152,8 +177,10 @@ def test_hub_errors_are_one_line(server, spec, message):
 
 def test_no_network_and_a_full_disk(server, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-    with pytest.raises(UserError, match=r"cannot reach http://127.0.0.1:9 .*HF_ENDPOINT"):
+    with pytest.raises(UserError, match=r"no such local path, and http://127.0.0.1:9 cannot be"):
         resolve_model_path("org/tiny")
+    with pytest.raises(UserError, match=r"--data org/set: no such local path, and http://127"):
+        sources.source_files("org/set")  # the listing's request: the same line
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -171,7 +198,9 @@ def test_a_dataset_reads_the_split_of_its_card_config(server):
     rows = [r for r, _ in sources.iter_records("org/set", "test")]
     assert rows == TRAIN[:3]
     assert [r for r, _ in sources.iter_records("org/set/other")] == TRAIN[:5]
-    with pytest.raises(UserError, match=r"no config 'nope' \(configs: default, other\)"):
+    assert [r for r, _ in sources.iter_records("org/set/folder")] == TRAIN[:4]
+    assert [r for r, _ in sources.iter_records("org/set/folder", "test")] == TRAIN[:1]
+    with pytest.raises(UserError, match=r"no config 'nope' \(configs: default, other, folder\)"):
         sources.source_files("org/set/nope")
     with pytest.raises(UserError, match=r"has no split 'dev' \(splits: train, test\)"):
         sources.source_files("org/set", "dev")
@@ -185,12 +214,16 @@ def test_train_pins_the_commits_and_resumes_offline(server, tmp_path, monkeypatc
     out = tmp_path / "run"
     argv = ["train", "--model-dir", "org/tiny", "--data", "org/set", "--seq-len", "32"]
     argv += ["--batch-size", "2", "--save-every", "2", "--output-dir", str(out)]
-    assert main([*argv, "--max-steps", "2"]) == 0
+    held = ["--eval-data", "org/set", "--eval-split", "test"]
+    assert main([*argv, *held, "--max-steps", "2"]) == 0
     flat = read_saved_config(out)
     model_commit = server.repos[("model", "org/tiny")].commit
     data_commit = server.repos[("dataset", "org/set")].commit
     assert flat["model_dir"] == f"org/tiny@{model_commit}"
     assert flat["data"] == f"org/set@{data_commit}"
+    assert flat["eval_data"] == f"org/set@{data_commit}" and flat["eval_split"] == "test"
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["eval_targets"] <= 3 * 32  # the 3 rows of the test split, not train's 12
     # the repo moves on; a resume naming it again keeps the run's commit, offline
     server.repos[("model", "org/tiny")].branches["main"] = "f" * 40
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -199,6 +232,11 @@ def test_train_pins_the_commits_and_resumes_offline(server, tmp_path, monkeypatc
     assert server.requests[before:] == []
     steps = [json.loads(s)["step"] for s in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+    # a run from before pinning (config.yaml holds org/tiny): --resume as it was, offline
+    saved = (out / "config.yaml").read_text()
+    (out / "config.yaml").write_text(saved.replace(f"org/tiny@{model_commit}", "org/tiny"))
+    assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", "4"]) == 0
+    assert server.requests[before:] == []
 
 
 def test_processes_of_one_machine_download_once(server, tmp_path):

@@ -237,12 +237,11 @@ def test_records_are_read_in_batches(tmp_path):
 
 
 def test_hf_cache_dataset_offline(tok, tmp_path, monkeypatch):
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # what compiletune/hub.py reads
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(
-        UserError, match=r"--data org/set: not in the HF cache .* HF_HUB_OFFLINE is set"
+        UserError,
+        match=r"--data org/set: no such local path, and not in the HF cache .* HF_HUB_OFFLINE set",
     ):
         load_examples("org/set", tok)
     repo = tmp_path / "hub" / "datasets--org--set"
