@@ -177,6 +177,8 @@ def test_hub_errors_are_one_line(server, spec, message):
 
 def test_no_network_and_a_full_disk(server, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    # huggingface_hub retries a refused connection with waits of 1, 2, 4, 8 s: not here
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda s: None)
     with pytest.raises(UserError, match=r"no such local path, and http://127.0.0.1:9 cannot be"):
         resolve_model_path("org/tiny")
     with pytest.raises(UserError, match=r"--data org/set: no such local path, and http://127"):
