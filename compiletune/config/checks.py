@@ -381,11 +381,6 @@ def _check_grpo(section: ObjectiveConfig, cfg: TrainConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be in (0, 1), got {value}")
     if section.precompute_ref:
         raise UserError("--precompute-ref applies to dpo/ipo; grpo scores its own completions")
-    if cfg.data.eval_data or cfg.data.val_split:
-        raise UserError(
-            "--eval-data / --val-split: grpo has no held-out evaluation yet (its metrics are "
-            "the rewards of each step's completions); drop them"
-        )
 
 
 # The checks of each section, in the order `resolve` runs them.

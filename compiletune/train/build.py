@@ -30,7 +30,6 @@ from compiletune.checkpoint import steps as ckpt
 from compiletune.compiler.activation import apply_eager_checkpointing, parse_ac
 from compiletune.compiler.regions import CompiledRegions, CompileOptions, compile_regions
 from compiletune.config import RunFacts, TrainConfig, fill_defaults
-from compiletune.data.prompts import PromptSet, read_prompts
 from compiletune.data.rows import (
     Batches,
     Mixture,
@@ -62,7 +61,7 @@ from compiletune.models.lora import (
 )
 from compiletune.models.seq_parallel import SeqShards, split_sequence, unsplittable
 from compiletune.optim import ADAMW_BETAS, Optimizer
-from compiletune.train.inputs import build_data, build_pairs
+from compiletune.train.inputs import build_data, build_pairs, build_prompts
 
 # Fields that make two architectures different models (head_dim is compared resolved).
 _ARCH_FIELDS = (
@@ -106,7 +105,7 @@ class Run:
     regions: CompiledRegions | None = None
     tokenizer: Any = None
     data: list[PackedData] | None = None  # one per --data source
-    eval_set: PackedData | None = None
+    eval_set: Any = None  # held-out rows (PackedData), pairs (PairRows) or prompts (PromptSet)
     batches: Batches | None = None
     resume_from: Path | None = None
     start_step: int = 0
@@ -419,7 +418,7 @@ class _Inputs:
     facts: RunFacts
     tokenizer: Any = None
     data: list[PackedData] | None = None  # one per --data source
-    eval_set: PackedData | None = None
+    eval_set: Any = None  # as Run.eval_set
     resume_from: Path | None = None
     state: dict[str, Any] | None = None
     weights: list[float] | None = None  # the sources' mixture weights
@@ -434,17 +433,7 @@ def _read_inputs(
     _check_shapes(cfg, args, tokenizer)
     say = print if env is None or env.is_main else (lambda line: None)
     if cfg.objective.objective == "grpo":
-        o = cfg.objective
-        prompts = read_prompts(
-            cfg.data.source,
-            tokenizer,
-            cfg.data.seq_len - o.max_new_tokens,
-            cfg.data.data_columns,
-            cfg.data.data_split,
-            cfg.data.data_roles,
-            say,
-        )
-        datas, weights, eval_set = [PromptSet(prompts)], None, None
+        datas, weights, eval_set = build_prompts(cfg, tokenizer, say)
     elif cfg.objective.objective in ("dpo", "ipo", "simpo"):
         datas, weights, eval_set = build_pairs(cfg, tokenizer, say)
     else:

@@ -129,6 +129,60 @@ class Grpo:
         adv = advantages(total, g, scale=o.scale_rewards)
         return {"completions": completions, "per_fn": per_fn, "rewards": total, "adv": adv}
 
+    def evaluate(self, run: Run, held: list[Prompt]) -> dict[str, Any]:
+        """The held-out reward: --num-generations completions of each held-out prompt, sampled
+        as the rollout samples (--temperature, --top-p) from a stream fixed per prompt, so that
+        evaluations at different steps differ only by the weights; every rank decodes all of
+        them, in step. `eval_reward` is the weighted sum's mean (what GRPO maximises),
+        `eval_rewards` each function's mean, `eval_completion_len` the mean length."""
+        going = None
+        if run.env is not None:
+
+            def going(mine: bool) -> bool:
+                return dist_.any_rank(mine, run.device)
+
+        o = run.cfg.objective
+        g = o.num_generations
+        completions: list[list[int]] = []
+        run.model.eval()
+        try:
+            with _gathered(run.model):
+                for i, p in enumerate(held):
+                    generator = torch.Generator(device=run.device)
+                    generator.manual_seed((run.cfg.run.seed * 1_000_003 + i) % (1 << 63) + 7)
+                    completions += sample_group(
+                        run.model,
+                        p.ids,
+                        g,
+                        o.max_new_tokens,
+                        o.temperature,
+                        o.top_p,
+                        self.stop,
+                        generator,
+                        going,
+                    )
+        finally:
+            run.model.train()
+        held = [p for p in held for _ in range(g)]
+        texts = run.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        columns = {
+            k: [p.columns.get(k) for p in held] for k in {k for p in held for k in p.columns}
+        }
+        per_fn = [
+            score(r, [p.text for p in held], texts, completions, columns) for r in self.rewards
+        ]
+        n = len(held)
+        total = [
+            sum(r.weight * v[i] for r, v in zip(self.rewards, per_fn, strict=True))
+            for i in range(n)
+        ]
+        return {
+            "eval_reward": sum(total) / n,
+            "eval_rewards": {r.name: sum(v) / n for r, v in zip(self.rewards, per_fn, strict=True)},
+            "eval_completion_len": sum(len(c) for c in completions) / n,
+            "eval_prompts": n // g,
+        }
+
     # ---------------------------------------------------------------------------- rows
 
     @staticmethod

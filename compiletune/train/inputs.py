@@ -9,6 +9,7 @@ import numpy as np
 
 from compiletune.config import TrainConfig
 from compiletune.data.pairs import PairRows, read_pairs
+from compiletune.data.prompts import Prompt, PromptSet, read_prompts
 from compiletune.data.rows import PackedData, check_rows, pack_store, split_indices
 from compiletune.data.sources import parse_sources
 from compiletune.data.token_cache import cached_store, check_vocabulary
@@ -101,6 +102,24 @@ def build_eval_set(
     if max_examples is not None and max_examples < held.n_docs:
         held = held.subset(np.arange(max_examples))
     return pack_held_out(cfg, held, f"--data {cfg.data.source}"), held.n_docs
+
+
+def build_prompts(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[list, None, Any]:
+    """--objective grpo: the prompts (data/prompts.py) for training and, with --val-split or
+    --eval-data, held-out ones for the reward evaluation."""
+    d = cfg.data
+
+    def read(source: str, split: str | None) -> list[Prompt]:
+        limit = d.seq_len - cfg.objective.max_new_tokens
+        return read_prompts(source, tokenizer, limit, d.data_columns, split, d.data_roles, say)
+
+    prompts, held = read(d.source, d.data_split), None
+    if d.val_split > 0:
+        train, out = split_indices(len(prompts), d.val_split, cfg.run.seed)
+        prompts, held = [prompts[i] for i in train], [prompts[i] for i in out]
+    elif d.eval_data is not None:
+        held = read(d.eval_data, d.eval_split or d.data_split)
+    return [PromptSet(prompts)], None, None if held is None else PromptSet(held)
 
 
 def build_pairs(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[list, list, Any]:

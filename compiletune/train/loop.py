@@ -105,6 +105,18 @@ def _train_locked(
     return trainer.train()
 
 
+def _eval_text(record: dict[str, Any]) -> str:
+    """The held-out figures of a progress line: loss and perplexity, a preference run's
+    reward accuracy, or grpo's held-out reward."""
+    if "eval_reward" in record:
+        return f" eval_reward {record['eval_reward']:.3f}"
+    if "eval_ppl" in record:
+        return f" eval_loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}"
+    return (
+        f" eval_loss {record['eval_loss']:.4f} reward accuracy {record['eval_reward_accuracy']:.3f}"
+    )
+
+
 def pin_hub_specs(cfg: TrainConfig, env: dist_.DistEnv | None) -> TrainConfig:
     """Hub models and datasets downloaded once the options are known good, and pinned to their
     commit (run_dir.pin_hub_specs). Every process resolves them; should a branch move while the
@@ -197,7 +209,7 @@ class Trainer:
             if warning:
                 self.say(warning)
         self.first_loss = self.last_loss = float("nan")
-        self.last_eval: dict[str, float] | None = None
+        self.last_eval: dict[str, Any] | None = None
         self.eval_seconds = 0.0
         # this invocation's work: real input tokens, padding beside them, target tokens
         self.tokens_done = self.padding_done = self.targets_done = 0
@@ -376,7 +388,9 @@ class Trainer:
             return
         t0 = time.perf_counter()
         cfg, run = self.cfg, self.run
-        if cfg.objective.objective in ("dpo", "ipo", "simpo"):
+        if self.grpo is not None:
+            self.last_eval = self.grpo.evaluate(run, run.eval_set.prompts)
+        elif cfg.objective.objective in ("dpo", "ipo", "simpo"):
             self.last_eval = evaluate_pairs(run, cfg.data.batch_size)
         else:
             self.last_eval = evaluate(
@@ -390,7 +404,7 @@ class Trainer:
                 run.seq,
             )
         self.eval_seconds += time.perf_counter() - t0
-        record.update(self.last_eval)  # eval_loss, eval_ppl, eval_targets
+        record.update(self.last_eval)  # eval_loss, eval_ppl, eval_targets (grpo: eval_reward)
 
     def progress(self, record: dict[str, Any], bar: tqdm, interactive: bool) -> None:
         """The progress bar on a terminal; otherwise a line every tenth of the run."""
@@ -401,12 +415,14 @@ class Trainer:
             "mem": f"{record['peak_mem_gib']:.2f}G",
         }
         if self.last_eval is not None:
-            postfix["eval"] = f"{self.last_eval['eval_loss']:.3f}"
+            postfix["eval"] = (
+                f"{self.last_eval.get('eval_loss', self.last_eval.get('eval_reward')):.3f}"
+            )
         if "reward" in record:  # grpo: the loss is advantage-weighted, about 0 by design
             postfix["reward"] = f"{record['reward']:.3f}"
         bar.set_postfix(postfix)
         max_steps = self.cfg.run.max_steps
-        evaluated = "eval_loss" in record
+        evaluated = "eval_loss" in record or "eval_reward" in record
         due = self.step % max(1, max_steps // 10) == 0 or self.step == max_steps or evaluated
         if interactive or not due:
             return
@@ -414,16 +430,7 @@ class Trainer:
             f"step {self.step}/{max_steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
             f"{record['tokens_per_s']:.0f} tok/s mem {record['peak_mem_gib']:.2f} GiB"
             + (f" reward {record['reward']:.3f}" if "reward" in record else "")
-            + (
-                f" eval_loss {record['eval_loss']:.4f} "
-                + (
-                    f"ppl {record['eval_ppl']:.2f}"
-                    if "eval_ppl" in record
-                    else f"reward accuracy {record['eval_reward_accuracy']:.3f}"
-                )
-                if evaluated
-                else ""
-            )
+            + (_eval_text(record) if evaluated else "")
         )
 
     # ------------------------------------------------------------------------- saving
@@ -660,8 +667,9 @@ class Trainer:
             "output_dir": str(self.out),
             "loss_kind": cfg.techniques.loss,
             "doc_mask": cfg.data.doc_mask,
-            "eval_loss": last_eval["eval_loss"] if last_eval else None,
+            "eval_loss": last_eval.get("eval_loss") if last_eval else None,
             "eval_ppl": last_eval.get("eval_ppl") if last_eval else None,
+            "eval_reward": last_eval.get("eval_reward") if last_eval else None,
             "eval_seconds": self.eval_seconds,
             "compile": compile_stats,
             "helper_graphs": helper_graphs,

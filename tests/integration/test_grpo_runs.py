@@ -64,14 +64,28 @@ def test_a_tiny_model_learns_the_toy_task(tmp_path, monkeypatch):
     train = [(a, b) for a in range(5) for b in range(3)]
     held = [(a, b) for a in range(5) for b in (3, 4)]
     flags = grpo_flags(tmp_path, monkeypatch)
-    tiny_run(tmp_path, sums(tmp_path, "train.jsonl", train), **flags, max_steps=40)
-    rewards = [r["reward"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    # the run's own held-out reward: 8 samples of each held-out prompt every 10 steps
+    held_file = tmp_path / "held.jsonl"
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in held]
+    held_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = {"eval_data": str(held_file), "eval_every": 10}
+    data = sums(tmp_path, "train.jsonl", train)
+    summary = tiny_run(tmp_path, data, **flags, **evals, max_steps=40)
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rewards = [r["reward"] for r in metrics]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-10:]) / 10
     assert last > first + 0.3, rewards
+    curve = [(r["step"], r["eval_reward"]) for r in metrics if "eval_reward" in r]
+    assert [s for s, _ in curve] == [10, 20, 30, 40], curve
+    assert all(r["eval_prompts"] == len(held) for r in metrics if "eval_reward" in r)
+    assert summary["eval_reward"] == curve[-1][1]
+    print("held-out reward, step: value", curve)
     tiny_run(tmp_path, sums(tmp_path, "one.jsonl", train), name="start", **flags, max_steps=1)
     before = held_out_reward(tmp_path / "start" / "step_1", held)
     after = held_out_reward(tmp_path / "run" / "step_40", held)
     assert after > before + 0.3, (before, after)
+    # the run's evaluation measures that same quantity (other samples of the same policy)
+    assert abs(curve[-1][1] - after) < 0.1, (curve, after)
 
 
 def test_lora_compile_kl_several_updates_and_exact_resume(tmp_path, monkeypatch):
@@ -103,3 +117,12 @@ def test_lora_compile_kl_several_updates_and_exact_resume(tmp_path, monkeypatch)
     split = read_metrics(tmp_path / "split" / "metrics.jsonl")
     for key in ("reward", "loss", "completion_len", "kl"):
         assert [r[key] for r in split] == [r[key] for r in whole], key
+
+
+def test_val_split_holds_prompts_out_for_the_reward_evaluation(tmp_path, monkeypatch):
+    data = sums(tmp_path, "train.jsonl", [(a, b) for a in range(5) for b in range(3)])  # 60
+    flags = grpo_flags(tmp_path, monkeypatch) | {"val_split": 0.25, "batch_size": 2}
+    summary = tiny_run(tmp_path, data, **flags, max_steps=1)
+    (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert record["eval_prompts"] == 15 and summary["eval_reward"] == record["eval_reward"]
+    assert set(record["eval_rewards"]) == {"toy_rewards:first_digit", "regex:^\\d"}

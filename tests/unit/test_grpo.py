@@ -147,7 +147,7 @@ def test_grpo_flags_are_checked():
         ({"temperature": 0.0}, "--temperature"),
         ({"epsilon_high": 1.5}, "--epsilon-high"),
         ({"grpo_iterations": 0}, "--grpo-iterations"),
-        ({"val_split": 0.1}, "--val-split"),
+        ({"eval_split": "test"}, "--eval-split picks a split of --eval-data"),
     ):
         with pytest.raises(UserError, match=match):
             resolve({}, {**base, **change})
