@@ -79,11 +79,15 @@ def reference_model(run: Run) -> Iterator[torch.nn.Module]:
             reshard_frozen(run.reference)
 
 
-def reference_sums(run: Run, mb: dict[str, Tensor], ids: Tensor, n_seq: int) -> Tensor:
-    """The reference model's summed response log-probabilities [n_seq]."""
+def reference_sums(
+    run: Run, mb: dict[str, Tensor], ids: Tensor, n_seq: int, whole: bool = True
+) -> Tensor:
+    """The reference model's summed response log-probabilities [n_seq] (`whole=False`: over
+    this rank's tokens alone under --cp, for the caller to sum with its own)."""
     with reference_model(run) as model:
         hidden = forward_hidden(model, mb, True)
-        return _whole(run, sequence_sums(logprobs(model, hidden, mb["targets"]), ids, n_seq))
+        sums = sequence_sums(logprobs(model, hidden, mb["targets"]), ids, n_seq)
+    return _whole(run, sums) if whole else sums
 
 
 def _sequence_ids(run: Run, mb: dict[str, Tensor]) -> Tensor:
@@ -108,13 +112,17 @@ def preference_micro(
     n_seq = 2 * sum(pairs)
     policy = sequence_sums(run.head(hidden, mb["targets"], logprobs=True), ids, n_seq)
     ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
-    policy, lengths = _whole(run, policy), _whole(run, sequence_sums(ones, ids, n_seq))
-    if opts.kind == "simpo":
-        ref = None
-    elif "ref" in mb:  # --precompute-ref
+    parts = [policy, sequence_sums(ones, ids, n_seq).to(policy.dtype)]
+    ref = None
+    if opts.kind != "simpo" and "ref" not in mb:
+        parts.append(reference_sums(run, mb, ids, n_seq, whole=False).to(policy.dtype))
+    # under --cp one all-reduce sums the pieces of all three (the gradient reaches the policy's)
+    summed = _whole(run, torch.stack(parts))
+    policy, lengths = summed[0], summed[1]
+    if len(parts) == 3:
+        ref = summed[2]
+    elif opts.kind != "simpo":  # --precompute-ref
         ref = row_values(mb["ref"], pairs)
-    else:
-        ref = reference_sums(run, mb, ids, n_seq)
     return preference_loss(
         policy[0::2],
         policy[1::2],
