@@ -1,9 +1,12 @@
 """Partitioned-graph pass: move what a block saves for backward to host memory and back.
 
 Matches, after the min-cut partitioner, every floating-point tensor the forward graph returns
-for the backward that the forward computed (not graph inputs such as parameters or the block's
-input, which stay alive anyway, and not integer RNG states, which are tiny), dense in memory
-(copied with its strides unchanged), at least `min_bytes` large. Rewrites:
+for the backward that the forward computed, and the block's input when the backward keeps it
+(a graph input shaped like the forward's first output, the block's output: the hidden state;
+under `--ac full` it is all a block saves, and nothing else holds it once the next block has
+run), dense in memory (copied with its strides unchanged), at least `min_bytes` large. Not
+parameters (other graph inputs, which stay alive anyway) nor integer RNG states (tiny).
+Rewrites:
 
     forward:  return (..., a, ...)             ->  a_host = compiletune::offload_to_host(a)
                                                    return (..., a_host, ...)
@@ -51,14 +54,16 @@ def offload_activations(
     if len(bw_inputs) != len(saved):  # not the layout this pass understands: leave it alone
         return fw, bw, {"matched": 0, "skipped": "saved values and backward inputs differ"}
     last_placeholder = bw_inputs[-1] if bw_inputs else None
-    moved, moved_bytes = 0, 0
+    first_out = _value(outs[0]) if outs and isinstance(outs[0], torch.fx.Node) else None
+    hidden_shape = first_out.shape if isinstance(first_out, torch.Tensor) else None
+    moved, moved_bytes, inputs_moved = 0, 0, 0
     for i, (node, bw_in) in enumerate(zip(saved, bw_inputs, strict=True)):
         val = _value(node) if isinstance(node, torch.fx.Node) else None
         if (
             node is None
             or not isinstance(node, torch.fx.Node)
-            or node.op == "placeholder"
             or not isinstance(val, torch.Tensor)
+            or (node.op == "placeholder" and val.shape != hidden_shape)
             or not val.is_floating_point()
             or not _dense(val)
         ):
@@ -80,7 +85,9 @@ def offload_activations(
         bw_in.replace_all_uses_with(back, delete_user_cb=lambda user, b=back: user is not b)
         moved += 1
         moved_bytes += nbytes
+        inputs_moved += node.op == "placeholder"
     output.args = (tuple(outs),)
     fw.recompile()
     bw.recompile()
-    return fw, bw, {"matched": moved, "offloaded_bytes": moved_bytes}
+    stats = {"matched": moved, "offloaded_bytes": moved_bytes, "inputs": inputs_moved}
+    return fw, bw, stats

@@ -435,18 +435,24 @@ def _mark_blocks(tracker: Tracker, model: Any) -> None:
 
 def _host_activation_hooks(tracker: Tracker, model: Any) -> Any:
     """saved_tensors_hooks that move what a block saves to the host category (and back when
-    backward reads it): `--offload-activations` without the compiler."""
-    start = {"seq": 0}
+    backward reads it): `--offload-activations` without the compiler. What the block computes
+    and its input (the hidden state), as passes/offload_activations.py moves them."""
+    start: dict[str, Any] = {"seq": 0, "input": None}
 
     def block_start(module: Any, inputs: Any) -> None:
         start["seq"] = tracker.seq
+        hidden = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
+        start["input"] = None if hidden is None else hidden.untyped_storage()._cdata
 
     for block in model.layers:
         block.register_forward_pre_hook(block_start)
 
     def pack(t: Tensor) -> Tensor:
         got = tracker.category_of(t)
-        if got is not None and got[0] == ACT and got[1] > start["seq"]:
+        mine = got is not None and (
+            got[1] > start["seq"] or t.untyped_storage()._cdata == start["input"]
+        )
+        if mine and got[0] == ACT:
             tracker.retag(t, ACT_HOST)
         return t
 

@@ -92,6 +92,16 @@ def test_techniques_move_the_parts_they_should() -> None:
     assert offload.host_parts["optimizer_state"] == base.parts["optimizer_state"]
     assert offload.peak_bytes < base.peak_bytes
     assert not dist.is_initialized()  # the fake process group is gone
+    # --ac full --offload-activations: what the blocks save, their inputs, goes to the host (a
+    # step whose activations matter: 6 blocks of 2048-token rows, the MLP in tiles)
+    long = {"loss": "plain", "ac": "full", "n_layers": 6, "seq_len": 2048, "mlp_tile": 256}
+    kept = estimate.estimate_memory(_cfg(**long))
+    moved = estimate.estimate_memory(_cfg(**long, compile=True, offload_activations=True))
+    cfg = _cfg(**long)
+    hidden = cfg.data.batch_size * cfg.data.seq_len * resolve_model_args(cfg).dim * 4
+    assert moved.host_parts["activations"] >= 6 * hidden
+    assert moved.parts["activations"] <= kept.parts["activations"] - 4 * hidden
+    assert moved.peak_bytes < kept.peak_bytes
 
 
 def test_sharding_divides_the_state_and_leaves_no_process_group() -> None:
