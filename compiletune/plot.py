@@ -54,6 +54,7 @@ TITLES = {
 BOOKKEEPING = {
     *("step", "tokens", "padding", "targets", "epoch", "step_time_s"),
     *("eval_ppl", "eval_targets", "eval_pairs", "expert_load.mean", "completion_len_max"),
+    "eval_prompts",
 }
 
 

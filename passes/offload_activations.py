@@ -56,7 +56,7 @@ def offload_activations(
     last_placeholder = bw_inputs[-1] if bw_inputs else None
     first_out = _value(outs[0]) if outs and isinstance(outs[0], torch.fx.Node) else None
     hidden_shape = first_out.shape if isinstance(first_out, torch.Tensor) else None
-    moved, moved_bytes, inputs_moved = 0, 0, 0
+    moved, moved_bytes, inputs_moved, input_bytes = 0, 0, 0, 0
     for i, (node, bw_in) in enumerate(zip(saved, bw_inputs, strict=True)):
         val = _value(node) if isinstance(node, torch.fx.Node) else None
         if (
@@ -85,9 +85,15 @@ def offload_activations(
         bw_in.replace_all_uses_with(back, delete_user_cb=lambda user, b=back: user is not b)
         moved += 1
         moved_bytes += nbytes
-        inputs_moved += node.op == "placeholder"
+        if node.op == "placeholder":
+            inputs_moved, input_bytes = inputs_moved + 1, input_bytes + nbytes
     output.args = (tuple(outs),)
     fw.recompile()
     bw.recompile()
-    stats = {"matched": moved, "offloaded_bytes": moved_bytes, "inputs": inputs_moved}
+    stats = {
+        "matched": moved,
+        "offloaded_bytes": moved_bytes,
+        "inputs": inputs_moved,
+        "offloaded_input_bytes": input_bytes,  # of offloaded_bytes: the block's input
+    }
     return fw, bw, stats

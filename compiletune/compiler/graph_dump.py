@@ -131,12 +131,14 @@ class RegionRecord:
     def summary(self) -> dict[str, Any]:
         activation_bytes = sum(r["bytes"] for r in self.saved if not r["is_input"])
         offloaded = sum(p.get("offloaded_bytes", 0) for p in self.passes)
+        inputs_moved = sum(p.get("offloaded_input_bytes", 0) for p in self.passes)
         out: dict[str, Any] = {
             "passes": self.passes,
             "saved_activation_bytes": activation_bytes,
             "offloaded_bytes": offloaded,
-            "saved_activation_bytes_on_device": activation_bytes - offloaded,
+            "saved_activation_bytes_on_device": activation_bytes - (offloaded - inputs_moved),
             "saved_input_bytes": sum(r["bytes"] for r in self.saved if r["is_input"]),
+            "offloaded_input_bytes": inputs_moved,
             "saved": self.saved,
             "largest_tensor": {s.name: s.largest for s in self.stages},
             "compile_seconds": round(self.compile_seconds, 3),

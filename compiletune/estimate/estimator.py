@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -444,8 +445,12 @@ def _host_activation_hooks(tracker: Tracker, model: Any) -> Any:
         hidden = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
         start["input"] = None if hidden is None else hidden.untyped_storage()._cdata
 
+    def block_end(module: Any, inputs: Any, output: Any) -> None:  # outside the blocks: kept
+        start["seq"], start["input"] = math.inf, None
+
     for block in model.layers:
         block.register_forward_pre_hook(block_start)
+        block.register_forward_hook(block_end)
 
     def pack(t: Tensor) -> Tensor:
         got = tracker.category_of(t)

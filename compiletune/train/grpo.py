@@ -178,7 +178,9 @@ class Grpo:
         ]
         return {
             "eval_reward": sum(total) / n,
-            "eval_rewards": {r.name: sum(v) / n for r, v in zip(self.rewards, per_fn, strict=True)},
+            "eval_rewards": {
+                r.name: {"mean": sum(v) / n} for r, v in zip(self.rewards, per_fn, strict=True)
+            },
             "eval_completion_len": sum(len(c) for c in completions) / n,
             "eval_prompts": n // g,
         }

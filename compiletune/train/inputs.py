@@ -14,6 +14,7 @@ from compiletune.data.rows import PackedData, check_rows, pack_store, split_indi
 from compiletune.data.sources import parse_sources
 from compiletune.data.token_cache import cached_store, check_vocabulary
 from compiletune.data.token_store import ExampleRows, MemoryStore, Store
+from compiletune.errors import UserError
 
 
 def build_data(
@@ -119,6 +120,15 @@ def build_prompts(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[l
         prompts, held = [prompts[i] for i in train], [prompts[i] for i in out]
     elif d.eval_data is not None:
         held = read(d.eval_data, d.eval_split or d.data_split)
+        # the rewards read the rows' columns: missing ones would stop the run at its end
+        missing = sorted(
+            {k for p in prompts for k in p.columns} - {k for p in held for k in p.columns}
+        )
+        if missing:
+            raise UserError(
+                f"--eval-data {d.eval_data}: the held-out prompts lack the column(s) "
+                f"{', '.join(missing)} that --data's have (the rewards may read them); add them"
+            )
     return [PromptSet(prompts)], None, None if held is None else PromptSet(held)
 
 

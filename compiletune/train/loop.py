@@ -246,7 +246,9 @@ class Trainer:
                 while self.step < cfg.run.max_steps and not stop.should_stop():
                     record = self.one_step(stop)
                     at_end = self.step == cfg.run.max_steps or stop.should_stop()
-                    if "nonfinite" not in record:
+                    # a signal's grace period goes to the save: grpo's evaluation decodes
+                    stopping = stop.should_stop() and self.grpo is not None
+                    if "nonfinite" not in record and not stopping:
                         self.maybe_evaluate(record, at_end)
                     if metrics is not None:
                         metrics.write(record)

@@ -452,6 +452,8 @@ def closing_line(s: dict[str, Any]) -> str:
     if s["eval_loss"] is not None:
         ppl = f" (ppl {s['eval_ppl']:.2f})" if s.get("eval_ppl") is not None else ""
         parts.append(f"eval loss {s['eval_loss']:.4f}{ppl}")
+    if s.get("eval_reward") is not None:
+        parts.append(f"held-out reward {s['eval_reward']:.3f}")
     tokens = f"{s['tokens']} tokens"
     if s["padding_tokens"]:
         tokens += f" (+{s['padding_tokens']} padding)"

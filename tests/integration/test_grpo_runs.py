@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from tiny_run import tiny_run
 
 from compiletune.data.tokenizer import load_tokenizer
+from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import from_hf
 from compiletune.rl.rollout import sample_group
@@ -85,7 +87,7 @@ def test_a_tiny_model_learns_the_toy_task(tmp_path, monkeypatch):
     after = held_out_reward(tmp_path / "run" / "step_40", held)
     assert after > before + 0.3, (before, after)
     # the run's evaluation measures that same quantity (other samples of the same policy)
-    assert abs(curve[-1][1] - after) < 0.1, (curve, after)
+    assert abs(curve[-1][1] - after) < 0.25, (curve, after)  # two means of 80 samples each
 
 
 def test_lora_compile_kl_several_updates_and_exact_resume(tmp_path, monkeypatch):
@@ -126,3 +128,11 @@ def test_val_split_holds_prompts_out_for_the_reward_evaluation(tmp_path, monkeyp
     (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert record["eval_prompts"] == 15 and summary["eval_reward"] == record["eval_reward"]
     assert set(record["eval_rewards"]) == {"toy_rewards:first_digit", "regex:^\\d"}
+    assert all(set(v) == {"mean"} for v in record["eval_rewards"].values())
+    # held-out prompts without the column a reward reads: refused before training, not at its end
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"prompt": "1+1="}) + "\n")
+    flags = grpo_flags(tmp_path, monkeypatch) | {"eval_data": str(bare)}
+    with pytest.raises(UserError, match=r"lack the column\(s\) answer that --data's have"):
+        tiny_run(tmp_path, data, name="bare", **flags, max_steps=1)
+    assert not (tmp_path / "bare" / "metrics.jsonl").exists()
