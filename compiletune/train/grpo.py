@@ -80,54 +80,16 @@ class Grpo:
         """Completions of every prompt, their rewards and advantages. `indices`: the prompts'
         places in the step's global batches."""
         o = run.cfg.objective
-        g = o.num_generations
-        completions: list[list[int]] = []
-        going = None
-        if run.env is not None:  # every rank decodes as long as any rank's rows go on
-
-            def going(mine: bool) -> bool:
-                return dist_.any_rank(mine, run.device)
-
-        run.model.eval()
-        try:
-            with _gathered(run.model):
-                for i, p in zip(indices, prompts, strict=True):
-                    # one stream per (seed, step, prompt of the global batch): a resumed run,
-                    # and the same batch on any number of ranks, sample the same completions
-                    generator = torch.Generator(device=run.device)
-                    generator.manual_seed(
-                        ((run.cfg.run.seed * 1_000_003 + step) * 1_000_003 + i) % (1 << 63)
-                    )
-                    completions += sample_group(
-                        run.model,
-                        p.ids,
-                        g,
-                        o.max_new_tokens,
-                        o.temperature,
-                        o.top_p,
-                        self.stop,
-                        generator,
-                        going,
-                    )
-        finally:
-            run.model.train()
-        texts = run.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        rows = [p for p in prompts for _ in range(g)]
-        columns: dict[str, list[Any]] = {}
-        for key in {k for p in prompts for k in p.columns}:
-            columns[key] = [p.columns.get(key) for p in rows]
-        per_fn = [
-            score(r, [p.text for p in rows], texts, completions, columns) for r in self.rewards
+        # one stream per (seed, step, prompt of the global batch): a resumed run, and the same
+        # batch on any number of ranks, sample the same completions
+        seeds = [
+            ((run.cfg.run.seed * 1_000_003 + step) * 1_000_003 + i) % (1 << 63) for i in indices
         ]
-        total = torch.tensor(
-            [
-                sum(r.weight * v[i] for r, v in zip(self.rewards, per_fn, strict=True))
-                for i in range(len(rows))
-            ],
-            dtype=torch.float32,
-        )
-        adv = advantages(total, g, scale=o.scale_rewards)
-        return {"completions": completions, "per_fn": per_fn, "rewards": total, "adv": adv}
+        completions = self._sample(run, prompts, seeds)
+        per_fn, total = self._score(run, prompts, completions)
+        rewards = torch.tensor(total, dtype=torch.float32)
+        adv = advantages(rewards, o.num_generations, scale=o.scale_rewards)
+        return {"completions": completions, "per_fn": per_fn, "rewards": rewards, "adv": adv}
 
     def evaluate(self, run: Run, held: list[Prompt]) -> dict[str, Any]:
         """The held-out reward: --num-generations completions of each held-out prompt, sampled
@@ -135,25 +97,40 @@ class Grpo:
         evaluations at different steps differ only by the weights; every rank decodes all of
         them, in step. `eval_reward` is the weighted sum's mean (what GRPO maximises),
         `eval_rewards` each function's mean, `eval_completion_len` the mean length."""
+        seeds = [(run.cfg.run.seed * 1_000_003 + i) % (1 << 63) + 7 for i in range(len(held))]
+        completions = self._sample(run, held, seeds)
+        per_fn, total = self._score(run, held, completions)
+        n = len(total)
+        return {
+            "eval_reward": sum(total) / n,
+            "eval_rewards": {
+                r.name: {"mean": sum(v) / n} for r, v in zip(self.rewards, per_fn, strict=True)
+            },
+            "eval_completion_len": sum(len(c) for c in completions) / n,
+            "eval_prompts": len(held),
+        }
+
+    def _sample(self, run: Run, prompts: list[Prompt], seeds: list[int]) -> list[list[int]]:
+        """--num-generations completions of each prompt (in order), each prompt's from its own
+        seeded stream, with the trained weights (gathered whole under FSDP)."""
+        o = run.cfg.objective
         going = None
-        if run.env is not None:
+        if run.env is not None:  # every rank decodes as long as any rank's rows go on
 
             def going(mine: bool) -> bool:
                 return dist_.any_rank(mine, run.device)
 
-        o = run.cfg.objective
-        g = o.num_generations
         completions: list[list[int]] = []
         run.model.eval()
         try:
             with _gathered(run.model):
-                for i, p in enumerate(held):
+                for p, seed in zip(prompts, seeds, strict=True):
                     generator = torch.Generator(device=run.device)
-                    generator.manual_seed((run.cfg.run.seed * 1_000_003 + i) % (1 << 63) + 7)
+                    generator.manual_seed(seed)
                     completions += sample_group(
                         run.model,
                         p.ids,
-                        g,
+                        o.num_generations,
                         o.max_new_tokens,
                         o.temperature,
                         o.top_p,
@@ -163,27 +140,27 @@ class Grpo:
                     )
         finally:
             run.model.train()
-        held = [p for p in held for _ in range(g)]
+        return completions
+
+    def _score(
+        self, run: Run, prompts: list[Prompt], completions: list[list[int]]
+    ) -> tuple[list[list[float]], list[float]]:
+        """(each reward function's values, the weighted sums) of the completions of `prompts`
+        (--num-generations each, in order), with the rows' extra columns."""
+        g = run.cfg.objective.num_generations
+        rows = [p for p in prompts for _ in range(g)]
         texts = run.tokenizer.batch_decode(completions, skip_special_tokens=True)
         columns = {
-            k: [p.columns.get(k) for p in held] for k in {k for p in held for k in p.columns}
+            k: [p.columns.get(k) for p in rows] for k in {k for p in prompts for k in p.columns}
         }
         per_fn = [
-            score(r, [p.text for p in held], texts, completions, columns) for r in self.rewards
+            score(r, [p.text for p in rows], texts, completions, columns) for r in self.rewards
         ]
-        n = len(held)
         total = [
             sum(r.weight * v[i] for r, v in zip(self.rewards, per_fn, strict=True))
-            for i in range(n)
+            for i in range(len(rows))
         ]
-        return {
-            "eval_reward": sum(total) / n,
-            "eval_rewards": {
-                r.name: {"mean": sum(v) / n} for r, v in zip(self.rewards, per_fn, strict=True)
-            },
-            "eval_completion_len": sum(len(c) for c in completions) / n,
-            "eval_prompts": n // g,
-        }
+        return per_fn, total
 
     # ---------------------------------------------------------------------------- rows
 

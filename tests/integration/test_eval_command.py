@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_hf import save_tiny_llama
 from tiny_run import tiny_run
 
 from compiletune.cli import main
@@ -35,19 +36,8 @@ CHATS = [
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Llama saved by transformers, with the byte tokenizer (and its chat template)."""
     path = tmp_path_factory.mktemp("eval") / "model"
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    sizes = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128}
+    return save_tiny_llama(path, **sizes, max_position_embeddings=256)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
+from tiny_hf import save_tiny_llama
 
 from compiletune.cli import main
-from compiletune.data.tokenizer import byte_tokenizer, load_tokenizer
+from compiletune.data.tokenizer import load_tokenizer
 from compiletune.errors import UserError
 from compiletune.models import from_hf, load_hf_config, resolve_model_path
 
@@ -45,18 +45,7 @@ GOOD_ROW = {
 def work(tmp_path_factory) -> Path:
     """A tiny Llama saved by transformers with the byte tokenizer, and a good chat data file."""
     root = tmp_path_factory.mktemp("bad_input")
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
-    byte_tokenizer().save_pretrained(root / "model")
+    save_tiny_llama(root / "model")
     (root / "good.jsonl").write_text((json.dumps(GOOD_ROW) + "\n") * 8)
     return root
 

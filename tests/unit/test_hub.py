@@ -7,13 +7,12 @@ import errno
 import json
 
 import pytest
-import transformers
 from hub_server import HubServer, Repo, folder_files
+from tiny_hf import save_tiny_llama
 
 from compiletune.cli import main
 from compiletune.config import read_saved_config
 from compiletune.data import sources
-from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.errors import UserError
 from compiletune.models import load_hf_config, resolve_model_path
 
@@ -44,19 +43,7 @@ TRAIN = [{"text": f"the quick brown fox {i} jumps over the lazy dog"} for i in r
 
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory) -> dict[str, bytes]:
-    folder = tmp_path_factory.mktemp("hubmodel")
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    files = folder_files(folder)
+    files = folder_files(save_tiny_llama(tmp_path_factory.mktemp("hubmodel")))
     # what a Hub repo often holds beside: never fetched
     files["pytorch_model.bin"] = b"pickle" * 50
     files["original/consolidated.00.pth"] = b"meta" * 50
