@@ -74,19 +74,25 @@ class Forked:
 # why each stretch is extended and not the peak.
 
 
-# What differs from the middle of the model: blocks at the start (rounded up to whole periods)
-# and periods at the end.
+# What differs from the middle of the model: blocks at the start (at least up to the first
+# block of each kind) and at the end.
 ENDS = (2, 1)
 
 
-def period(cfg: TrainConfig, args: ModelArgs) -> int | None:
-    """After how many blocks the blocks repeat (their kinds, e.g. Gemma's sliding and global
-    layers, and where --ac-every checkpoints); None when they do not."""
-    n = args.n_layers
+def _kinds(cfg: TrainConfig, args: ModelArgs) -> list[tuple[str, bool]]:
+    """Each block's kind: its layer type (e.g. Gemma's sliding and global layers) and whether
+    the activation policy checkpoints it (--ac-every)."""
     policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
-    kinds = [
-        (args.layer_types[i] if args.layer_types else "", policy.applies_to(i)) for i in range(n)
+    return [
+        (args.layer_types[i] if args.layer_types else "", policy.applies_to(i))
+        for i in range(args.n_layers)
     ]
+
+
+def period(cfg: TrainConfig, args: ModelArgs) -> int | None:
+    """After how many blocks the blocks' kinds repeat; None when they do not."""
+    n = args.n_layers
+    kinds = _kinds(cfg, args)
     if args.dense_layers and not dense_prefix(args):
         return None
     for p in range(1, n // 4 + 1):
@@ -103,23 +109,27 @@ def dense_prefix(args: ModelArgs) -> int:
 
 
 def shortcut_depths(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int, int] | None:
-    """The two depths to run at, the blocks' period and how many periods at the start differ
-    from the middle; None when the blocks do not repeat or running the two depths costs about
-    as much as the whole model. `ENDS`: the blocks at the start (whole periods of them) and the
-    periods at the end differ from the middle: FSDP prefetches nothing past the ends, and in backward the second block still
-    holds what the first block's gather needs; the first block of each kind creates what later
-    ones share, and frees it in backward. A MoE model's leading dense layers widen the start.
-    The smaller depth has two middle blocks of each kind (to see the step between them); the
-    larger is one period more and ends with the same kind of block as the model."""
+    """The two depths to run at, the blocks' period and how many blocks at the start differ
+    from the middle; None when the blocks do not repeat or the two depths together cost as
+    much as the whole model. `ENDS`: the blocks at the start and at the end differ from the
+    middle: FSDP prefetches nothing past the ends, and in backward the second block still holds
+    what the first block's gather needs; the first block of each kind creates what later ones
+    share (Gemma's first global layer is its sixth), and frees it in backward. A MoE model's
+    leading dense layers widen the start. The smaller depth has a period and one block in the
+    middle (every kind, for the change with depth); the larger is one period more (two blocks
+    of each kind, for the step between them); both end with the same kind of block as the
+    model."""
     n = args.n_layers
     p = period(cfg, args)
     if p is None:
         return None
-    start = -(-max(ENDS[0], dense_prefix(args)) // p)  # whole periods covering those blocks
-    k1 = (start + ENDS[1] + 1) * p + 1
+    kinds = _kinds(cfg, args)
+    firsts = max(kinds.index(k) for k in set(kinds[:p])) + 1
+    start = max(ENDS[0], dense_prefix(args), firsts)
+    k1 = start + p + ENDS[1] + 1
     k1 += (n - k1) % p
     k2 = k1 + p
-    return (k1, k2, p, start) if k1 + k2 <= 0.75 * n else None
+    return (k1, k2, p, start) if k1 + k2 < n else None
 
 
 def _canonical(key: Key, depth: int, ends: tuple[int, int]) -> tuple[str, Key]:
@@ -157,7 +167,7 @@ def extend(
     (`shortcut_depths`), in the order they run; None when the runs do not follow the model
     above."""
     k1, k2, p, start = depths
-    e = (start * p, ENDS[1] * p)  # blocks at the start and at the end
+    e = (start, ENDS[1])  # blocks at the start and at the end
     t1, t2 = (
         {_canonical(key, k, e): seg.vector() for key, seg in run}
         for k, run in zip((k1, k2), runs, strict=True)

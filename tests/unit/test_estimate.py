@@ -376,6 +376,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         ({"cpu_offload": True, "optimizer_in_backward": True}, 4),
         ({"objective": "dpo", "ac": "selective"}, 1),
         ({"model": "debug_gemma2", "n_layers": 30}, 2),  # sliding, full, ...
+        ({"model": "debug_gemma3", "n_layers": 30, "ac": "full"}, 1),  # the first full: 4th
         ({"n_layers": 32, "ac": "full", "ac_every": 2}, 1),
         ({"model": "debug_deepseek", "n_layers": 16}, 2),  # a dense layer first
     ],
@@ -387,6 +388,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         "cpu-offload",
         "dpo",
         "gemma2",
+        "gemma3",
         "ac-every",
         "deepseek-fsdp",
     ],
@@ -440,6 +442,10 @@ def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
     # DeepSeek-V3's three dense layers first: a longer start
     ds = resolve({}, {"model": "deepseek_v3"})
     assert depth.shortcut_depths(ds, resolve_model_args(ds)) == (6, 7, 1, 3)
+    # Gemma 3's five sliding layers, then a global one: the start holds the first global
+    # layer, the depths end with a global layer as the model's 48 do
+    g3 = resolve({}, {"model": "gemma3_12b"})
+    assert depth.shortcut_depths(g3, resolve_model_args(g3)) == (18, 24, 6, 6)
 
 
 def test_max_seq_len_is_the_longest_length_that_fits(capsys) -> None:
