@@ -169,7 +169,8 @@ STEPS: list[Step] = [
         + ["--experts", "128", "--top-k", "8", "--iters", "10"]
         + ["--out", "{results}/moe-cuda-{dev}.json"],
         [PY, "bench/moe.py", "--tokens", "64", "--dim", "32", "--ffn", "64", "--iters", "1"]
-        + ["--warmup", "1", "--out", "{results}/moe-cuda-{dev}.json"],
+        + ["--warmup", "1", "--compile-backend", "aot_eager"]
+        + ["--out", "{results}/moe-cuda-{dev}.json"],
         180,
         40,
         result="moe-cuda-{dev}.json",
@@ -182,7 +183,7 @@ STEPS: list[Step] = [
         + ["--ffn", "2880", "--experts", "32", "--top-k", "4", "--iters", "10"]
         + ["--out", "{results}/moe-gpt-oss-cuda-{dev}.json"],
         [PY, "bench/moe.py", "--block", "gpt_oss", "--tokens", "64", "--dim", "32"]
-        + ["--ffn", "64", "--iters", "1", "--warmup", "1"]
+        + ["--ffn", "64", "--iters", "1", "--warmup", "1", "--compile-backend", "aot_eager"]
         + ["--out", "{results}/moe-gpt-oss-cuda-{dev}.json"],
         180,
         40,
@@ -196,7 +197,7 @@ STEPS: list[Step] = [
         + ["--ffn", "1408", "--experts", "128", "--top-k", "8", "--iters", "10"]
         + ["--out", "{results}/moe-deepseek-v3-cuda-{dev}.json"],
         [PY, "bench/moe.py", "--block", "deepseek_v3", "--tokens", "64", "--dim", "32"]
-        + ["--ffn", "64", "--iters", "1", "--warmup", "1"]
+        + ["--ffn", "64", "--iters", "1", "--warmup", "1", "--compile-backend", "aot_eager"]
         + ["--out", "{results}/moe-deepseek-v3-cuda-{dev}.json"],
         180,
         40,

@@ -225,6 +225,12 @@ def main() -> None:
         "transformers' GptOssMLP; deepseek_v3: sigmoid routing in expert groups, a shared "
         "expert, against DeepseekV3MoE",
     )
+    ap.add_argument(
+        "--compile-backend",
+        choices=["inductor", "aot_eager"],
+        default="inductor",
+        help="aot_eager: the same passes without code generation (the CPU dry run's plumbing)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -240,7 +246,7 @@ def main() -> None:
         torch.randn(1, a.tokens, a.dim, device=device, dtype=dtype, generator=g).requires_grad_()
         for _ in range(a.warmup + a.iters)
     ]
-    backend = CompiletuneBackend("block", [], mode="inductor")
+    backend = CompiletuneBackend("block", [], mode=a.compile_backend)
     compiled = torch.compile(ours, backend=backend, fullgraph=True, dynamic=False)
     hf = {"gpt_oss": hf_gpt_oss_block, "deepseek_v3": hf_deepseek_block}.get(a.block, hf_block)
     variants = {
@@ -279,6 +285,7 @@ def main() -> None:
     shape = {k: getattr(a, k) for k in ("block", "tokens", "dim", "ffn", "experts", "top_k")}
     result = {**result_header(), "dtype": str(dtype), "shape": shape, "rows": rows}
     result["compiles"] = backend.compiles
+    result["compile_backend"] = a.compile_backend
     result["native_grouped_mm"] = uses_native(inputs[0][0], ours.experts.w13.transpose(-2, -1))
     write_result(out, result)
 
