@@ -94,19 +94,31 @@ class Grpo:
     def evaluate(self, run: Run, held: list[Prompt]) -> dict[str, Any]:
         """The held-out reward: --num-generations completions of each held-out prompt, sampled
         as the rollout samples (--temperature, --top-p) from a stream fixed per prompt, so that
-        evaluations at different steps differ only by the weights; every rank decodes all of
-        them, in step. `eval_reward` is the weighted sum's mean (what GRPO maximises),
-        `eval_rewards` each function's mean, `eval_completion_len` the mean length."""
-        seeds = [(run.cfg.run.seed * 1_000_003 + i) % (1 << 63) + 7 for i in range(len(held))]
-        completions = self._sample(run, held, seeds)
-        per_fn, total = self._score(run, held, completions)
-        n = len(total)
+        evaluations at different steps differ only by the weights and any number of ranks
+        gives the same completions. Under FSDP each rank decodes every world-th prompt (a rank
+        left short repeats one and drops its scores, so that all decode in step) and the sums
+        are added up over ranks. `eval_reward` is the weighted sum's mean (what GRPO
+        maximises), `eval_rewards` each function's mean, `eval_completion_len` the mean
+        length."""
+        world, rank = (run.dp_world, run.dp_rank) if run.env is not None else (1, 0)
+        mine = list(range(rank, len(held), world))
+        turns = -(-len(held) // world)  # prompts per rank, the last ones padded
+        padded = (mine or [0]) + [(mine or [0])[-1]] * (turns - len(mine))
+        seeds = [(run.cfg.run.seed * 1_000_003 + i) % (1 << 63) + 7 for i in padded]
+        completions = self._sample(run, [held[i] for i in padded], seeds)
+        per_fn, total = self._score(run, [held[i] for i in padded], completions)
+        kept = len(mine) * run.cfg.objective.num_generations  # the real prompts' rows
+        sums = [sum(total[:kept]), sum(len(c) for c in completions[:kept]), float(kept)]
+        sums += [sum(v[:kept]) for v in per_fn]
+        if world > 1:
+            sums = dist_.all_reduce_sum(sums, run.device)
+        n = sums[2]
         return {
-            "eval_reward": sum(total) / n,
+            "eval_reward": sums[0] / n,
             "eval_rewards": {
-                r.name: {"mean": sum(v) / n} for r, v in zip(self.rewards, per_fn, strict=True)
+                r.name: {"mean": v / n} for r, v in zip(self.rewards, sums[3:], strict=True)
             },
-            "eval_completion_len": sum(len(c) for c in completions) / n,
+            "eval_completion_len": sums[1] / n,
             "eval_prompts": len(held),
         }
 

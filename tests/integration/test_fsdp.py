@@ -45,7 +45,7 @@ BASE = {"seq_len": 32, "batch_size": 2, "max_steps": 3, "n_layers": 2, "lr": 3e-
 def _losses(run_dir: Path) -> list[float]:
     """Training losses of each step, then the held-out loss where the run evaluated."""
     rows = read_metrics(run_dir / "metrics.jsonl")
-    names = ("reward_margin", "kd_divergence", "reward", "kl")
+    names = ("reward_margin", "kd_divergence", "reward", "kl", "eval_reward")
     extras = [r[k] for r in rows for k in names if k in r]
     return [r["loss"] for r in rows] + extras + [r["eval_loss"] for r in rows if "eval_loss" in r]
 
@@ -263,6 +263,7 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
     dpo |= {"val_split": 0.1, "eval_every": 3}
     grpo = {**base, "data": str(tmp / "pairs.jsonl"), "objective": "grpo", "reward": "regex:\\d"}
     grpo |= {"num_generations": 4, "max_new_tokens": 4, "grpo_iterations": 2, "beta": 0.04}
+    grpo |= {"eval_data": str(tmp / "held.jsonl"), "eval_every": 2}  # 5 prompts: 3 + 2
     dpo_lc = {**dpo, "lora_rank": 4, "compile": True, "compile_backend": "aot_eager"}
     kd = {**base, "objective": "kd", "teacher_dir": tied_dir, "kd_ratio": 0.5}
     return {
@@ -347,7 +348,8 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
         # grpo: each rank samples its prompts' completions with the weights gathered, the
         # same completions one process samples for the same prompts (seeded per prompt of the
         # global batch); two updates per rollout and a KL penalty to a sharded reference (LoRA
-        # under FSDP: the variants above; grpo with LoRA: tests/integration/test_grpo_runs.py)
+        # under FSDP: the variants above; grpo with LoRA: tests/integration/test_grpo_runs.py);
+        # the held-out reward from each rank's share of 5 held-out prompts (3 and 2)
         "grpo": (grpo, grpo),
         # --fp8 tensorwise (torchao, emulated): sharded weights all-gathered in float8 with
         # scales precomputed after each step; the one process casts whole weights
@@ -384,6 +386,10 @@ def test_fsdp_variants_match_one_process(tmp_path: Path, monkeypatch: pytest.Mon
         for i in range(60):
             row = {"prompt": f"Q{i}: say {i % 7}.", "chosen": f" {i % 7}.", "rejected": " no!"}
             f.write(json.dumps(row) + "\n")
+    held = [
+        {"prompt": f"Held {i}: say {i}.", "chosen": f" {i}.", "rejected": " no!"} for i in range(5)
+    ]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
 
     mp.spawn(
         _variant_worker,
