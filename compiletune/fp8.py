@@ -8,9 +8,14 @@ tensor, or one per row with rowwise) and runs its three matmuls in float8, keepi
     the embedding and the LM head       the fused head does its own chunked matmuls
     routers (MoE)                       a top-k choice that float8 noise would flip
     norms, biases-only layers           not matmuls
-    LoRA adapters and frozen bases      their own linears (not nn.Linear)
+    LoRA adapters                       small, and trained in the parameter dtype
+    an NF4 base (QLoRA)                 dequantized to the compute dtype for its matmul
     experts                             stacked weights and grouped matmuls, not nn.Linear
     a linear with a dimension that is not a multiple of 16 (float8 matmuls need it)
+
+A LoRA layer's frozen base (models/lora.py `FrozenLinear`, not an nn.Linear) gets the same
+casts and matmul through torchao's float8 matmul function (`FrozenFloat8`); the adapter beside
+it stays in the parameter dtype.
 
 Float8 matmuls need compute capability 8.9 (Ada, Hopper) or newer. On a CPU, torchao's
 emulation (the same casts and scales, the matmuls in high precision) runs only when
@@ -31,6 +36,9 @@ from compiletune.errors import UserError
 EMULATE_ENV = "COMPILETUNE_FP8_EMULATE"
 # names of linears kept in high precision wherever they sit in a block
 KEEP = ("router",)
+# models/lora.py's frozen projections (LoRA's base, and the untargeted ones): by class name,
+# so that this module needs nothing of the LoRA code
+FROZEN = ("FrozenLinear", "LoRALinear")
 
 
 def _torchao() -> Any:
@@ -71,13 +79,41 @@ def config(recipe: str, emulate: bool, fsdp: bool) -> Any:
     return dataclasses.replace(cfg, emulate=emulate, enable_fsdp_float8_all_gather=gather)
 
 
+class FrozenFloat8:
+    """A frozen weight's matmul in float8: x [..., in] @ weight^T [in, out] with torchao's
+    casts and scales (its float8 linear's matmul function, so the recipe is torchao's). In
+    eager mode that function's backward also forms the weight's gradient, which autograd
+    drops (the weight is frozen); under --compile the graph never computes it."""
+
+    def __init__(self, cfg: Any) -> None:
+        f8 = _torchao()
+        t = f8.float8_training_tensor
+        self.matmul = f8.float8_linear.matmul_with_hp_or_float8_args
+        self.cfg = cfg
+
+        def mm(fast: bool) -> Any:
+            return t.ScaledMMConfig(cfg.emulate, fast, False, cfg.pad_inner_dim)
+
+        self.mm_config = t.LinearMMConfig(
+            mm(cfg.gemm_config_output.use_fast_accum),
+            mm(cfg.gemm_config_grad_input.use_fast_accum),
+            mm(cfg.gemm_config_grad_weight.use_fast_accum),
+        )
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.matmul.apply(x, weight.t(), self.mm_config, self.cfg)
+
+
 def _eligible(module: nn.Module, name: str) -> str | None:
     """Why `module` (at `name` inside a block) stays in high precision; None to convert it."""
-    if type(module) is not nn.Linear:
+    frozen = type(module).__name__ in FROZEN
+    if type(module) is not nn.Linear and not frozen:
         return "not a plain linear"
     if name.rsplit(".", 1)[-1] in KEEP:
         return "a router"
-    out_f, in_f = module.weight.shape
+    if frozen and module.quantized:
+        return "an NF4 base (dequantized for its matmul)"
+    out_f, in_f = (module.out_features, module.in_features) if frozen else module.weight.shape
     if in_f % 16 or out_f % 16:
         return f"[{out_f}, {in_f}] is not a multiple of 16"
     return None
@@ -94,14 +130,21 @@ def convert_blocks(
 
     def keep(module: nn.Module, fqn: str) -> bool:
         why = _eligible(module, fqn)
-        if why is not None and type(module) is nn.Linear:
+        if why is not None and (type(module) is nn.Linear or type(module).__name__ in FROZEN):
             kept[fqn.split(".", 1)[-1]] = why  # the first block's name stands for all
         return why is None
 
     before = sum(type(m) is nn.Linear for m in model.layers.modules())
     f8.convert_to_float8_training(model.layers, module_filter_fn=keep, config=cfg)
     after = sum(type(m) is nn.Linear for m in model.layers.modules())
-    return before - after, [f"{name}: {why}" for name, why in sorted(kept.items())]
+    # LoRA's frozen projections: the same casts through one shared float8 matmul
+    frozen = [
+        m for fqn, m in model.layers.named_modules() if type(m).__name__ in FROZEN and keep(m, fqn)
+    ]
+    matmul = FrozenFloat8(cfg) if frozen else None
+    for module in frozen:
+        module.float8 = matmul
+    return before - after + len(frozen), [f"{name}: {why}" for name, why in sorted(kept.items())]
 
 
 def precompute_scales(model: nn.Module, recipe: str) -> None:

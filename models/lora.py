@@ -218,6 +218,8 @@ class FrozenLinear(nn.Module):
         self.bias = linear.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
+        # (x, weight) -> x weight^T in float8 (set by --fp8, compiletune/fp8.py); None: as stored
+        self.float8: Callable[[Tensor, Tensor], Tensor] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -227,6 +229,8 @@ class FrozenLinear(nn.Module):
         """x [..., in] -> [..., out] in x's dtype."""
         if self.quantized:
             y = _FrozenMatmul.apply(x, self.weight_codes, self.weight_scales)
+        elif self.float8 is not None:
+            y = self.float8(x, self.weight)
         elif self.weight.dtype != x.dtype:
             y = _FrozenMatmul.apply(x, self.weight, None)
         else:
@@ -243,7 +247,8 @@ class FrozenLinear(nn.Module):
 
     def extra_repr(self) -> str:
         stored = "nf4" if self.quantized else str(self.weight.dtype).removeprefix("torch.")
-        return f"in={self.in_features}, out={self.out_features}, stored={stored}"
+        float8 = ", matmul=float8" if self.float8 is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, stored={stored}{float8}"
 
 
 def _whole(t: Tensor) -> Tensor:

@@ -135,10 +135,11 @@ def check_techniques(section: TechniquesConfig, cfg: TrainConfig) -> None:
         raise UserError(
             f"--ac {section.ac} is a setting of the compiler's partitioner; add --compile"
         )
-    if section.fp8 and cfg.lora.rank:
+    if section.fp8 and cfg.lora.quantize_base:
         raise UserError(
-            "--fp8 with --lora-rank: a LoRA base is frozen in its own linear, which float8 does "
-            "not convert yet; drop one of them"
+            f"--fp8 with --quantize-base {cfg.lora.quantize_base}: the quantized base is "
+            "dequantized for each matmul, float8 would cast it again; drop one of them (--fp8 "
+            "with plain LoRA casts the frozen base)"
         )
     if section.mlp_tile < 0:
         raise UserError(f"--mlp-tile must be a token count (0 = off), got {section.mlp_tile}")

@@ -354,6 +354,13 @@ def _variants(tmp: Path, corpus: str, tied_dir: str) -> dict[str, dict]:
         # --fp8 tensorwise (torchao, emulated): sharded weights all-gathered in float8 with
         # scales precomputed after each step; the one process casts whole weights
         "fp8-tensorwise": ({**base, "fp8": "tensorwise"}, {**base, "fp8": "tensorwise"}),
+        # LoRA over a float8 base, compiled: the frozen projections' float8 matmuls traced
+        # into each block's graph, the adapters in fp32
+        "fp8-lora-compiled": (
+            {**base, "fp8": "rowwise", "lora_rank": 4, "compile": True}
+            | {"compile_backend": "aot_eager"},
+            {**base, "fp8": "rowwise", "lora_rank": 4},
+        ),
     }
 
 
@@ -413,8 +420,9 @@ def test_fsdp_variants_match_one_process(tmp_path: Path, monkeypatch: pytest.Mon
         if got != pytest.approx(want, rel=rel):
             failures.append(f"{name}: {got} vs one process {want}")
     assert not failures, "\n".join(failures)
-    summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
-    assert summary["compile"]["recompiles"] == 0 and summary["processes"] == 2
+    for name in ("compiled", "fp8-lora-compiled"):
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["compile"]["recompiles"] == 0 and summary["processes"] == 2, name
 
 
 def test_fsdp_integer_parameter_shim():

@@ -78,12 +78,45 @@ def test_float8_step_tracks_full_precision(recipe: str, preset: str) -> None:
     assert (whole - want).norm() <= 0.25 * want.norm()
 
 
+def test_float8_lora_base_tracks_full_precision() -> None:
+    """LoRA over a float8 base: every frozen projection's matmul goes through torchao's float8
+    casts (the adapters stay in fp32), and the step's loss and the adapters' gradients track
+    the same LoRA model without float8 within the bounds above."""
+    from compiletune.models.lora import FrozenLinear, LoRASpec, apply_lora
+
+    args = from_name("debug")
+    args.n_layers = 2
+    t = torch.randint(0, args.vocab_size, (2, 65), generator=torch.Generator().manual_seed(3))
+
+    def lora_model():
+        model = apply_lora(build_model(args, seed=1), LoRASpec(4, 8.0), dtype=torch.float32)
+        with torch.no_grad():  # B = 0 would leave A without a gradient
+            for name, p in model.named_parameters():
+                if name.endswith("lora_b"):
+                    p.copy_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+        return model
+
+    ref_loss, ref = _loss_and_grads(lora_model(), t)
+    model = lora_model()
+    n, kept = fp8.convert_blocks(model, "rowwise", emulate=True, fsdp=False)
+    frozen = [m for m in model.layers.modules() if isinstance(m, FrozenLinear)]
+    assert n == len(frozen) == 7 * args.n_layers and kept == []
+    assert all(m.float8 is not None for m in frozen) and "matmul=float8" in repr(frozen[0])
+    loss, grads = _loss_and_grads(model, t)
+    assert grads.keys() == ref.keys() and all("lora_" in k for k in grads)
+    assert abs(loss - ref_loss) <= 0.01 * ref_loss
+    whole = torch.cat([g.flatten() for g in grads.values()])
+    want = torch.cat([ref[k].flatten() for k in grads])
+    assert 0 < (whole - want).norm() <= 0.25 * want.norm()  # float8 did round something
+
+
 def test_fp8_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(fp8.EMULATE_ENV, raising=False)
     with pytest.raises(UserError, match="--fp8 runs float8 matmuls on a GPU"):
         fp8.check_device(torch.device("cpu"))
-    with pytest.raises(UserError, match="--fp8 with --lora-rank"):
-        resolve({}, {"fp8": "rowwise", "lora_rank": 4})
+    with pytest.raises(UserError, match="--fp8 with --quantize-base nf4"):
+        resolve({}, {"fp8": "rowwise", "lora_rank": 4, "quantize_base": "nf4"})
+    assert resolve({}, {"fp8": "rowwise", "lora_rank": 4}).techniques.fp8 == "rowwise"
     with pytest.raises(UserError, match="--fp8 must be one of"):
         resolve({}, {"fp8": "blockwise"})
 
