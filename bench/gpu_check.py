@@ -281,6 +281,7 @@ STEPS: list[Step] = [
 _LADDER_1B_ROWS = ["+ compile", "+ fused loss", "+ selective AC", "full AC"]
 _LADDER_1B_ROWS += ["+ optimizer in backward", "+ 8-bit AdamW", "+ offload activations"]
 _LADDER_1B_ROWS += ["LoRA r16", "QLoRA r16 (nf4)", "+ fp8 rowwise", "+ fp8 tensorwise"]
+_LADDER_1B_ROWS += ["LoRA r16 + fp8 rowwise"]
 STEPS += [
     Step(
         4,

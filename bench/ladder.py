@@ -80,6 +80,7 @@ LORA_ROWS: list[tuple[str, list[str]]] = [
     # stack, against "+ selective AC"
     ("+ fp8 rowwise", [*_SAC, "--fp8", "rowwise"]),
     ("+ fp8 tensorwise", [*_SAC, "--fp8", "tensorwise"]),
+    ("LoRA r16 + fp8 rowwise", [*_LORA, "--fp8", "rowwise"]),  # against "LoRA r16"
 ]
 # `--models llama3_1_8b --rows 8b`: an 8B model on one GPU (seq 2048 x batch 2), each row with
 # the trainer's pre-flight estimate beside its measured peak.
@@ -89,6 +90,7 @@ EIGHT_B_ROWS: list[tuple[str, list[str]]] = [
     ("8B LoRA r16", _LORA),
     ("8B QLoRA r16 (nf4)", [*_LORA, "--quantize-base", "nf4", "--base-dtype", "bf16"]),
     ("8B full + fp8 rowwise", [*_8B_FULL, "--fp8", "rowwise"]),
+    ("8B LoRA r16 + fp8 rowwise", [*_LORA, "--fp8", "rowwise"]),
     ("8B recipe llama3_1_8b_full_24gb", ["--recipe", "llama3_1_8b_full_24gb"]),
 ]
 # A recipe's own keys that a bench run replaces: its data, weights and run length.
