@@ -7,8 +7,9 @@ Matches every forward node of an AOTAutograd joint graph (a call that does not d
     full       every forward node MUST_RECOMPUTE: the block keeps only its inputs (the hidden
                state entering the block, rope tables, parameters) and reruns its forward inside
                the backward. Least memory, about one extra forward of compute.
-    selective  outputs of matmuls and of attention (SDPA, the segment op, FlexAttention: its
-               output and log-sum-exp) MUST_SAVE; everything else (RMSNorm, rotary, SiLU, the
+    selective  outputs of matmuls (float8 ones too) and of attention (SDPA, the segment op,
+               FlexAttention: its output and log-sum-exp), and of whole-tensor maxima (--fp8's
+               scales) MUST_SAVE; everything else (RMSNorm, rotary, SiLU, the
                SwiGLU product, residual adds, views) PREFER_RECOMPUTE.
 
 Why this op list: matmuls and attention hold nearly all of a block's FLOPs (attention also grows
@@ -51,6 +52,12 @@ _SAVE_NAMES = (
     "_flash_attention_forward.default",
     "_efficient_attention_forward.default",
     "_grouped_mm.default",  # MoE experts (native)
+    "_scaled_mm.default",  # --fp8: the float8 matmuls (torchao's, on a GPU)
+    # --fp8: the casts' absolute maxima (tensorwise: one number; rowwise: one per row). A
+    # reduction's output is far smaller than its input, and recomputing it reads all of that
+    # input again: saved, backward recomputes a cast with one elementwise pass.
+    "max.default",
+    "amax.default",
 )
 
 

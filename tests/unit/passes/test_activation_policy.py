@@ -180,6 +180,29 @@ def test_pass_tags_matmuls_and_attention_save_in_selective():
     assert all(n.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE for n in fwd)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_selective_saves_the_float8_scales_and_recomputes_the_casts(recipe):
+    """--fp8 under --ac selective: the casts' absolute maxima (the reductions over the whole
+    operand) and the matmul are saved; the casts themselves (elementwise) are recomputed."""
+    pytest.importorskip("torchao")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compiletune import fp8
+
+    matmul = fp8.FrozenFloat8(fp8.config(recipe, emulate=True, fsdp=False))
+    gm = make_fx(matmul)(torch.randn(16, 128), torch.randn(64, 128))
+    gm, _ = tag_activation_policy(gm, "selective")
+    policy = {}
+    for n in forward_nodes(gm):
+        policy.setdefault(n.target, set()).add(n.meta["recompute"])
+    aten = torch.ops.aten
+    amax = aten.max.default if recipe == "tensorwise" else aten.amax.default
+    assert policy[amax] == policy[aten.mm.default] == {CheckpointPolicy.MUST_SAVE}
+    for cast in (aten.abs.default, aten.clamp.default, aten._to_copy.default):
+        assert policy[cast] == {CheckpointPolicy.PREFER_RECOMPUTE}, cast
+    assert aten._scaled_mm.default in SAVE_OPS  # the float8 matmul on a GPU
+
+
 @pytest.mark.parametrize(
     "values, needle",
     [
