@@ -6,7 +6,7 @@ model's own KV cache) against transformers' `generate` on the same weights, side
 
 Both sample `--group` completions of a `--prompt`-token prompt for exactly `--new` tokens (no
 stop token: the same work on both sides), at temperature 1. Time: median of --iters rounds after
-one warm-up, the two taking turns. tokens/s = group x new / time.
+one warm-up (which compiles), the variants taking turns. tokens/s = group x new / time.
 Results: bench/results/rollout-<device>.json and a markdown table.
 """
 
@@ -39,6 +39,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument(
+        "--backend",
+        default="inductor",
+        help="the compiled decode step's backend (what --compile gives a GRPO run)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import transformers
@@ -60,9 +65,11 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
     prompt = torch.randint(0, a.vocab, (a.prompt,), generator=torch.Generator().manual_seed(1))
 
-    def run_ours() -> None:
+    def run_ours(backend: str | None = None) -> None:
         g = torch.Generator(device=device).manual_seed(0)
-        out = sample_group(ours, prompt.tolist(), a.group, a.new, 1.0, 1.0, set(), g)
+        out = sample_group(
+            ours, prompt.tolist(), a.group, a.new, 1.0, 1.0, set(), g, compile_backend=backend
+        )
         assert all(len(c) == a.new for c in out)
 
     def run_hf() -> None:
@@ -81,7 +88,11 @@ def main() -> None:
             )
         assert out.shape == (a.group, a.prompt + a.new)
 
-    variants = {"compiletune": run_ours, "transformers generate": run_hf}
+    variants = {
+        "compiletune": run_ours,
+        "transformers generate": run_hf,
+        f"compiletune, decode compiled ({a.backend})": lambda: run_ours(a.backend),
+    }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(a.iters + 1):
         for name, fn in variants.items():

@@ -68,6 +68,9 @@ class Grpo:
             rewards = load_rewards(o.reward or "", o.reward_weights)
         self.rewards: list[Reward] = rewards
         self.stop = stop_ids(run)
+        # --compile: the rollout's decode step compiled once with the run's backend
+        t = run.cfg.techniques
+        self.decode_backend = t.compile_backend if t.compile else None
         self.opts = GrpoOptions(
             o.grpo_loss, o.epsilon_low, o.epsilon_high, o.beta or 0.0, o.max_new_tokens
         )
@@ -149,6 +152,7 @@ class Grpo:
                         self.stop,
                         generator,
                         going,
+                        compile_backend=self.decode_backend,
                     )
         finally:
             run.model.train()

@@ -14,7 +14,7 @@ from compiletune.config import resolve
 from compiletune.errors import UserError
 from compiletune.loss.grpo import GrpoOptions, advantages, grpo_loss
 from compiletune.rl import rewards as rw
-from compiletune.rl.rollout import sample_rows
+from compiletune.rl.rollout import decode_step, sample_group, sample_rows
 
 
 def formula(logp, old, ref, adv, mask, kind, eps_low, eps_high, beta, max_new):
@@ -137,6 +137,36 @@ def test_sample_rows_greedy_nucleus_and_temperature():
     many = sample_rows(probs.log().expand(20000, 4), 1.0, 1.0, g)
     freq = torch.bincount(many, minlength=4).float() / many.numel()
     assert torch.allclose(freq, probs, atol=0.015) and freq[3] == 0
+
+
+@pytest.mark.parametrize("preset", ["debug_gemma4", "debug_qwen3_5"])
+def test_compiled_decode_samples_what_eager_does_and_compiles_once(preset):
+    """--compile's rollout: the decode step is one graph for every prompt length and cache size
+    (3 rollouts of a run's group size, one compile), and samples the same tokens as eager
+    decoding from the same streams (greedy and at temperature 1; Gemma 4's windows, shared
+    caches and per-layer inputs; Qwen3.5's linear-attention states)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from compiletune.models import build_model, from_name
+
+    model = build_model(from_name(preset), seed=0).eval()
+    counter = CompileCounterWithBackend("eager")
+    frames = []
+    group = 4
+    for prompt_len, new, temperature in [(7, 6, 1.0), (3, 9, 0.0), (11, 3, 1.0)]:
+        prompt = list(range(5, 5 + prompt_len))
+        eager, compiled = (
+            sample_group(
+                model, prompt, group, new, temperature, 1.0, set(),
+                torch.Generator().manual_seed(1), compile_backend=backend,
+            )
+            for backend in (None, counter)
+        )  # fmt: skip
+        assert compiled == eager and all(len(c) == new for c in compiled)
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1]  # no recompile for the other shapes
+    assert sum(len(g.graph.nodes) > 0 for g in counter.graphs) == 1  # the step: one graph
+    assert decode_step(model, counter) is decode_step(model, counter)  # kept with the model
 
 
 def test_grpo_flags_are_checked():
