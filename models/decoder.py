@@ -503,7 +503,7 @@ class PerLayerInputs(nn.Module):
     def forward(self, tokens: Tensor, h: Tensor) -> Tensor:
         """tokens [b, s], the embedded tokens h [b, s, d] -> [b, s, L, p]."""
         shape = (*tokens.shape, self.n_layers, self.width)
-        own = self.embed(tokens) * torch.tensor(self.width**0.5, dtype=h.dtype, device=h.device)
+        own = self.embed(tokens) * torch.full((), self.width**0.5, dtype=h.dtype, device=h.device)
         proj = self.projection(h) * self.dim**-0.5
         return (self.norm(proj.reshape(shape)) + own.reshape(shape)) * 2**-0.5
 
@@ -634,8 +634,8 @@ class Transformer(nn.Module):
         scales embeddings (Gemma, as HF: its scale is a tensor in the weight's dtype)."""
         h = self.tok_embeddings(tokens)
         if self.args.embed_scale:
-            # a tensor, not .item(): a compiled decode step traces it as a constant
-            h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
+            # a filled tensor (no host copy), not .item(): a compiled step traces a constant
+            h = h * torch.full((), self.args.dim**0.5, dtype=h.dtype, device=h.device)
         return h
 
     def ropes(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
