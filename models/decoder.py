@@ -23,6 +23,7 @@ compiled graph serves all of them).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -488,6 +489,21 @@ class PerLayerInput(nn.Module):
         return self.norm(self.up(g * ple))
 
 
+def rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` as a float32 tensor converted to `dtype` would hold it (round to nearest even),
+    as a Python float: Gemma's embedding scales, which HF keeps as tensors in the weights'
+    dtype. In plain Python, so a compiled graph takes it as a constant (no .item()), and the
+    constant is already exact in `dtype` (a compiler need not round it)."""
+    f32 = struct.unpack("<f", struct.pack("<f", value))[0]
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", f32))[0]
+    if dtype == torch.bfloat16:
+        bits = struct.unpack("<I", struct.pack("<f", f32))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    return f32 if dtype == torch.float32 else value
+
+
 class PerLayerInputs(nn.Module):
     """Gemma 4's per-layer inputs of every block [b, s, L, p], from the tokens (an embedding
     of L * p per token, times sqrt(p)) and the embedded tokens (projected, times d**-0.5, then
@@ -503,7 +519,7 @@ class PerLayerInputs(nn.Module):
     def forward(self, tokens: Tensor, h: Tensor) -> Tensor:
         """tokens [b, s], the embedded tokens h [b, s, d] -> [b, s, L, p]."""
         shape = (*tokens.shape, self.n_layers, self.width)
-        own = self.embed(tokens) * torch.full((), self.width**0.5, dtype=h.dtype, device=h.device)
+        own = self.embed(tokens) * rounded(self.width**0.5, h.dtype)
         proj = self.projection(h) * self.dim**-0.5
         return (self.norm(proj.reshape(shape)) + own.reshape(shape)) * 2**-0.5
 
@@ -634,8 +650,7 @@ class Transformer(nn.Module):
         scales embeddings (Gemma, as HF: its scale is a tensor in the weight's dtype)."""
         h = self.tok_embeddings(tokens)
         if self.args.embed_scale:
-            # a filled tensor (no host copy), not .item(): a compiled step traces a constant
-            h = h * torch.full((), self.args.dim**0.5, dtype=h.dtype, device=h.device)
+            h = h * rounded(self.args.dim**0.5, h.dtype)
         return h
 
     def ropes(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:

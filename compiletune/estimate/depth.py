@@ -15,6 +15,11 @@ from compiletune.estimate.tracker import Key, Segment
 from compiletune.models import ModelArgs
 
 
+def can_fork() -> bool:
+    """Whether `Forked` runs its work in a child process here."""
+    return hasattr(os, "fork") and not os.environ.get("COMPILETUNE_ESTIMATE_NO_FORK")
+
+
 class Forked:
     """`work` run in a forked child (a second core) while this process goes on: `result()`
     waits for its pickled value, None when the platform cannot fork or the child failed in any
@@ -22,7 +27,7 @@ class Forked:
 
     def __init__(self, work: Callable[[], Any]) -> None:
         self.pid = 0
-        if not hasattr(os, "fork") or os.environ.get("COMPILETUNE_ESTIMATE_NO_FORK"):
+        if not can_fork():
             return
         read, write = os.pipe()
         self.pid = os.fork()
@@ -129,7 +134,9 @@ def shortcut_depths(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int, i
     k1 = start + p + ENDS[1] + 1
     k1 += (n - k1) % p
     k2 = k1 + p
-    return (k1, k2, p, start) if k1 + k2 < n else None
+    # Both depths together cost less than the whole model; with the smaller one forked beside
+    # the larger, the wait is the larger alone, else both, which must then save a quarter.
+    return (k1, k2, p, start) if k1 + k2 <= (n - 1 if can_fork() else 0.75 * n) else None
 
 
 def _canonical(key: Key, depth: int, ends: tuple[int, int]) -> tuple[str, Key]:

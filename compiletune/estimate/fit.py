@@ -98,9 +98,9 @@ LORA_RUNGS: list[tuple[str, dict[str, Any]]] = [
     ("+ LoRA r16 (adapters only)", {"lora_rank": 16, "lora_alpha": 32.0}),
     ("+ QLoRA (NF4 base)", {"quantize_base": "nf4"}),
 ]
-# Float8 matmuls: a speed rung (about the same memory), shown beside the full fine-tune's
-# stack; not with LoRA (its frozen base is not converted).
-FP8_RUNG: tuple[str, dict[str, Any]] = ("+ fp8 (speed, full fine-tune)", {"fp8": "rowwise"})
+# Float8 matmuls: a speed rung (about the same memory), shown beside the stack (with LoRA
+# too: its frozen base casts; not beside QLoRA's NF4 base, which --fp8 refuses).
+FP8_RUNG: tuple[str, dict[str, Any]] = ("+ fp8 (speed)", {"fp8": "rowwise"})
 # Keys a rung sets along with another flag, not shown on their own (LoRA's alpha follows its
 # rank; in-backward steps imply no clipping).
 _IMPLIED = {"lora_alpha", "max_grad_norm"}

@@ -103,6 +103,8 @@ class Grpo:
         are added up over ranks. `eval_reward` is the weighted sum's mean (what GRPO
         maximises), `eval_rewards` each function's mean, `eval_completion_len` the mean
         length."""
+        if not held:  # every rank has the same held-out set: all return here
+            return {}
         world, rank = (run.dp_world, run.dp_rank) if run.env is not None else (1, 0)
         mine = list(range(rank, len(held), world))
         turns = -(-len(held) // world)  # prompts per rank, the last ones padded
