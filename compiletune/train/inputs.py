@@ -116,8 +116,15 @@ def build_prompts(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[l
 
     prompts, held = read(d.source, d.data_split), None
     if d.val_split > 0:
-        train, out = split_indices(len(prompts), d.val_split, cfg.run.seed)
-        prompts, held = [prompts[i] for i in train], [prompts[i] for i in out]
+        # a fraction of the distinct prompts, with every row of each: a prompt that appears in
+        # several rows is never trained on and evaluated at once; each is evaluated once
+        rows: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            rows.setdefault(p.text, []).append(i)
+        groups = list(rows.values())
+        train, out = split_indices(len(groups), d.val_split, cfg.run.seed)
+        held = [prompts[groups[g][0]] for g in out]
+        prompts = [prompts[i] for g in train for i in groups[g]]
     elif d.eval_data is not None:
         held = read(d.eval_data, d.eval_split or d.data_split)
         # the rewards read the rows' columns: missing ones would stop the run at its end

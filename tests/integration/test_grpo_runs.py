@@ -11,11 +11,13 @@ import pytest
 import torch
 from tiny_run import tiny_run
 
-from compiletune.data.tokenizer import load_tokenizer
+from compiletune.config import resolve
+from compiletune.data.tokenizer import byte_tokenizer, load_tokenizer
 from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import from_hf
 from compiletune.rl.rollout import sample_group
+from compiletune.train.inputs import build_prompts
 
 REWARDS = """
 def first_digit(completions, answer, **_):
@@ -126,7 +128,14 @@ def test_val_split_holds_prompts_out_for_the_reward_evaluation(tmp_path, monkeyp
     flags = grpo_flags(tmp_path, monkeypatch) | {"val_split": 0.25, "batch_size": 2}
     summary = tiny_run(tmp_path, data, **flags, max_steps=1)
     (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert record["eval_prompts"] == 15 and summary["eval_reward"] == record["eval_reward"]
+    # 15 distinct prompts, 4 rows each: a quarter of the distinct ones (4) held out, each once,
+    # and none of their rows trained on
+    assert record["eval_prompts"] == 4 and summary["eval_reward"] == record["eval_reward"]
+    cfg = resolve({}, {**flags, "data": data})
+    (train,), _, held = build_prompts(cfg, byte_tokenizer(), say=lambda *a: None)
+    texts = [p.text for p in held.prompts]
+    assert len(set(texts)) == 4 and not set(texts) & {p.text for p in train.prompts}
+    assert len(train.prompts) == 11 * 4
     assert set(record["eval_rewards"]) == {"toy_rewards:first_digit", "regex:^\\d"}
     assert all(set(v) == {"mean"} for v in record["eval_rewards"].values())
     # held-out prompts without the column a reward reads: refused before training, not at its end
