@@ -32,13 +32,11 @@ import torch
 from torch import nn
 
 from compiletune.errors import UserError
+from compiletune.models.lora import FrozenLinear  # LoRA's base (and LoRALinear's)
 
 EMULATE_ENV = "COMPILETUNE_FP8_EMULATE"
 # names of linears kept in high precision wherever they sit in a block
 KEEP = ("router",)
-# models/lora.py's frozen projections (LoRA's base, and the untargeted ones): by class name,
-# so that this module needs nothing of the LoRA code
-FROZEN = ("FrozenLinear", "LoRALinear")
 
 
 def _torchao() -> Any:
@@ -106,7 +104,7 @@ class FrozenFloat8:
 
 def _eligible(module: nn.Module, name: str) -> str | None:
     """Why `module` (at `name` inside a block) stays in high precision; None to convert it."""
-    frozen = type(module).__name__ in FROZEN
+    frozen = isinstance(module, FrozenLinear)
     if type(module) is not nn.Linear and not frozen:
         return "not a plain linear"
     if name.rsplit(".", 1)[-1] in KEEP:
@@ -130,7 +128,7 @@ def convert_blocks(
 
     def keep(module: nn.Module, fqn: str) -> bool:
         why = _eligible(module, fqn)
-        if why is not None and (type(module) is nn.Linear or type(module).__name__ in FROZEN):
+        if why is not None and (type(module) is nn.Linear or isinstance(module, FrozenLinear)):
             kept[fqn.split(".", 1)[-1]] = why  # the first block's name stands for all
         return why is None
 
@@ -139,7 +137,7 @@ def convert_blocks(
     after = sum(type(m) is nn.Linear for m in model.layers.modules())
     # LoRA's frozen projections: the same casts through one shared float8 matmul
     frozen = [
-        m for fqn, m in model.layers.named_modules() if type(m).__name__ in FROZEN and keep(m, fqn)
+        m for fqn, m in model.layers.named_modules() if isinstance(m, FrozenLinear) and keep(m, fqn)
     ]
     matmul = FrozenFloat8(cfg) if frozen else None
     for module in frozen:

@@ -6,8 +6,8 @@ then every step feeds each row's newest token. With a compile backend (the run's
 --compile) that decode step is one compiled graph with the cache length, the group and the
 cache size as symbolic sizes: compiled once for the run, not once per length (a size of 1, as
 after a 1-token prompt, specialises once more). Dynamo keeps the graphs with the step's code,
-shared by every model of the process; past its cache limit (8) a new model's decode runs eagerly. A row stops at a stop id (kept as its last
-token); the group stops when every row has. The weights are the trained ones as they are
+shared by every model of the process; past its cache limit (8) a new model's decode runs
+eagerly. A row stops at a stop id (kept as its last token); the group stops when every row has. The weights are the trained ones as they are
 (LoRA adapters live, no merged copy). Under FSDP every rank takes the same number of decode
 steps (the ranks agree each step whether any row anywhere is still going), since each step's
 forward gathers the sharded weights collectively.
