@@ -121,6 +121,13 @@ def dynamo_graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def dynamic_dims(t: torch.Tensor, dims: tuple[int, ...]) -> None:
+    """Compile `t`'s dimensions `dims` as symbolic sizes from the first graph on (the others
+    stay static; no error if the tracer must specialise one, as for a size of 1)."""
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(t, d)
+
+
 def load_cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:
     """Compile `source` (C++ defining `extern "C" void kernel(...)` with these argument types)
     with Inductor's C++ toolchain and flags (-O3 -march=native, OpenMP, its vector ISA headers

@@ -16,6 +16,12 @@ class KVCache:
     the latent [b, 1, max_len, kv_rank] and the rope key [b, 1, max_len, rotary_dim]; a linear-attention layer
     keeps conv[i] and state[i] instead (models/linear_attention.py); the first `length` positions are
     filled. Lives beside the model: the model itself stays parameters only.
+
+    Rows of different lengths (a batch of prompts of different lengths, decoded together):
+    after each row's prefill, `lengths` [b] holds each row's filled positions. A decode step
+    then writes each row's new key at its own position and attends over the whole static
+    `max_len` under a mask, so the step's shapes never change (one compiled graph, one CUDA
+    graph for a rollout: `compiletune/rl/rollout.py`).
     """
 
     def __init__(
@@ -56,3 +62,30 @@ class KVCache:
         ]
         self.max_len = max_len
         self.length = 0
+        self.lengths: Tensor | None = None
+
+    def sized(self) -> list[tuple[Tensor, tuple[int, ...]]]:
+        """Every buffer the cache holds (what a decode step reads and writes in place), each
+        with its dimensions that vary from batch to batch: rows, and the keys' positions."""
+        every = [(t, (0, 2)) for t in (*self.k, *self.v)]
+        every += [(t, (0,)) for t in (*self.conv, *self.state)]
+        if self.lengths is not None:
+            every.append((self.lengths, (0,)))
+        return [(t, dims) for t, dims in every if t.numel()]
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A cache over rows start..stop-1 of this one (views: what is written through it lands
+        here), empty (length 0), for prefilling those rows alone."""
+        view = object.__new__(KVCache)
+        view.source, view.max_len, view.length, view.lengths = self.source, self.max_len, 0, None
+        for name in ("k", "v", "conv", "state"):
+            setattr(view, name, [t[start:stop] if t.numel() else t for t in getattr(self, name)])
+        return view
+
+    def spread(self, row: int, count: int) -> None:
+        """Copy row `row` into the `count - 1` rows after it (a prompt prefilled once, then
+        sampled `count` times)."""
+        for name in ("k", "v", "conv", "state"):
+            for t in getattr(self, name):
+                if t.numel():
+                    t[row + 1 : row + count] = t[row : row + 1]

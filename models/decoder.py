@@ -33,7 +33,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .args import ModelArgs
-from .attention import attention_backend, causal_attention, flex_block_mask, visible
+from .attention import (
+    attention_backend,
+    causal_attention,
+    flex_block_mask,
+    visible,
+    visible_rows,
+    write_rows,
+)
 from .cache import KVCache
 from .linear_attention import GatedDeltaNet, GatedRMSNorm
 from .mla import LatentAttention
@@ -215,20 +222,32 @@ class Attention(nn.Module):
         """Inference: x [b, s, d] are the tokens after the `cache.length` cached ones.
 
         Their keys and values are written into the cache; each new token attends to the cached
-        and new tokens up to itself (within the window, if the layer has one).
+        and new tokens up to itself (within the window, if the layer has one). With per-row
+        `cache.lengths` (one new token per row): each row's at its own position, attending over
+        the whole static cache under a mask.
         """
         b, s, _ = x.shape
         start, end = cache.length, cache.length + s
+        rows = cache.lengths
         if self.kv_mode == "reuse":  # the store layer, earlier in this step, wrote them
             q, gate = self._q(x, cos, sin)
             layer = cache.source[layer]
         else:
             q, kk, v, gate = self._qkv(x, cos, sin)
-            cache.k[layer][:, :, start:end] = kk
-            cache.v[layer][:, :, start:end] = v
-        keys = self._repeat_kv(cache.k[layer][:, :, :end])  # [b, h, end, hd]
-        values = self._repeat_kv(cache.v[layer][:, :, :end])
-        if start == 0:  # the prompt: the exact segment op (prompt lengths vary; no recompiles)
+            if rows is not None:
+                write_rows(cache.k[layer], kk, rows)
+                write_rows(cache.v[layer], v, rows)
+            else:
+                cache.k[layer][:, :, start:end] = kk
+                cache.v[layer][:, :, start:end] = v
+        if rows is not None:
+            keys = self._repeat_kv(cache.k[layer])  # [b, h, max_len, hd]
+            values = self._repeat_kv(cache.v[layer])
+            seen = visible_rows(rows, keys.shape[-2], self.window)
+            out = self._attend_cached(q, keys, values, seen)
+        elif start == 0:  # the prompt: the exact segment op (prompt lengths vary; no recompiles)
+            keys = self._repeat_kv(cache.k[layer][:, :, :end])  # [b, h, end, hd]
+            values = self._repeat_kv(cache.v[layer][:, :, :end])
             out = causal_attention(
                 q,
                 keys,
@@ -241,29 +260,33 @@ class Attention(nn.Module):
                 sinks=self.sinks,
             )
         else:
+            keys = self._repeat_kv(cache.k[layer][:, :, :end])
+            values = self._repeat_kv(cache.v[layer][:, :, :end])
             # new token i sits at position start + i and sees keys up to start + i: [s, end]
             seen = (
                 None
                 if s == 1 and self.window <= 0
                 else visible(start, end, 0, end, self.window, x.device)
             )
-            if self.softcap > 0 or self.sinks is not None:
-                scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
-                if self.softcap > 0:
-                    scores = self.softcap * torch.tanh(scores / self.softcap)
-                if seen is not None:
-                    scores = scores.masked_fill(~seen, float("-inf"))
-                if self.sinks is not None:  # one more logit per head, its share dropped
-                    sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1)
-                    scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-                out = torch.matmul(probs[..., : keys.shape[-2]], values)
-            else:  # no mask: one new token sees every cached key
-                out = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=seen, scale=self.scale
-                )
+            out = self._attend_cached(q, keys, values, seen)
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.wo(out if gate is None else out * torch.sigmoid(gate))
+
+    def _attend_cached(self, q: Tensor, keys: Tensor, values: Tensor, seen: Tensor | None):
+        """Decode-time attention of q [b, h, s, hd] over cached keys/values [b, h, n, hd];
+        `seen`: a bool mask broadcast to [b, h, s, n], or None (every key)."""
+        if self.softcap > 0 or self.sinks is not None:
+            scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
+            if self.softcap > 0:
+                scores = self.softcap * torch.tanh(scores / self.softcap)
+            if seen is not None:
+                scores = scores.masked_fill(~seen, float("-inf"))
+            if self.sinks is not None:  # one more logit per head, its share dropped
+                sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1)
+                scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(probs[..., : keys.shape[-2]], values)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, scale=self.scale)
 
 
 class FeedForward(nn.Module):
@@ -678,16 +701,24 @@ class Transformer(nn.Module):
         the tokens' keys and values are appended to `cache`. The training path is untouched.
         """
         start, s = cache.length, tokens.shape[1]
-        if start + s > cache.max_len:
+        if cache.lengths is not None:  # rows of their own lengths: one token each, in place
+            if s != 1:
+                raise ValueError(f"a cache with per-row lengths decodes 1 token a step, not {s}")
+            positions = cache.lengths[:, None]  # [b, 1]
+        elif start + s > cache.max_len:
             raise ValueError(f"KV cache of {cache.max_len} positions cannot take {start + s}")
+        else:
+            positions = torch.arange(start, start + s, device=tokens.device)[None]  # [1, s]
         h = self.embed(tokens)  # [b, s, d]
         ple = self.per_layer_inputs(tokens, h) if self.per_layer_inputs is not None else None
-        positions = torch.arange(start, start + s, device=tokens.device)[None]  # [1, s]
         ropes = self.ropes(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             mine = None if ple is None else ple[:, :, i]
             h = layer.forward_cached(h, *ropes[layer.kind], cache, i, mine)
-        cache.length += s
+        if cache.lengths is not None:
+            cache.lengths.add_(1)
+        else:
+            cache.length += s
         return self.norm(h)
 
 

@@ -152,11 +152,11 @@ class GatedDeltaNet(nn.Module):
         past = cache.conv[layer]
         mixed = F.silu(causal_conv(projected, self.conv1d.weight, None, past))
         keep = self.conv1d.weight.shape[-1] - 1
-        cache.conv[layer] = torch.cat((past, projected), dim=1)[:, -keep:]
+        # in place, as the state below: a CUDA graph replays over the same storage
+        past.copy_(torch.cat((past, projected), dim=1)[:, -keep:])
         q, k, v, g, beta = self._heads(mixed, b_in, a_in)
         # a decode step of one token is a chunk of one (no padding to a whole chunk)
         chunk = min(CHUNK, x.shape[1])
-        o, cache.state[layer] = gated_delta_forward(
-            q, k, v, g, beta, None, cache.state[layer], chunk=chunk
-        )
+        o, state = gated_delta_forward(q, k, v, g, beta, None, cache.state[layer], chunk=chunk)
+        cache.state[layer].copy_(state)
         return self._out(o, z)

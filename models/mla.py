@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .args import ModelArgs
-from .attention import attention_backend, causal_attention, flex_block_mask, visible
+from .attention import (
+    attention_backend,
+    causal_attention,
+    flex_block_mask,
+    visible,
+    visible_rows,
+    write_rows,
+)
 from .cache import KVCache
 from .norm import RMSNorm
 from .rope import apply_rope
@@ -130,6 +137,13 @@ class LatentAttention(nn.Module):
         start, end = cache.length, cache.length + s
         q = self._q(x, cos, sin)
         c, k_rope = self.latent(x, cos, sin)
+        if cache.lengths is not None:  # per-row lengths: each row's at its own position
+            write_rows(cache.k[layer], c, cache.lengths)
+            write_rows(cache.v[layer], k_rope, cache.lengths)
+            k, v = self.expand(cache.k[layer], cache.v[layer])
+            seen = visible_rows(cache.lengths, k.shape[-2], self.window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=self.scale)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
         cache.k[layer][:, :, start:end] = c
         cache.v[layer][:, :, start:end] = k_rope
         k, v = self.expand(cache.k[layer][:, :, :end], cache.v[layer][:, :, :end])

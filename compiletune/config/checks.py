@@ -347,6 +347,7 @@ _GRPO_ONLY = (
     "epsilon_low",
     "epsilon_high",
     "scale_rewards",
+    "rollout_cuda_graphs",
 )
 
 

@@ -530,6 +530,12 @@ class ObjectiveConfig:
         estimate=False,
         negate=True,
     )
+    rollout_cuda_graphs: bool = opt(
+        False,
+        "grpo: replay the rollout's decode step as one CUDA graph per batch of prompts (CUDA)",
+        estimate=False,
+        on_resume="free",
+    )
 
 
 SECTIONS: dict[str, type] = {

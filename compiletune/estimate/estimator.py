@@ -179,8 +179,8 @@ def estimate_memory(
     elif o.objective == "grpo":
         notes.append(
             f"grpo: an update over --batch-size x {o.num_generations} completions of --seq-len "
-            "tokens; the rollout's KV cache (one prompt's completions at a time, freed before "
-            "the updates) is not in the step"
+            "tokens; the rollout's KV cache (--batch-size prompts' completions at a time, "
+            "freed before the updates) is not in the step"
             + ("; reference: counted as parameters" if o.beta and not cfg.lora.rank else "")
         )
     est.notes = notes + est.notes
@@ -192,18 +192,19 @@ def estimate_memory(
 
 def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
     """GRPO's rollout beside the update: the weights (gathered whole under FSDP), the optimizer
-    state, one prompt's G completions' KV cache of --seq-len positions and their logits. The
-    step's peak becomes the rollout's when that is larger."""
+    state, the KV cache of --batch-size prompts' G completions each (decoded together) of
+    --seq-len positions and their logits. The step's peak becomes the rollout's when that is
+    larger."""
     from compiletune.models.cache import KVCache
 
     args = resolve_model_args(cfg)
     o = cfg.objective
     size = 4 if (cfg.model.dtype or "bf16") == "fp32" else 2
     dtype = torch.float32 if size == 4 else torch.bfloat16
-    cache = KVCache(args, o.num_generations, cfg.data.seq_len, dtype, "meta")
-    tensors = [*cache.k, *cache.v, *cache.conv, *cache.state]
-    kv = sum(t.numel() * t.element_size() for t in tensors)
-    logits = 3 * o.num_generations * args.vocab_size * 4  # fp32 logits, probabilities, cdf
+    rows = cfg.data.batch_size * o.num_generations
+    cache = KVCache(args, rows, cfg.data.seq_len, dtype, "meta")
+    kv = sum(t.numel() * t.element_size() for t, _ in cache.sized())
+    logits = 3 * rows * args.vocab_size * 4  # fp32 logits, probabilities, cdf
     weights = est.parts.get("parameters", 0) * (gpus if gpus > 1 else 1)
     parts = {
         "parameters": weights,
@@ -215,8 +216,8 @@ def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
     rollout = sum(parts.values())
     est.phase_peaks["rollout"] = rollout
     est.notes.append(
-        f"grpo rollout: KV cache {kv / 2**30:.2f} GiB ({o.num_generations} completions x "
-        f"{cfg.data.seq_len} positions)"
+        f"grpo rollout: KV cache {kv / 2**30:.2f} GiB ({cfg.data.batch_size} x "
+        f"{o.num_generations} completions x {cfg.data.seq_len} positions)"
         + (", the weights gathered whole (FSDP)" if gpus > 1 else "")
     )
     if rollout > est.peak_bytes:

@@ -2,7 +2,8 @@
 `--grpo-iterations` optimizer updates on those completions.
 
     prompts (--batch-size x --grad-accum, drawn like any rows)
-      -> G = --num-generations completions each (rl/rollout.py, the trained weights, no copy)
+      -> G = --num-generations completions each (rl/rollout.py, the trained weights, no copy;
+         --batch-size prompts decoded together)
       -> rewards (rl/rewards.py), group-normalised advantages (loss/grpo.py)
       -> rows prompt + completion, targets only on the completion tokens
       -> old log-probs (once, when there is more than one update) and the reference's (--beta)
@@ -34,7 +35,7 @@ from compiletune.loss.head import IGNORE_INDEX
 from compiletune.metrics import peak_memory_gib
 from compiletune.models.generation_config import eos_ids
 from compiletune.rl.rewards import Reward, load_rewards, score
-from compiletune.rl.rollout import sample_group
+from compiletune.rl.rollout import sample_prompts
 from compiletune.train.build import Run
 from compiletune.train.forward import forward_hidden
 from compiletune.train.objective import frozen_eager, logprobs, reference_model
@@ -71,6 +72,10 @@ class Grpo:
         # --compile: the rollout's decode step compiled once with the run's backend
         t = run.cfg.techniques
         self.decode_backend = t.compile_backend if t.compile else None
+        if o.rollout_cuda_graphs and run.device.type != "cuda":
+            raise UserError(
+                f"--rollout-cuda-graphs replays CUDA graphs; this run is on {run.device.type}"
+            )
         self.opts = GrpoOptions(
             o.grpo_loss, o.epsilon_low, o.epsilon_high, o.beta or 0.0, o.max_new_tokens
         )
@@ -138,23 +143,27 @@ class Grpo:
                 return dist_.any_rank(mine, run.device)
 
         completions: list[list[int]] = []
+        size = run.cfg.data.batch_size  # prompts decoded together: one update's micro-batch
         run.model.eval()
         try:
             with _gathered(run.model):
-                for p, seed in zip(prompts, seeds, strict=True):
-                    generator = torch.Generator(device=run.device)
-                    generator.manual_seed(seed)
-                    completions += sample_group(
+                for first in range(0, len(prompts), size):
+                    generators = [
+                        torch.Generator(device=run.device).manual_seed(seed)
+                        for seed in seeds[first : first + size]
+                    ]
+                    completions += sample_prompts(
                         run.model,
-                        p.ids,
+                        [p.ids for p in prompts[first : first + size]],
                         o.num_generations,
                         o.max_new_tokens,
                         o.temperature,
                         o.top_p,
                         self.stop,
-                        generator,
+                        generators,
                         going,
                         compile_backend=self.decode_backend,
+                        cuda_graphs=o.rollout_cuda_graphs,
                     )
         finally:
             run.model.train()

@@ -14,7 +14,7 @@ from compiletune.config import resolve
 from compiletune.errors import UserError
 from compiletune.loss.grpo import GrpoOptions, advantages, grpo_loss
 from compiletune.rl import rewards as rw
-from compiletune.rl.rollout import decode_step, sample_group, sample_rows
+from compiletune.rl.rollout import decode_step, sample_group, sample_prompts, sample_rows
 
 
 def formula(logp, old, ref, adv, mask, kind, eps_low, eps_high, beta, max_new):
@@ -139,34 +139,51 @@ def test_sample_rows_greedy_nucleus_and_temperature():
     assert torch.allclose(freq, probs, atol=0.015) and freq[3] == 0
 
 
-@pytest.mark.parametrize("preset", ["debug_gemma4", "debug_qwen3_5"])
-def test_compiled_decode_samples_what_eager_does_and_compiles_once(preset):
-    """--compile's rollout: the decode step is one graph for every prompt length and cache size
-    (3 rollouts of a run's group size, one compile), and samples the same tokens as eager
-    decoding from the same streams (greedy and at temperature 1; Gemma 4's windows, shared
-    caches and per-layer inputs; Qwen3.5's linear-attention states)."""
+@pytest.mark.parametrize(
+    "preset", ["debug_gemma2", "debug_gemma4", "debug_qwen3_5", "debug_gpt_oss", "debug_deepseek"]
+)
+def test_prompts_of_different_lengths_decode_together_as_each_alone(preset):
+    """One batch of prompts of 3, 11 and 6 tokens (2 completions each, each row at its own
+    position in one static cache) samples what each prompt sampled alone does, from the same
+    streams, greedy and at temperature 1, eagerly and with the decode step compiled (--compile's
+    rollout), which samples what eager decoding does and is one graph for every batch and
+    cache size (4 rollouts of 3 sizes). Windows shrunk to 5 so that the per-row window masks
+    matter; Gemma 2's soft-caps, Gemma 4's shared caches and per-layer inputs, Qwen3.5's
+    linear-attention states, gpt-oss's sinks, DeepSeek's latent attention."""
+    import dataclasses
+
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from compiletune.models import build_model, from_name
 
-    model = build_model(from_name(preset), seed=0).eval()
+    args = from_name(preset)
+    if args.sliding_window:
+        args = dataclasses.replace(args, sliding_window=5)
+    model = build_model(args, seed=0).eval()
+    prompts = [list(range(7, 10)), list(range(20, 31)), list(range(40, 46))]
     counter = CompileCounterWithBackend("eager")
-    frames = []
-    group = 4
-    for prompt_len, new, temperature in [(7, 6, 1.0), (3, 9, 0.0), (11, 3, 1.0)]:
-        prompt = list(range(5, 5 + prompt_len))
-        eager, compiled = (
-            sample_group(
-                model, prompt, group, new, temperature, 1.0, set(),
-                torch.Generator().manual_seed(1), compile_backend=backend,
+    sampled = []
+    for temperature, backend in ((0.0, None), (1.0, None), (1.0, counter)):
+        alone = [
+            c
+            for i, p in enumerate(prompts)
+            for c in sample_group(
+                model, p, 2, 9, temperature, 1.0, set(), torch.Generator().manual_seed(i),
+                compile_backend=backend,
             )
-            for backend in (None, counter)
-        )  # fmt: skip
-        assert compiled == eager and all(len(c) == new for c in compiled)
-        frames.append(counter.frame_count)
-    assert frames[0] == frames[-1]  # no recompile for the other shapes
+        ]  # fmt: skip
+        streams = [torch.Generator().manual_seed(i) for i in range(3)]
+        together = sample_prompts(
+            model, prompts, 2, 9, temperature, 1.0, set(), streams, compile_backend=backend
+        )
+        assert together == alone and all(len(c) == 9 for c in together)
+        assert len({tuple(c) for c in together}) > 1  # the prompts do lead somewhere else
+        sampled.append(together)
+    assert sampled[2] == sampled[1]  # compiled decoding samples what eager decoding does
     assert sum(len(g.graph.nodes) > 0 for g in counter.graphs) == 1  # the step: one graph
     assert decode_step(model, counter) is decode_step(model, counter)  # kept with the model
+    with pytest.raises(ValueError, match="3 prompts need as many generators"):
+        sample_prompts(model, prompts, 2, 4, 1.0, 1.0, set(), streams[:2])
 
 
 def test_grpo_flags_are_checked():
