@@ -36,6 +36,7 @@ The speed set of issue 35 (part 4; 2026-11-27), with the peers' wheels carried i
     BENCH_COMMIT=<hash> python3 bench/gpu_check.py --part 4 --deadline 540 --copy-to "$OUT"
 
 What that first call left (part 5; the same set-up, `--part 5 --deadline 560`, timeout_s 590).
+GRPO's rollout (part 6, issue 40): `--part 6 --deadline 420` (no peers' wheels needed).
 
 The device call used on 2026-11-26 (H200; 15 minutes of device time in all):
 
@@ -374,6 +375,35 @@ STEPS += [
 ]
 
 
+# Part 6: GRPO's rollout (issue 40; 2026-11-28): the CUDA-graph decode against plain decoding
+# (tests), then the sampler against transformers' `generate` at a 1B shape (Llama 3.2 1B's
+# widths and vocabulary), 8 prompts of 128-256 tokens x 8 completions x 256 new tokens, bf16:
+# eager, compiled, and compiled + CUDA graphs (target: >= 2x transformers).
+STEPS += [
+    Step(
+        6,
+        "rollout-tests",
+        _pytest("rollout-tests", "tests/gpu/test_cuda.py") + ["-k", "rollout"],
+        _pytest("rollout-tests", "tests/gpu/test_cuda.py") + ["-k", "rollout"],
+        150,
+        60,
+        junit=True,
+    ),
+    Step(
+        6,
+        "rollout-1b",
+        [PY, "bench/rollout.py", "--dim", "2048", "--layers", "16", "--vocab", "128256"]
+        + ["--prompts", "8", "--group", "8", "--prompt", "256", "--new", "256", "--iters", "2"]
+        + ["--out", "{results}/rollout-cuda-{dev}.json"],
+        [PY, "bench/rollout.py", "--dim", "64", "--layers", "2", "--vocab", "500"]
+        + ["--prompts", "3", "--group", "2", "--prompt", "8", "--new", "4", "--iters", "1"]
+        + ["--backend", "aot_eager", "--out", "{results}/rollout-cuda-{dev}.json"],
+        300,
+        120,
+        result="rollout-cuda-{dev}.json",
+    ),
+]
+
 def junit_counts(path: Path) -> dict[str, Any]:
     """passed / failed / errors / skipped of a pytest junit file, and the failures' messages."""
     if not path.exists():
@@ -488,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--part", type=int, nargs="+", choices=[1, 2, 3, 4, 5], default=[])
+    ap.add_argument("--part", type=int, nargs="+", choices=[1, 2, 3, 4, 5, 6], default=[])
     ap.add_argument("--all", action="store_true", help="parts 1, 2, 3 in turn (part 4: --part 4)")
     ap.add_argument("--steps", nargs="+", help="these steps, in this order (names: see STEPS)")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: the plumbing")

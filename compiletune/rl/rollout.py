@@ -1,16 +1,21 @@
 """Sampling a group of completions per prompt with the model being trained (GRPO's rollout).
 
-The G completions of one prompt are one batch: the prompt runs through the model once per row
-(prefill into a KV cache of prompt + --max-new-tokens positions, `models/decoder.py` `KVCache`),
-then every step feeds each row's newest token. With a compile backend (the run's, under
---compile) that decode step is one compiled graph with the cache length, the group and the
-cache size as symbolic sizes: compiled once for the run, not once per length (a size of 1, as
-after a 1-token prompt, specialises once more). Dynamo keeps the graphs with the step's code,
-shared by every model of the process; past its cache limit (8) a new model's decode runs
-eagerly. A row stops at a stop id (kept as its last token); the group stops when every row has. The weights are the trained ones as they are
-(LoRA adapters live, no merged copy). Under FSDP every rank takes the same number of decode
-steps (the ranks agree each step whether any row anywhere is still going), since each step's
-forward gathers the sharded weights collectively.
+A batch of prompts, whatever their lengths, decodes as one batch (`sample_prompts`): each
+prompt runs through the model once (prefill into its first row of a `models/cache.py`
+`KVCache` of longest prompt + --max-new-tokens positions), its keys and values copied to the
+G rows of its group; then every step feeds each row's newest token at that row's own position
+(`KVCache.lengths`), attending over the whole static cache under a mask. Each prompt's rows
+sample from that prompt's own stream, so its completions do not depend on the batch it is in.
+With a compile backend (the run's, under --compile) the decode step is one compiled graph
+with the rows and the cache's positions as symbolic sizes: compiled once for the run, not
+once per batch or length. Dynamo keeps the graphs with the step's code, shared by every model
+of the process; past its cache limit (8) a new model's decode runs eagerly. With
+`cuda_graphs` the step is captured once per batch as a CUDA graph over that static cache and
+replayed (`_GraphedStep`). A row stops at a stop id (kept as its last token); the batch stops
+when every row has. The weights are the trained ones as they are (LoRA adapters live, no merged
+copy). Under FSDP (the weights gathered whole for the rollout, train/grpo.py) every rank
+takes the same number of decode steps: the ranks agree each step whether any row anywhere is
+still going.
 """
 
 from __future__ import annotations

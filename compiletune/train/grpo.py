@@ -72,10 +72,6 @@ class Grpo:
         # --compile: the rollout's decode step compiled once with the run's backend
         t = run.cfg.techniques
         self.decode_backend = t.compile_backend if t.compile else None
-        if o.rollout_cuda_graphs and run.device.type != "cuda":
-            raise UserError(
-                f"--rollout-cuda-graphs replays CUDA graphs; this run is on {run.device.type}"
-            )
         self.opts = GrpoOptions(
             o.grpo_loss, o.epsilon_low, o.epsilon_high, o.beta or 0.0, o.max_new_tokens
         )

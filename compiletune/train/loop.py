@@ -177,6 +177,8 @@ class Trainer:
         rewards = None
         if cfg.objective.objective == "grpo":  # a reward that cannot load: before the model
             rewards = load_rewards(cfg.objective.reward or "", cfg.objective.reward_weights)
+        if cfg.objective.rollout_cuda_graphs and pick_device().type != "cuda":
+            raise UserError("--rollout-cuda-graphs replays CUDA graphs; there is no CUDA device")
         cfg = self.cfg = pin_hub_specs(cfg, env)
         self.run: Run = build_run(cfg, env)
         if cfg.objective.precompute_ref:

@@ -343,19 +343,24 @@ def test_gpu_check_dry_run_walks_every_step(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_speed_set_dry_run(tmp_path):
-    """Part 4, the speed set of one GPU call, at toy sizes on CPU: every step passes and writes
-    its JSON, the 8B rows with the estimate column's plumbing."""
+    """Parts 4 and 6, the speed sets of one GPU call each, at toy sizes on CPU: every step
+    passes and writes its JSON, the 8B rows with the estimate column's plumbing, the rollout
+    bench with its three CPU variants."""
     import json
 
     results, reports = tmp_path / "results", tmp_path / "reports"
-    argv = ["--dry-run", "--part", "4", "--results", str(results), "--reports", str(reports)]
+    argv = ["--dry-run", "--part", "4", "6", "--results", str(results), "--reports", str(reports)]
     assert gpu_check.main(argv) == 0
-    data = json.loads((results / "gpu-check-part4-cpu.json").read_text())
-    steps = {s["name"]: s for s in data["steps"]}
-    assert set(steps) == {"flex-tests", "loss-peers", "ladder-1b", "ladder-8b"}
+    steps = {}
+    for part in (4, 6):
+        data = json.loads((results / f"gpu-check-part{part}-cpu.json").read_text())
+        steps |= {s["name"]: s for s in data["steps"]}
+    assert set(steps) == {s.name for s in gpu_check.STEPS if s.part in (4, 6)}
     assert all(s["status"] == "passed" for s in steps.values()), steps
     (row,) = steps["ladder-8b"]["result"]["models"][0]["rungs"]
     assert row["rung"] == "8B LoRA r16" and row["tokens_per_s"] > 0
+    rows = steps["rollout-1b"]["result"]["rows"]
+    assert len(rows) == 3 and all(r["tokens_per_s"] > 0 for r in rows)
 
 
 def test_gpu_check_deadline_skips_and_refuses_cpu(tmp_path, capsys):

@@ -145,3 +145,8 @@ def test_val_split_holds_prompts_out_for_the_reward_evaluation(tmp_path, monkeyp
     with pytest.raises(UserError, match=r"lack the column\(s\) answer that --data's have"):
         tiny_run(tmp_path, data, name="bare", **flags, max_steps=1)
     assert not (tmp_path / "bare" / "metrics.jsonl").exists()
+    if not torch.cuda.is_available():  # CUDA graphs asked for without a GPU: refused at once
+        flags = grpo_flags(tmp_path, monkeypatch) | {"rollout_cuda_graphs": True}
+        with pytest.raises(UserError, match="--rollout-cuda-graphs replays CUDA graphs"):
+            tiny_run(tmp_path, data, name="graphs", **flags, max_steps=1)
+        assert not (tmp_path / "graphs" / "metrics.jsonl").exists()
