@@ -404,6 +404,7 @@ STEPS += [
     ),
 ]
 
+
 def junit_counts(path: Path) -> dict[str, Any]:
     """passed / failed / errors / skipped of a pytest junit file, and the failures' messages."""
     if not path.exists():
