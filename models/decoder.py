@@ -676,10 +676,12 @@ class Transformer(nn.Module):
             h = h * rounded(self.args.dim**0.5, h.dtype)
         return h
 
-    def ropes(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
-        """(cos, sin) per layer kind present, each [b, s, rd]."""
+    def ropes(
+        self, positions: Tensor, dtype: torch.dtype, rowwise: bool = False
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        """(cos, sin) per layer kind present, each [b, s, rd] (`rowwise`: see rope_cos_sin)."""
         kinds = {layer.kind for layer in self.layers}
-        return {kind: rope_cos_sin(self.args, positions, dtype, kind) for kind in kinds}
+        return {kind: rope_cos_sin(self.args, positions, dtype, kind, rowwise) for kind in kinds}
 
     def forward(
         self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None
@@ -711,7 +713,7 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + s, device=tokens.device)[None]  # [1, s]
         h = self.embed(tokens)  # [b, s, d]
         ple = self.per_layer_inputs(tokens, h) if self.per_layer_inputs is not None else None
-        ropes = self.ropes(positions, h.dtype)
+        ropes = self.ropes(positions, h.dtype, rowwise=cache.lengths is not None)
         for i, layer in enumerate(self.layers):
             mine = None if ple is None else ple[:, :, i]
             h = layer.forward_cached(h, *ropes[layer.kind], cache, i, mine)

@@ -98,19 +98,26 @@ def rope_inv_freq(
 
 
 def rope_cos_sin(
-    args: ModelArgs, positions: Tensor, dtype: torch.dtype, kind: str = "full"
+    args: ModelArgs,
+    positions: Tensor,
+    dtype: torch.dtype,
+    kind: str = "full",
+    rowwise: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """cos, sin [b, s, rotary_dim] for integer `positions` [b, s] and layers of `kind`, math in
     fp32, cast to `dtype`.
 
     longrope picks its long factors when the largest position reaches past the original
-    context (as HF does), with a tensor `where`, so under compile it is data, not a guard.
+    context (as HF does), with a tensor `where`, so under compile it is data, not a guard;
+    `rowwise`: each row by its own largest position (rows that are sequences of their own, as
+    in a batch of generations), else by the whole batch's.
     """
     inv_freq = rope_inv_freq(args, positions.device, kind)
     _, rs = _rope_base(args, kind)
     if rs is not None and rs.rope_type == "longrope":
         long = rope_inv_freq(args, positions.device, kind, long=True)
-        past = positions.max() + 1 > rs.original_max_position_embeddings
+        largest = positions.amax(dim=-1, keepdim=True)[..., None] if rowwise else positions.max()
+        past = largest + 1 > rs.original_max_position_embeddings
         inv_freq = torch.where(past, long, inv_freq)
     freqs = positions[..., None].float() * inv_freq  # [b, s, rotary_dim // 2]
     # rotate_half layout: the two halves of the rotated part share frequencies.

@@ -193,8 +193,8 @@ def estimate_memory(
 def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
     """GRPO's rollout beside the update: the weights (gathered whole under FSDP), the optimizer
     state, the KV cache of --batch-size prompts' G completions each (decoded together) of
-    --seq-len positions and their logits. The step's peak becomes the rollout's when that is
-    larger."""
+    --seq-len positions, their logits and one decode step's attention temporaries. The step's
+    peak becomes the rollout's when that is larger."""
     from compiletune.models.cache import KVCache
 
     args = resolve_model_args(cfg)
@@ -205,6 +205,7 @@ def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
     cache = KVCache(args, rows, cfg.data.seq_len, dtype, "meta")
     kv = sum(t.numel() * t.element_size() for t, _ in cache.sized())
     logits = 3 * rows * args.vocab_size * 4  # fp32 logits, probabilities, cdf
+    logits += _decode_attention_bytes(args, rows, cfg.data.seq_len, size)
     weights = est.parts.get("parameters", 0) * (gpus if gpus > 1 else 1)
     parts = {
         "parameters": weights,
@@ -222,6 +223,26 @@ def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
     )
     if rollout > est.peak_bytes:
         est.peak_bytes, est.parts, est.peak_phase = rollout, parts, "rollout"
+
+
+def _decode_attention_bytes(args: Any, rows: int, positions: int, size: int) -> int:
+    """The largest attention temporaries of one decode step over a static cache of `positions`:
+    every head's keys and values over the whole cache, where the layer makes them (grouped
+    query heads repeated; MLA's latents expanded: the projection's keys and values, then the
+    keys joined with their rope part)."""
+    worst = 0
+    for i in range(args.n_layers):
+        kind = args.layer_kind(i)
+        if kind == "linear":
+            continue
+        if args.kv_rank:  # models/mla.py `expand`
+            width = args.hd + (args.hd - args.rotary_dim) + args.v_head_dim
+        elif args.kv_heads_of(kind) != args.n_heads:  # models/decoder.py `_repeat_kv`
+            width = 2 * args.head_dim_of(kind)
+        else:
+            continue
+        worst = max(worst, rows * args.n_heads * positions * width * size)
+    return worst
 
 
 def _interpolate(lo: MemoryEstimate, hi: MemoryEstimate, f: float) -> MemoryEstimate:

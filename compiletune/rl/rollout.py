@@ -21,6 +21,7 @@ still going.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -76,7 +77,8 @@ def decode_step(model: Transformer, backend: Any) -> Callable[[Tensor, KVCache],
     value written into `cache`: `model.hidden_states_cached` compiled with `backend` (a name or
     a dynamo backend) once per model, the rows and the cache's positions symbolic sizes from
     the first call, so new batches and cache sizes reuse the graph (heads and widths stay
-    static: no coincidence of sizes can specialise them)."""
+    static; if the first batch's rows equal its positions, dynamo assumes they always do and
+    compiles once more when they differ)."""
     steps = _DECODE.setdefault(model, {})
     if backend not in steps:
         ref = weakref.ref(model)  # the compiled function must not keep the model alive
@@ -100,9 +102,15 @@ class _GraphedStep:
     """The decode step as one CUDA graph over a rollout's static cache: captured once (after
     `WARM_STEPS` ordinary steps on a side stream), then replayed with each step's tokens copied
     into its input buffer. Everything it reads and writes (the cache's buffers, the per-row
-    lengths, the tokens) keeps its storage between steps, which is what a replay needs."""
+    lengths, the tokens) keeps its storage between steps, which is what a replay needs. The
+    output is the graph's own buffer, overwritten by the next replay: the caller reads it (the
+    logits, the sampled tokens brought to the host) before the next call. A step that cannot be
+    captured (one that copies from the host or waits on the GPU inside it: an uncompiled step's
+    YaRN or longrope frequencies or QLoRA code table, a MoE's exact grouped-matmul fallback) is
+    said once on stderr and run as it is for the rest of the process (`FAILED`)."""
 
     WARM_STEPS = 2
+    FAILED: str | None = None  # why capture failed, once it has
 
     def __init__(self, step: Callable[[Tensor, KVCache], Tensor], cache: KVCache) -> None:
         self.step, self.cache, self.calls = step, cache, 0
@@ -112,6 +120,8 @@ class _GraphedStep:
 
     def __call__(self, tokens: Tensor) -> Tensor:
         self.calls += 1
+        if _GraphedStep.FAILED is not None:
+            return self.step(tokens, self.cache)
         if self.calls <= self.WARM_STEPS:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -119,15 +129,32 @@ class _GraphedStep:
                 out = self.step(tokens, self.cache)
             torch.cuda.current_stream().wait_stream(side)
             return out
-        if self.graph is None:  # capture records the step without running it
-            self.tokens = tokens.clone()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self.step(self.tokens, self.cache)
+        if self.graph is None and not self._capture(tokens):
+            return self.step(tokens, self.cache)
         assert self.tokens is not None and self.out is not None
         self.tokens.copy_(tokens)
         self.graph.replay()
         return self.out
+
+    def _capture(self, tokens: Tensor) -> bool:
+        """Record the step (capture runs nothing: the cache is as it was); False if it could
+        not be captured."""
+        self.tokens = tokens.clone()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.out = self.step(self.tokens, self.cache)
+        except Exception as e:  # noqa: BLE001 - any failure to capture: decode without graphs
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            _GraphedStep.FAILED = reason
+            print(
+                f"compiletune: --rollout-cuda-graphs: the decode step could not be captured "
+                f"({reason}); decoding without CUDA graphs",
+                file=sys.stderr,
+            )
+            return False
+        self.graph = graph
+        return True
 
 
 @torch.no_grad()

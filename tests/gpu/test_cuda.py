@@ -230,20 +230,32 @@ def test_one_gpu_nccl_fsdp(tmp_path):
     assert summary["processes"] == 1 and summary["final_loss"] < summary["first_loss"]
 
 
-@pytest.mark.parametrize("preset", ["debug", "debug_gemma4", "debug_qwen3_5"])
+@pytest.mark.parametrize("preset", ["debug", "debug_gemma4", "debug_qwen3_5", "debug_gpt_oss"])
 @pytest.mark.parametrize("backend", [None, "inductor"])
-def test_rollout_cuda_graphs_sample_what_plain_decoding_does(preset, backend):
+def test_rollout_cuda_graphs_sample_what_plain_decoding_does(preset, backend, monkeypatch):
     """--rollout-cuda-graphs: the decode step captured once per batch of prompts over its static
     cache and replayed samples the tokens plain decoding samples (fp32, greedy and sampled; 3
-    prompts of different lengths; eager and inductor-compiled steps)."""
+    prompts of different lengths; eager and inductor-compiled steps). The compiled dense step is
+    captured; a step that cannot be (gpt-oss's experts in fp32 take the exact grouped-matmul
+    fallback, which reads its row counts on the host) falls back to plain decoding with the
+    same tokens."""
     from compiletune.models import build_model, from_name
-    from compiletune.rl.rollout import sample_prompts
+    from compiletune.rl import rollout
 
+    monkeypatch.setattr(rollout._GraphedStep, "FAILED", None)
+    made = []
+    init = rollout._GraphedStep.__init__
+
+    def record(self, *args):
+        init(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(rollout._GraphedStep, "__init__", record)
     model = build_model(from_name(preset), device="cuda", seed=0).eval()
     prompts = [list(range(7, 10)), list(range(20, 31)), list(range(40, 46))]
     for temperature in (0.0, 1.0):
         got = [
-            sample_prompts(
+            rollout.sample_prompts(
                 model, prompts, 2, 12, temperature, 1.0, set(),
                 [torch.Generator("cuda").manual_seed(i) for i in range(3)],
                 compile_backend=backend, cuda_graphs=graphs,
@@ -251,3 +263,6 @@ def test_rollout_cuda_graphs_sample_what_plain_decoding_does(preset, backend):
             for graphs in (False, True)
         ]  # fmt: skip
         assert got[1] == got[0] and all(len(c) == 12 for c in got[1])
+    assert len(made) == 2
+    if preset == "debug" and backend == "inductor":
+        assert all(s.graph is not None for s in made), rollout._GraphedStep.FAILED

@@ -140,7 +140,9 @@ def test_sample_rows_greedy_nucleus_and_temperature():
 
 
 @pytest.mark.parametrize(
-    "preset", ["debug_gemma2", "debug_gemma4", "debug_qwen3_5", "debug_gpt_oss", "debug_deepseek"]
+    "preset",
+    ["debug_gemma2", "debug_gemma4", "debug_qwen3_5", "debug_gpt_oss", "debug_deepseek"]
+    + ["longrope"],
 )
 def test_prompts_of_different_lengths_decode_together_as_each_alone(preset):
     """One batch of prompts of 3, 11 and 6 tokens (2 completions each, each row at its own
@@ -149,14 +151,22 @@ def test_prompts_of_different_lengths_decode_together_as_each_alone(preset):
     rollout), which samples what eager decoding does and is one graph for every batch and
     cache size (4 rollouts of 3 sizes). Windows shrunk to 5 so that the per-row window masks
     matter; Gemma 2's soft-caps, Gemma 4's shared caches and per-layer inputs, Qwen3.5's
-    linear-attention states, gpt-oss's sinks, DeepSeek's latent attention."""
+    linear-attention states, gpt-oss's sinks, DeepSeek's latent attention; Phi-3's longrope
+    with an original context of 12, which the longest prompt's rows pass and the shortest's
+    never reach (each row picks its factors by its own position)."""
     import dataclasses
 
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from compiletune.models import build_model, from_name
+    from compiletune.models import RopeScaling, build_model, from_name
 
-    args = from_name(preset)
+    if preset == "longrope":
+        factors = tuple(1.0 + i / 4 for i in range(12))
+        scaling = RopeScaling(4.0, rope_type="longrope", original_max_position_embeddings=12)
+        scaling.short_factor, scaling.long_factor = (1.0,) * 12, factors
+        args = dataclasses.replace(from_name("debug_phi3"), rope_scaling=scaling)
+    else:
+        args = from_name(preset)
     if args.sliding_window:
         args = dataclasses.replace(args, sliding_window=5)
     model = build_model(args, seed=0).eval()
@@ -219,8 +229,17 @@ def test_the_estimate_counts_an_updates_completions():
     small, large = (estimate_memory(resolve({}, {**flags, "num_generations": g})) for g in (2, 8))
     assert large.parts["activations"] > 3 * small.parts["activations"]
     assert any("grpo" in n for n in large.notes)
-    # the rollout: 8 completions' KV cache of 64 positions, 2 layers, 2 kv heads of 32, fp32,
-    # beside the weights and the optimizer state
-    kv = 8 * 64 * 2 * 2 * 2 * 32 * 4
-    rollout = large.phase_peaks["rollout"]
-    assert rollout >= kv + large.parts["parameters"] + large.parts["optimizer_state"]
+    # the rollout: --batch-size x 8 completions decoded together, their KV cache of 64
+    # positions (2 layers, 2 kv heads of 32, fp32), their logits (fp32: logits, probabilities,
+    # cdf) and one step's keys and values repeated to every query head, beside the weights
+    # and the optimizer state
+    from compiletune.models import from_name
+
+    args, rows = from_name("debug"), resolve({}, flags).data.batch_size * 8
+    assert args.n_kv_heads == 2 and args.hd == 32 and args.n_heads > 2
+    kv = rows * 64 * 2 * 2 * 2 * 32 * 4
+    logits = 3 * rows * args.vocab_size * 4
+    repeated = rows * args.n_heads * 64 * 2 * 32 * 4
+    assert large.phase_peaks["rollout"] == (
+        kv + logits + repeated + large.parts["parameters"] + large.parts["optimizer_state"]
+    )
