@@ -36,7 +36,8 @@ The speed set of issue 35 (part 4; 2026-11-27), with the peers' wheels carried i
     BENCH_COMMIT=<hash> python3 bench/gpu_check.py --part 4 --deadline 540 --copy-to "$OUT"
 
 What that first call left (part 5; the same set-up, `--part 5 --deadline 560`, timeout_s 590).
-GRPO's rollout (part 6, issue 40): `--part 6 --deadline 420` (no peers' wheels needed).
+GRPO's rollout (issue 40): `--steps rollout-tests rollout-1b --deadline 420` (no peers'
+wheels needed; `--part 6` is the bench alone).
 
 The device call used on 2026-11-26 (H200; 15 minutes of device time in all):
 
@@ -376,7 +377,7 @@ STEPS += [
 
 
 # Part 6: GRPO's rollout (issue 40; 2026-11-28): the CUDA-graph decode against plain decoding
-# (tests), then the sampler against transformers' `generate` at a 1B shape (Llama 3.2 1B's
+# (tests; by name, as part 1 runs them too), then the sampler against transformers' `generate` at a 1B shape (Llama 3.2 1B's
 # widths and vocabulary), 8 prompts of 128-256 tokens x 8 completions x 256 new tokens, bf16:
 # eager, compiled, and compiled + CUDA graphs (target: >= 2x transformers).
 STEPS += [
@@ -388,6 +389,7 @@ STEPS += [
         150,
         60,
         junit=True,
+        in_part=False,  # part 1's cuda-tests hold them; by name for a short call
     ),
     Step(
         6,
