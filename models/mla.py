@@ -24,15 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import attention as attn
 from .args import ModelArgs
-from .attention import (
-    attention_backend,
-    causal_attention,
-    flex_block_mask,
-    visible,
-    visible_rows,
-    write_rows,
-)
+from .attention import attention_backend, causal_attention, flex_block_mask, visible
 from .cache import KVCache
 from .norm import RMSNorm
 from .rope import apply_rope
@@ -138,10 +132,10 @@ class LatentAttention(nn.Module):
         q = self._q(x, cos, sin)
         c, k_rope = self.latent(x, cos, sin)
         if cache.lengths is not None:  # per-row lengths: each row's at its own position
-            write_rows(cache.k[layer], c, cache.lengths)
-            write_rows(cache.v[layer], k_rope, cache.lengths)
+            attn.write_rows(cache.k[layer], c, cache.lengths)
+            attn.write_rows(cache.v[layer], k_rope, cache.lengths)
             k, v = self.expand(cache.k[layer], cache.v[layer])
-            seen = visible_rows(cache.lengths, k.shape[-2], self.window)
+            seen = attn.visible_rows(cache.lengths, k.shape[-2], self.window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=self.scale)
             return self.wo(out.transpose(1, 2).reshape(b, s, -1))
         cache.k[layer][:, :, start:end] = c
