@@ -377,9 +377,10 @@ STEPS += [
 
 
 # Part 6: GRPO's rollout (issue 40; 2026-11-28): the CUDA-graph decode against plain decoding
-# (tests; by name, as part 1 runs them too), then the sampler against transformers' `generate` at a 1B shape (Llama 3.2 1B's
-# widths and vocabulary), 8 prompts of 128-256 tokens x 8 completions x 256 new tokens, bf16:
-# eager, compiled, and compiled + CUDA graphs (target: >= 2x transformers).
+# (tests; by name, as part 1 runs them too), then the sampler against transformers' `generate`
+# at a 1B shape (Llama 3.2 1B's widths and vocabulary), 8 prompts of 128-256 tokens x 8
+# completions x 256 new tokens, bf16: eager, compiled, and compiled + CUDA graphs (target:
+# >= 2x transformers).
 STEPS += [
     Step(
         6,

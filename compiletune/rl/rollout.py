@@ -141,11 +141,16 @@ class _GraphedStep:
         not be captured."""
         self.tokens = tokens.clone()
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph):
                 self.out = self.step(self.tokens, self.cache)
         except Exception as e:  # noqa: BLE001 - any failure to capture: decode without graphs
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            # a failed capture's exit raises before it gives the stream back: take it back, and
+            # name the error that broke the capture, not the capture's end
+            torch.cuda.set_stream(stream)
+            cause = e.__context__ or e
+            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
             _GraphedStep.FAILED = reason
             print(
                 f"compiletune: --rollout-cuda-graphs: the decode step could not be captured "

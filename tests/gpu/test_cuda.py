@@ -264,5 +264,8 @@ def test_rollout_cuda_graphs_sample_what_plain_decoding_does(preset, backend, mo
         ]  # fmt: skip
         assert got[1] == got[0] and all(len(c) == 12 for c in got[1])
     assert len(made) == 2
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # given back, even failed
     if preset == "debug" and backend == "inductor":
         assert all(s.graph is not None for s in made), rollout._GraphedStep.FAILED
+    if preset == "debug_gpt_oss":  # fp32 experts: the fallback's host row counts
+        assert rollout._GraphedStep.FAILED is not None
