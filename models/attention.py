@@ -89,21 +89,6 @@ def visible(
     return ok & (qi - kj < window) if window > 0 else ok
 
 
-def visible_rows(lengths: Tensor, max_len: int, window: int) -> Tensor:
-    """[b, 1, 1, max_len] bool: row r's new token, at position lengths[r], sees key j (causal,
-    within `window` when > 0); a decode step over a cache whose rows differ in length."""
-    kj = torch.arange(max_len, device=lengths.device)
-    qi = lengths.view(-1, 1, 1, 1)
-    ok = kj <= qi
-    return ok & (qi - kj < window) if window > 0 else ok
-
-
-def write_rows(buffer: Tensor, new: Tensor, lengths: Tensor) -> None:
-    """buffer [b, h, max_len, w] <- new [b, h, 1, w], row r's at its position lengths[r] (in
-    place: a static cache keeps its storage)."""
-    buffer.scatter_(2, lengths.view(-1, 1, 1, 1).expand_as(new), new)
-
-
 def _windowed_pieces(a: int, e: int, window: int) -> list[tuple[int, int, int]]:
     """(query start, query end, first key) of the chunks of segment [a, e) under `window`."""
     return [(qa, min(qa + _CHUNK, e), max(a, qa - window + 1)) for qa in range(a, e, _CHUNK)]

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .args import ModelArgs
+from .attention import visible
 
 
 class KVCache:
@@ -72,6 +73,47 @@ class KVCache:
         if self.lengths is not None:
             every.append((self.lengths, (0,)))
         return [(t, dims) for t, dims in every if t.numel()]
+
+    @property
+    def prefill(self) -> bool:
+        """Nothing cached yet and every row at position 0: a prompt's first pass."""
+        return self.lengths is None and self.length == 0
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Store layer `layer`'s keys and values of the new tokens, k, v [b, heads, s, w]: at
+        positions `length` .. + s - 1 of every row, or, with per-row `lengths` (one token a
+        step), each row's at its own position (a scatter: the static cache keeps its storage)."""
+        if self.lengths is None:
+            end = self.length + k.shape[2]
+            self.k[layer][:, :, self.length : end] = k
+            self.v[layer][:, :, self.length : end] = v
+            return
+        at = self.lengths.view(-1, 1, 1, 1)
+        self.k[layer].scatter_(2, at.expand_as(k), k)
+        self.v[layer].scatter_(2, at.expand_as(v), v)
+
+    def read(self, layer: int, s: int) -> tuple[Tensor, Tensor]:
+        """The keys and values of layer `layer` that `s` new tokens (written) attend over: the
+        filled positions, or with per-row `lengths` the whole static cache (see `seen`)."""
+        if self.lengths is not None:
+            return self.k[layer], self.v[layer]
+        end = self.length + s
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def seen(self, keys: Tensor, s: int, window: int) -> Tensor | None:
+        """Which of `keys` (`read`'s, [b, heads, n, w]) each of `s` new tokens sees (causal,
+        within `window` when > 0): [b, 1, 1, n] per row with `lengths`, else [s, n]; None when
+        one new token sees every key. (n is read from `keys`, not `max_len`: a compiled step
+        takes it as a size, not as a constant to guard on.)"""
+        n = keys.shape[2]
+        if self.lengths is not None:
+            kj = torch.arange(n, device=keys.device)
+            qi = self.lengths.view(-1, 1, 1, 1)
+            ok = kj <= qi
+            return ok & (qi - kj < window) if window > 0 else ok
+        if s == 1 and window <= 0:
+            return None
+        return visible(self.length, self.length + s, 0, n, window, keys.device)
 
     def rows(self, start: int, stop: int) -> KVCache:
         """A cache over rows start..stop-1 of this one (views: what is written through it lands

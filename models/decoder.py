@@ -33,14 +33,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .args import ModelArgs
-from .attention import (
-    attention_backend,
-    causal_attention,
-    flex_block_mask,
-    visible,
-    visible_rows,
-    write_rows,
-)
+from .attention import attention_backend, causal_attention, flex_block_mask
 from .cache import KVCache
 from .linear_attention import GatedDeltaNet, GatedRMSNorm
 from .mla import LatentAttention
@@ -227,27 +220,15 @@ class Attention(nn.Module):
         the whole static cache under a mask.
         """
         b, s, _ = x.shape
-        start, end = cache.length, cache.length + s
-        rows = cache.lengths
         if self.kv_mode == "reuse":  # the store layer, earlier in this step, wrote them
             q, gate = self._q(x, cos, sin)
             layer = cache.source[layer]
         else:
             q, kk, v, gate = self._qkv(x, cos, sin)
-            if rows is not None:
-                write_rows(cache.k[layer], kk, rows)
-                write_rows(cache.v[layer], v, rows)
-            else:
-                cache.k[layer][:, :, start:end] = kk
-                cache.v[layer][:, :, start:end] = v
-        if rows is not None:
-            keys = self._repeat_kv(cache.k[layer])  # [b, h, max_len, hd]
-            values = self._repeat_kv(cache.v[layer])
-            seen = visible_rows(rows, keys.shape[-2], self.window)
-            out = self._attend_cached(q, keys, values, seen)
-        elif start == 0:  # the prompt: the exact segment op (prompt lengths vary; no recompiles)
-            keys = self._repeat_kv(cache.k[layer][:, :, :end])  # [b, h, end, hd]
-            values = self._repeat_kv(cache.v[layer][:, :, :end])
+            cache.write(layer, kk, v)
+        cached_k, cached_v = cache.read(layer, s)
+        keys, values = self._repeat_kv(cached_k), self._repeat_kv(cached_v)  # [b, h, n, hd]
+        if cache.prefill:  # the prompt: the exact segment op (prompt lengths vary; no recompiles)
             out = causal_attention(
                 q,
                 keys,
@@ -260,15 +241,7 @@ class Attention(nn.Module):
                 sinks=self.sinks,
             )
         else:
-            keys = self._repeat_kv(cache.k[layer][:, :, :end])
-            values = self._repeat_kv(cache.v[layer][:, :, :end])
-            # new token i sits at position start + i and sees keys up to start + i: [s, end]
-            seen = (
-                None
-                if s == 1 and self.window <= 0
-                else visible(start, end, 0, end, self.window, x.device)
-            )
-            out = self._attend_cached(q, keys, values, seen)
+            out = self._attend_cached(q, keys, values, cache.seen(cached_k, s, self.window))
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.wo(out if gate is None else out * torch.sigmoid(gate))
 

@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import attention as attn
 from .args import ModelArgs
-from .attention import attention_backend, causal_attention, flex_block_mask, visible
+from .attention import attention_backend, causal_attention, flex_block_mask
 from .cache import KVCache
 from .norm import RMSNorm
 from .rope import apply_rope
@@ -128,22 +127,13 @@ class LatentAttention(nn.Module):
         """Inference over the tokens after the `cache.length` cached ones (see the module
         docstring: the cache holds latents and rope keys)."""
         b, s, _ = x.shape
-        start, end = cache.length, cache.length + s
         q = self._q(x, cos, sin)
         c, k_rope = self.latent(x, cos, sin)
-        if cache.lengths is not None:  # per-row lengths: each row's at its own position
-            attn.write_rows(cache.k[layer], c, cache.lengths)
-            attn.write_rows(cache.v[layer], k_rope, cache.lengths)
-            k, v = self.expand(cache.k[layer], cache.v[layer])
-            seen = attn.visible_rows(cache.lengths, k.shape[-2], self.window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=self.scale)
-            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-        cache.k[layer][:, :, start:end] = c
-        cache.v[layer][:, :, start:end] = k_rope
-        k, v = self.expand(cache.k[layer][:, :, :end], cache.v[layer][:, :, :end])
-        if start == 0:
+        cache.write(layer, c, k_rope)
+        k, v = self.expand(*cache.read(layer, s))
+        if cache.prefill:
             out = causal_attention(q, k, v, self.scale, None, self.window, backend="segments")
         else:
-            seen = visible(start, end, 0, end, self.window, x.device)
+            seen = cache.seen(k, s, self.window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))

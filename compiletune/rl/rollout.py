@@ -84,7 +84,7 @@ def decode_step(model: Transformer, backend: Any) -> Callable[[Tensor, KVCache],
         ref = weakref.ref(model)  # the compiled function must not keep the model alive
 
         def step(tokens: Tensor, cache: KVCache) -> Tensor:
-            return ref().hidden_states_cached(tokens, cache)[:, -1]
+            return _eager_step(ref(), tokens, cache)
 
         compiled = torch.compile(step, backend=backend)
 
@@ -243,11 +243,10 @@ def sample_group(
     top_p: float,
     stop_ids: set[int],
     generator: torch.Generator,
-    any_going: Callable[[bool], bool] | None = None,
     compile_backend: Any = None,
 ) -> list[list[int]]:
     """`group` completions of one prompt: `sample_prompts` of [prompt]."""
     return sample_prompts(
         model, [prompt], group, max_new_tokens, temperature, top_p, stop_ids, [generator],
-        any_going, compile_backend,
+        compile_backend=compile_backend,
     )  # fmt: skip
