@@ -79,7 +79,7 @@ from torch import Tensor, nn
 from compiletune import torch_internals
 from compiletune.choices import Bf16Compensation, OptimizerKind, choices
 from compiletune.errors import UserError
-from compiletune.ops import cpu_kernels
+from compiletune.ops import cpu_kernels, op_memory
 
 OPTIMIZERS = choices(OptimizerKind)
 BF16_COMPENSATIONS = choices(Bf16Compensation)
@@ -552,9 +552,24 @@ class Optimizer:
         return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, device=device, generator=g)
 
     def _own_step(self, i: int) -> None:
-        p = self._params[i]
-        if p.grad is None:
+        if self._params[i].grad is None:
             return
+        self._update_param(i)
+        self._counts[i] += 1
+
+    def _memory_key(self, i: int) -> tuple:
+        """What decides the memory of `_update_param(i)`: the parameter's, its gradient's and
+        its state's layouts under this optimizer's settings."""
+        p = self._params[i]
+        st = self._state[i]
+        state = tuple((k, *op_memory.shape_key(t)) for k, t in sorted(st.items()))
+        settings = (self.kind, self.bf16_compensation, self._cpu_kernel)
+        return (*op_memory.shape_key(p, p.grad), state, settings, p.dtype)
+
+    @op_memory.replayable(lambda self, i: self._memory_key(i))
+    def _update_param(self, i: int) -> None:
+        """Update parameter i (that has a gradient) and its state in place, step count aside."""
+        p = self._params[i]
         st = self._state[i]
         st["step"] += 1
         local = _local(p.detach()).view(-1)  # [n]
@@ -572,7 +587,6 @@ class Optimizer:
             cpu_kernels.adamw8bit_step_(
                 local, grad, *(st[k] for k in _CODE_KEYS), st["step"], lr, *hyper
             )
-            self._counts[i] += 1
             return
         chunk = _CHUNK_BLOCKS * BLOCK
         n = local.numel()
@@ -628,7 +642,6 @@ class Optimizer:
                 local[tail].copy_(p_tail.view(-1)[:r])
                 if comp_tail is not None:
                     comp[tail].copy_(comp_tail.view(-1)[:r])
-        self._counts[i] += 1
 
     @property
     def in_backward(self) -> bool:

@@ -39,6 +39,7 @@ from compiletune.choices import Quantize, choices
 from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 from compiletune.ops.grouped_mm import grouped_mm
+from compiletune.ops.op_memory import replayable, shape_key
 
 from .args import ModelArgs
 from .decoder import RMSNorm, Transformer
@@ -155,7 +156,7 @@ class _FrozenMatmul(torch.autograd.Function):
             ctx.save_for_backward(stored, scales)
         else:
             ctx.save_for_backward(stored)
-        return F.linear(x, _materialise(stored, scales, x.dtype))
+        return _frozen_linear(x, stored, scales)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:
@@ -165,7 +166,20 @@ class _FrozenMatmul(torch.autograd.Function):
             stored, scales = ctx.saved_tensors
         else:
             (stored,), scales = ctx.saved_tensors, None
-        return grad @ _materialise(stored, scales, grad.dtype), None, None
+        return _frozen_linear_grad(grad, stored, scales), None, None
+
+
+# The memory estimate runs these once per shape and replays their bytes (ops/op_memory.py).
+@replayable(lambda x, stored, scales: shape_key(x, stored, scales))
+def _frozen_linear(x: Tensor, stored: Tensor, scales: Tensor | None) -> Tensor:
+    """x @ W^T for W rebuilt from its stored form (freed at once)."""
+    return F.linear(x, _materialise(stored, scales, x.dtype))
+
+
+@replayable(lambda grad, stored, scales: shape_key(grad, stored, scales))
+def _frozen_linear_grad(grad: Tensor, stored: Tensor, scales: Tensor | None) -> Tensor:
+    """grad @ W for W rebuilt from its stored form (freed at once)."""
+    return grad @ _materialise(stored, scales, grad.dtype)
 
 
 def _materialise(stored: Tensor, scales: Tensor | None, dtype: torch.dtype) -> Tensor:

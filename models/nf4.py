@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from compiletune.ops.op_memory import replayable, shape_key
+
 BLOCK = 64
 # The 16 NF4 code values, as published with QLoRA (bitsandbytes' table).
 CODE = (
@@ -71,6 +73,11 @@ def quantize_nf4(weight: Tensor) -> tuple[Tensor, Tensor]:
     """
     check_shape(weight.shape)
     out, cols = weight.shape
+    if weight.device.type == "meta":  # a model's structure (build_meta_model): shapes only
+        return (
+            torch.empty(out, cols // 2, dtype=torch.uint8, device="meta"),
+            torch.empty(out, cols // BLOCK, dtype=torch.float32, device="meta"),
+        )
     code = torch.tensor(CODE, dtype=torch.float32, device=weight.device)
     midpoints = (code[1:] + code[:-1]) / 2  # [15], increasing
     codes = torch.empty(out, cols // 2, dtype=torch.uint8, device=weight.device)
@@ -94,6 +101,7 @@ def _pair_table(device: torch.device) -> Tensor:
     return torch.stack((code[byte >> 4], code[byte & 15]), dim=-1)
 
 
+@replayable(lambda codes, scales, dtype: (shape_key(codes, scales), dtype))
 def dequantize_nf4(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     """codes uint8 [out, in // 2], scales fp32 [out, in // 64] -> weight [out, in] in `dtype`.
 

@@ -63,6 +63,7 @@ from compiletune.estimate.tracker import (
 )
 from compiletune.loss.head import IGNORE_INDEX
 from compiletune.models import num_params
+from compiletune.ops import op_memory
 from compiletune.optim import _local
 from compiletune.train import Probe, Run, StepBatch, build_run, train_step
 from compiletune.train.build import resolve_model_args
@@ -367,6 +368,7 @@ def run_step(
             stack.enter_context(mi.watch_storage_resize(tracker.on_resize))
             if world is not None:
                 stack.enter_context(mi.dtensor_shape_propagation(tracker.pause))
+            stack.enter_context(op_memory.replaying(tracker.replay))
             stack.enter_context(tracker)
         return stack
 

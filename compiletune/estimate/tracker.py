@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,23 @@ REPORTED = {
 _DEVICE = torch.ops.prim.device.default
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 GPU_ROUND_BYTES = 512
+
+
+# What the dispatch hook does beyond counting outputs, per op (looked up once per op).
+_KINDS: dict[Any, str] = {}
+
+
+def _kind(func: Any) -> str:
+    name = str(func)
+    if "all_gather_copy_in" in name:
+        return "gather_in"  # FSDP2's all-gather input buffer: a temporary
+    if "split_with_sizes_copy" in name:
+        return "split_copy"
+    if isinstance(func, torch._ops.OpOverload) and func._schema.name.startswith(
+        op_memory.NAMESPACE + "::"
+    ):
+        return "custom"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,6 +158,9 @@ class Tracker(mi.TorchDispatchMode):
         # are read from them (`Peaks`), and so is the depth shortcut.
         self.micro = 0
         self.segments: dict[Key, Segment] = {}
+        # Replayable functions (ops/op_memory.py): what each key's call did to the memory, or
+        # how many of its calls could not be replayed.
+        self.replays: dict[Hashable, _Replay | int] = {}
         self.segment = self._enter(("setup", 0, "start", -1))
 
     @contextlib.contextmanager
@@ -246,29 +266,106 @@ class Tracker(mi.TorchDispatchMode):
         entry[0] = nbytes
         self._change(GATHERED, delta)
 
+    # --- replayable functions ------------------------------------------------------------
+
+    def replay(
+        self, fn: Callable[..., Any], key: Hashable, args: tuple, kwargs: dict[str, Any]
+    ) -> Any:
+        """Run `fn(*args, **kwargs)`, a replayable function (ops/op_memory.py), or replay what
+        an earlier call of the same key did to the memory: its highest point over the call's
+        start (device and host, with the totals' change there) and the one new tensor it
+        returned (an empty one of the same layout, counted like any op's output). A key whose
+        calls keep or free anything else, or return something else, runs every time."""
+        key = (key, self.phase, self.category)
+        memo = self.replays.get(key, 0)
+        if isinstance(memo, _Replay):
+            return self._replay(memo)
+        if self.paused or memo >= _REPLAY_TRIES:
+            return fn(*args, **kwargs)
+        seg, probe = self.segment, Segment()
+        self.segment = probe
+        totals, device, host, seq = dict(self.totals), self.device_now, self.host_now, self.seq
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            moved = self.segment is not probe  # a block mark inside: no replay
+            _merge(seg, probe)
+            if not moved:
+                self.segment = seg
+        made = _made(out)
+        kept = [e for e in self.entries.values() if e[2] > seq]
+        change = {k: v - totals[k] for k, v in self.totals.items()}
+        ok = False
+        if moved:
+            pass
+        elif out is None:
+            ok = not kept and not any(change.values())
+        elif made is not None and len(kept) == 1:
+            entry = self.entries.get(out.untyped_storage()._cdata)
+            ok = (
+                entry is kept[0]
+                and entry[1] == self.category
+                and change == {k: entry[0] if k == entry[1] else 0 for k in change}
+            )
+        if ok:
+            self.replays[key] = _Replay(
+                None if probe.peak < 0 else (probe.peak - device, _diff(probe.totals, totals)),
+                None
+                if probe.host_peak < 0
+                else (probe.host_peak - host, _diff(probe.host_totals, totals)),
+                made,
+            )
+        else:
+            self.replays[key] = memo + 1
+        return out
+
+    def _replay(self, memo: _Replay) -> Tensor | None:
+        seg = self.segment
+        if memo.device is not None:
+            excess, change = memo.device
+            if self.device_now + excess > seg.peak:
+                seg.peak = self.device_now + excess
+                seg.totals = {k: v + change.get(k, 0) for k, v in self.totals.items()}
+        if memo.host is not None:
+            excess, change = memo.host
+            if self.host_now + excess > seg.host_peak:
+                seg.host_peak = self.host_now + excess
+                seg.host_totals = {k: v + change.get(k, 0) for k, v in self.totals.items()}
+        if memo.out is None:
+            return None
+        shape, stride, dtype, device = memo.out
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
     # --- the dispatch hook ------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if func is _DEVICE:  # `tensor.device`: half the calls of an FSDP step, no memory
-            return func(*args, **(kwargs or {}))
+        if func is _DEVICE:  # `tensor.device`: half the calls of a step, no memory
+            device = getattr(args[0], "fake_device", None)  # a fake tensor's, without a dispatch
+            return device if device is not None else func(*args, **(kwargs or {}))
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops, which come back here
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)  # DTensor's shape propagation, not the step's memory
-        name = str(func)
         out = func(*args, **kwargs)
-        category = TEMP if "all_gather_copy_in" in name else None
-        for t in tree_leaves(out):
-            if isinstance(t, Tensor) and not isinstance(t, DTensor):
-                self.add(t, category)
-        if "split_with_sizes_copy" in name:
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
+        category = TEMP if kind == "gather_in" else None
+        if isinstance(out, Tensor):  # most ops: one tensor out
+            if not isinstance(out, DTensor):
+                self.add(out, category)
+        else:
+            for t in tree_leaves(out):
+                if isinstance(t, Tensor) and not isinstance(t, DTensor):
+                    self.add(t, category)
+        if kind == "split_copy":
             # FSDP2 copies a unit's gathered parameters out of the all-gather buffer into
             # their own storages (allocated here the first time, by resize_ after that).
             for t in tree_leaves(kwargs.get("out", ())):
                 if isinstance(t, Tensor):
                     self.retag(t, GATHERED)
-        if isinstance(func, torch._ops.OpOverload):
+        elif kind == "custom":
             # A custom op's outputs exist (it allocates them first) while what it holds inside
             # itself comes and goes: each op declares that (ops/op_memory.py).
             self.transient(op_memory.internal_bytes(func, args, kwargs))
@@ -279,3 +376,45 @@ class Tracker(mi.TorchDispatchMode):
         if phase == "forward":
             self.micro += 1
         self._enter((phase, self.micro, "start", -1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Replays (`Tracker.replay`).
+
+_REPLAY_TRIES = 2  # calls of a key that could not be replayed before it always runs
+
+
+@dataclass
+class _Replay:
+    """What a replayable call did to the memory: its highest device and host points over its
+    start, each with the change of the totals there (None: nothing counted), and the layout of
+    the new tensor it returned (shape, strides, dtype, device), or None."""
+
+    device: tuple[int, dict[str, int]] | None
+    host: tuple[int, dict[str, int]] | None
+    out: tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device] | None
+
+
+def _made(out: Any) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device] | None:
+    """The layout of `out` when it is a plain tensor that an empty one of the same shape and
+    strides stands for (its own whole storage, no autograd history); else None."""
+    if not isinstance(out, Tensor) or isinstance(out, DTensor) or out.requires_grad:
+        return None
+    if out.storage_offset() != 0 or any(n == 0 for n in out.shape):
+        return None
+    span = 1 + sum((n - 1) * st for n, st in zip(out.shape, out.stride(), strict=True))
+    if span * out.element_size() != out.untyped_storage().nbytes():
+        return None
+    return tuple(out.shape), out.stride(), out.dtype, out.device
+
+
+def _merge(seg: Segment, probe: Segment) -> None:
+    """Fold the peaks a call reached (`probe`) into the segment it ran in."""
+    if probe.peak > seg.peak:
+        seg.peak, seg.totals = probe.peak, probe.totals
+    if probe.host_peak > seg.host_peak:
+        seg.host_peak, seg.host_totals = probe.host_peak, probe.host_totals
+
+
+def _diff(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) - b.get(k, 0) for k in b}

@@ -12,12 +12,24 @@ The estimator calls `internal_bytes(op, args, kwargs)` for every op of the `comp
 namespace it meets; the arguments are bound to their schema names here, so a declaration never
 reads an argument by position and a new parameter of an op cannot shift what it reads. An op
 without a declaration is an error there, and `tests/unit/ops/test_op_memory.py` fails for it.
+
+Replayable functions. Each op of the estimate's fake step costs ~150 us of Python on a small
+CPU, and a few plain functions run hundreds of times a step with the same shapes (a NF4 weight
+rebuilt in every forward and backward, the optimizer's update of each parameter). A function
+whose memory (what it allocates and frees while it runs, and the one new tensor it may return)
+follows from its arguments' shapes alone, and whose other effects the step never reads, is
+marked `@replayable(key)`, `key(*args) -> hashable` naming what decides its memory. Outside the
+estimate the mark costs one global read. Inside, `replaying(replayer)` hands each call to the
+estimator's tracker (estimate/tracker.py `Tracker.replay`), which runs the first call of each key
+and replays its bytes for the next ones, checking that it may (nothing kept but the result).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+import functools
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -75,3 +87,52 @@ def internal_bytes(op: torch._ops.OpOverload, args: tuple, kwargs: dict[str, Any
             "definition (compiletune/ops/op_memory.py)"
         )
     return int(_DECLARED[name](bind(op, args, kwargs)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Replayable functions (see the module's docstring).
+
+Replayer = Callable[[Callable[..., Any], Hashable, tuple, dict[str, Any]], Any]
+_REPLAYER: list[Replayer | None] = [None]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def replayable(key: Callable[..., Hashable]) -> Callable[[F], F]:
+    """Mark a function whose memory follows from `key(*args, **kwargs)` (see above)."""
+
+    def mark(fn: F) -> F:
+        name = f"{fn.__module__}.{fn.__qualname__}"
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            replayer = _REPLAYER[0]
+            if replayer is None:
+                return fn(*args, **kwargs)
+            return replayer(fn, (name, key(*args, **kwargs)), args, kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return mark
+
+
+@contextlib.contextmanager
+def replaying(replayer: Replayer) -> Iterator[None]:
+    """Hand every call of a replayable function to `replayer(fn, key, args, kwargs)` while
+    inside (the memory estimate's tracker)."""
+    before = _REPLAYER[0]
+    _REPLAYER[0] = replayer
+    try:
+        yield
+    finally:
+        _REPLAYER[0] = before
+
+
+def shape_key(*tensors: Any) -> tuple:
+    """What decides a function's memory among its tensor arguments: each one's type, shape,
+    strides, dtype, device and, for a DTensor, placements (None stays None)."""
+    return tuple(
+        None
+        if t is None
+        else (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, getattr(t, "placements", 0))
+        for t in tensors
+    )

@@ -415,6 +415,38 @@ def test_depth_shortcut_gives_the_whole_models_bytes(
     assert short == whole
 
 
+@pytest.mark.parametrize(
+    "flags, gpus",
+    [
+        # NF4 weights rebuilt in every forward, recomputation and backward; the optimizer's
+        # own step per parameter (bf16 with stochastic rounding)
+        ({"lora_rank": 8, "quantize_base": "nf4", "ac": "full", "dtype": "bf16"}, 1),
+        ({"optimizer": "adamw8bit", "optimizer_in_backward": True, "grad_accum": 1}, 1),
+        ({"lora_rank": 8, "quantize_base": "nf4", "optimizer": "adamw8bit"}, 2),  # DTensors
+        ({"cpu_offload": True, "optimizer": "adamw8bit"}, 4),  # steps on the host
+    ],
+    ids=["qlora-bf16", "8bit-in-backward", "qlora-fsdp", "cpu-offload"],
+)
+def test_replayed_calls_give_the_bytes_of_running_every_call(
+    flags: dict, gpus: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The estimate replays the bytes of the functions marked replayable (ops/op_memory.py)
+    after their first call of each shape: every number equals running every call."""
+    cfg = resolve({}, {**SMALL, "n_layers": 4, **flags, **({"fsdp": True} if gpus > 1 else {})})
+    replays = []
+    original = tracker.Tracker._replay
+    monkeypatch.setattr(
+        tracker.Tracker, "_replay", lambda self, memo: replays.append(1) or original(self, memo)
+    )
+    replayed = estimate.estimate_memory(cfg, gpus).to_dict()
+    assert len(replays) > 10
+    monkeypatch.setattr(tracker.Tracker, "replay", lambda self, fn, key, a, kw: fn(*a, **kw))
+    ran = estimate.estimate_memory(cfg, gpus).to_dict()
+    for d in (replayed, ran):
+        d.pop("seconds")
+    assert replayed == ran
+
+
 def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
     """Two short runs that do not follow one step per block (a middle block off by a byte, a
     stretch missing) give no extension; MoE layers mixed with dense ones have no period, unless

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -46,3 +48,54 @@ def test_an_op_without_a_declaration_is_an_error(monkeypatch):
     assert op_memory.internal_bytes(torch.ops.aten.mm.default, (), {}) == 0  # not ours
     with pytest.raises(ValueError, match="declared twice"):
         op_memory.declare_memory("compiletune::attention")(op_memory.holds_nothing)
+
+
+def _segments(replay: bool, calls: list[str]) -> list[tuple]:
+    """A tracked fake step of replayable calls: one that frees its temporaries and returns a
+    new tensor, one that keeps what it makes, one that returns a view of its input."""
+    from compiletune.estimate import memory_internals as mi
+    from compiletune.estimate.tracker import Tracker
+
+    kept = []
+
+    @op_memory.replayable(lambda x: op_memory.shape_key(x))
+    def scratch(x: torch.Tensor) -> torch.Tensor:
+        calls.append("scratch")
+        return ((x * 2).exp() + 1).sum(-1)
+
+    @op_memory.replayable(lambda x: op_memory.shape_key(x))
+    def keeps(x: torch.Tensor) -> None:
+        calls.append("keeps")
+        kept.append(x * 3)
+
+    @op_memory.replayable(lambda x: op_memory.shape_key(x))
+    def view(x: torch.Tensor) -> torch.Tensor:
+        calls.append("view")
+        return (x + 1)[1:]
+
+    tracker = Tracker(set(), 512)
+    outs = []
+    with mi.fake_mode():
+        x = torch.empty(64, 96)
+        replaying = op_memory.replaying(tracker.replay) if replay else contextlib.nullcontext()
+        with replaying, tracker:
+            for i in range(4):
+                tracker.mark("block", i)  # (each segment's peak is the call's own)
+                outs.append(view(x))
+                keeps(x)
+                tracker.mark("after", i)
+                outs.append(scratch(x))
+                if i == 1:
+                    del outs[0]  # a result freed again
+    assert [tuple(o.shape) for o in outs[-2:]] == [(63, 96), (64,)]
+    return [(k, s.vector()) for k, s in tracker.segments.items()]
+
+
+def test_replayed_calls_count_the_bytes_running_them_counts():
+    """The estimate runs a replayable function once per shape and replays its bytes after: the
+    segments' peaks and totals equal running every call; a call that keeps memory or returns a
+    view of its input runs every time."""
+    ran, replayed = [], []
+    assert _segments(True, replayed) == _segments(False, ran)
+    assert ran.count("scratch") == 4 and replayed.count("scratch") == 1
+    assert replayed.count("keeps") == replayed.count("view") == 4
