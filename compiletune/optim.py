@@ -564,7 +564,7 @@ class Optimizer:
         st = self._state[i]
         state = tuple((k, *op_memory.shape_key(t)) for k, t in sorted(st.items()))
         settings = (self.kind, self.bf16_compensation, self._cpu_kernel)
-        return (*op_memory.shape_key(p, p.grad), state, settings, p.dtype)
+        return (*op_memory.shape_key(p, p.grad), state, settings)
 
     @op_memory.replayable(lambda self, i: self._memory_key(i))
     def _update_param(self, i: int) -> None:

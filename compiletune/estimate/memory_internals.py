@@ -13,6 +13,10 @@ one of them touches this file only, and a missing one is reported as a `UserErro
                             never holds, so the estimator pauses counting around it
     UntypedStorage.resize_  FSDP2 frees and re-allocates gathered parameters by resizing their
                             storage, which no dispatch mode sees; the estimator wraps it
+    _get_current_dispatch_mode  the innermost dispatch mode: the tracker replays a call only
+                            when it is that mode (selective checkpointing puts its own above)
+    is_traceable_wrapper_subclass  a tensor subclass that wraps others (float8) and has no
+                            storage of its own
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ from compiletune.errors import UserError
 
 try:
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import (
+        TorchDispatchMode,
+        _get_current_dispatch_mode,
+        is_traceable_wrapper_subclass,
+    )
 except ImportError as e:  # pragma: no cover - depends on the torch build
     raise ImportError(
         f"compiletune estimate-memory needs torch's FakeTensorMode and TorchDispatchMode ({e}); "
@@ -40,6 +48,8 @@ __all__ = [
     "dtensor_shape_propagation",
     "fake_mode",
     "fake_process_group",
+    "innermost_dispatch_mode",
+    "is_traceable_wrapper_subclass",
     "watch_storage_resize",
 ]
 
@@ -48,6 +58,11 @@ def fake_mode() -> FakeTensorMode:
     """A fake tensor mode that also accepts meta tensors (the model is built on meta and
     materialised inside the mode; the meta tensors become fake ones)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def innermost_dispatch_mode() -> TorchDispatchMode | None:
+    """The dispatch mode that sees an op first (the last one entered), or None."""
+    return _get_current_dispatch_mode()
 
 
 @contextlib.contextmanager

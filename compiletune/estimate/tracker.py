@@ -274,13 +274,18 @@ class Tracker(mi.TorchDispatchMode):
         """Run `fn(*args, **kwargs)`, a replayable function (ops/op_memory.py), or replay what
         an earlier call of the same key did to the memory: its highest point over the call's
         start (device and host, with the totals' change there) and the one new tensor it
-        returned (an empty one of the same layout, counted like any op's output). A key whose
-        calls keep or free anything else, or return something else, runs every time."""
+        returned (an empty one of the same layout, counted like any op's output). A call
+        runs as it is when the tracker is paused or another dispatch mode sees ops first
+        (selective checkpointing's, which caches every op of the forward for its recompute),
+        and a key always runs after `_REPLAY_TRIES` calls that kept or freed anything else,
+        returned something else, or held a block mark."""
+        if self.paused or mi.innermost_dispatch_mode() is not self:
+            return fn(*args, **kwargs)
         key = (key, self.phase, self.category)
         memo = self.replays.get(key, 0)
         if isinstance(memo, _Replay):
             return self._replay(memo)
-        if self.paused or memo >= _REPLAY_TRIES:
+        if memo >= _REPLAY_TRIES:
             return fn(*args, **kwargs)
         seg, probe = self.segment, Segment()
         self.segment = probe
@@ -293,17 +298,21 @@ class Tracker(mi.TorchDispatchMode):
             if not moved:
                 self.segment = seg
         made = _made(out)
-        kept = [e for e in self.entries.values() if e[2] > seq]
+        kept = []  # entries made by the call and still alive (entries are in `seq` order)
+        for e in reversed(self.entries.values()):
+            if e[2] <= seq:
+                break
+            kept.append(e)
         change = {k: v - totals[k] for k, v in self.totals.items()}
-        ok = False
         if moved:
-            pass
+            ok = False
         elif out is None:
             ok = not kept and not any(change.values())
-        elif made is not None and len(kept) == 1:
-            entry = self.entries.get(out.untyped_storage()._cdata)
+        else:
+            entry = self.entries.get(out.untyped_storage()._cdata) if made else None
             ok = (
-                entry is kept[0]
+                len(kept) == 1
+                and entry is kept[0]
                 and entry[1] == self.category
                 and change == {k: entry[0] if k == entry[1] else 0 for k in change}
             )
@@ -340,7 +349,9 @@ class Tracker(mi.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if func is _DEVICE:  # `tensor.device`: half the calls of a step, no memory
-            device = getattr(args[0], "fake_device", None)  # a fake tensor's, without a dispatch
+            # A fake tensor's, without a dispatch. (FakeTensorMode answers "meta" inside its
+            # kernels, which run with Python dispatch off: never here.)
+            device = getattr(args[0], "fake_device", None)
             return device if device is not None else func(*args, **(kwargs or {}))
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops, which come back here
@@ -382,6 +393,7 @@ class Tracker(mi.TorchDispatchMode):
 # Replays (`Tracker.replay`).
 
 _REPLAY_TRIES = 2  # calls of a key that could not be replayed before it always runs
+Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]  # shape, strides, ..
 
 
 @dataclass
@@ -392,13 +404,15 @@ class _Replay:
 
     device: tuple[int, dict[str, int]] | None
     host: tuple[int, dict[str, int]] | None
-    out: tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device] | None
+    out: Layout | None
 
 
-def _made(out: Any) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device] | None:
+def _made(out: Any) -> Layout | None:
     """The layout of `out` when it is a plain tensor that an empty one of the same shape and
     strides stands for (its own whole storage, no autograd history); else None."""
     if not isinstance(out, Tensor) or isinstance(out, DTensor) or out.requires_grad:
+        return None
+    if mi.is_traceable_wrapper_subclass(out):  # no storage of its own (float8)
         return None
     if out.storage_offset() != 0 or any(n == 0 for n in out.shape):
         return None

@@ -98,7 +98,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def replayable(key: Callable[..., Hashable]) -> Callable[[F], F]:
-    """Mark a function whose memory follows from `key(*args, **kwargs)` (see above)."""
+    """Mark a function whose memory follows from `key(*args, **kwargs)` (see above).
+
+    The function must not keep a reference to its result or to anything it makes (a cache, a
+    list, an attribute), must not change state the step reads later (its in-place writes to
+    fake tensors change nothing), and must not run block hooks: the tracker detects new
+    tensors that stay alive, not other references, so a replay would then count wrong."""
 
     def mark(fn: F) -> F:
         name = f"{fn.__module__}.{fn.__qualname__}"
@@ -129,10 +134,19 @@ def replaying(replayer: Replayer) -> Iterator[None]:
 
 def shape_key(*tensors: Any) -> tuple:
     """What decides a function's memory among its tensor arguments: each one's type, shape,
-    strides, dtype, device and, for a DTensor, placements (None stays None)."""
+    strides, dtype, device and, for a DTensor, placements (None stays None). A DTensor's
+    global layout and placements fix its local shard's: the estimate runs as rank 0 of one
+    mesh."""
     return tuple(
         None
         if t is None
-        else (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, getattr(t, "placements", 0))
+        else (
+            type(t),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+            t.device,
+            getattr(t, "placements", None),
+        )
         for t in tensors
     )

@@ -421,11 +421,14 @@ def test_depth_shortcut_gives_the_whole_models_bytes(
         # NF4 weights rebuilt in every forward, recomputation and backward; the optimizer's
         # own step per parameter (bf16 with stochastic rounding)
         ({"lora_rank": 8, "quantize_base": "nf4", "ac": "full", "dtype": "bf16"}, 1),
+        # selective checkpointing's mode caches the forward's ops for its recompute: no
+        # replays under it (the rest of the step still replays)
+        ({"lora_rank": 8, "quantize_base": "nf4", "ac": "selective"}, 1),
         ({"optimizer": "adamw8bit", "optimizer_in_backward": True, "grad_accum": 1}, 1),
         ({"lora_rank": 8, "quantize_base": "nf4", "optimizer": "adamw8bit"}, 2),  # DTensors
         ({"cpu_offload": True, "optimizer": "adamw8bit"}, 4),  # steps on the host
     ],
-    ids=["qlora-bf16", "8bit-in-backward", "qlora-fsdp", "cpu-offload"],
+    ids=["qlora-bf16", "qlora-selective", "8bit-in-backward", "qlora-fsdp", "cpu-offload"],
 )
 def test_replayed_calls_give_the_bytes_of_running_every_call(
     flags: dict, gpus: int, monkeypatch: pytest.MonkeyPatch
