@@ -393,7 +393,8 @@ class Tracker(mi.TorchDispatchMode):
 # Replays (`Tracker.replay`).
 
 _REPLAY_TRIES = 2  # calls of a key that could not be replayed before it always runs
-Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]  # shape, strides, ..
+# a tensor's shape, strides, dtype and device
+Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
 
 @dataclass
