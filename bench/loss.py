@@ -47,8 +47,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_name, result_header, run_train, work_dir, write_result  # noqa: E402
 
+from compiletune.ops.ce_chunks import chunk_tokens  # noqa: E402
 from compiletune.ops.fused_loss import (  # noqa: E402
-    chunk_tokens,
     chunked_cross_entropy,
     linear_cross_entropy,
     plain_cross_entropy,

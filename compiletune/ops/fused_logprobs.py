@@ -16,7 +16,7 @@ Both are custom ops with their own backward: forward keeps only fp32 per-token s
 (the log-sum-exp), backward recomputes each chunk's logits (and, for the divergence, the
 teacher's) and turns them into the gradients of h and weight at once. Logits are computed in
 the input dtype and reduced in fp32, as the fused cross-entropy head does; Gemma 2's final
-soft-cap applies to both. The teacher gets no gradient. Chunks follow `fused_loss.chunk_tokens`
+soft-cap applies to both. The teacher gets no gradient. Chunks follow `ce_chunks.chunk_tokens`
 (the same `COMPILETUNE_LCE_CHUNK_TOKENS` override).
 """
 
@@ -27,7 +27,7 @@ import functools
 import torch
 from torch import Tensor
 
-from compiletune.ops.fused_loss import chunk_tokens
+from compiletune.ops.ce_chunks import chunk_tokens
 from compiletune.ops.op_memory import Args, declare_memory
 
 KINDS = ("forward_kl", "jsd")

@@ -13,7 +13,8 @@ forward and one in the backward, which is what the `fuse_linear_cross_entropy` p
 
 Inside the op each chunk is a matmul (cuBLAS / CPU BLAS, fp32 accumulation) followed by row-wise
 work (log-sum-exp, target logit, loss; or softmax - onehot): Triton kernels on CUDA
-(`compiletune.ops.triton_ce`), a `torch.compile`d torch function elsewhere.
+(`compiletune.ops.triton_ce`), a `torch.compile`d torch function elsewhere. The chunk sizes,
+the rows a head computes and the row-wise functions live in `compiletune.ops.ce_chunks`.
 
 When autograd will need the gradients and the sizes fit (`grads_in_forward`), the head is instead
 the one-pass op `compiletune::linear_cross_entropy_with_grads`: each chunk's logits become
@@ -32,9 +33,6 @@ Environment:
 """
 
 import os
-import warnings
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,238 +40,26 @@ from torch import Tensor
 
 from compiletune import torch_internals
 from compiletune.errors import UserError
-from compiletune.hardware import host_reads_free
+from compiletune.ops.ce_chunks import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_TOKENS,
+    MIN_CHUNK_TOKENS,
+    accumulate_mm,
+    check_inputs,
+    checked_targets,
+    chunk_tokens,
+    maybe_compiled,
+    row_ops,
+    select_rows,
+    vocab_chunk_cols,
+)
 from compiletune.ops.op_memory import Args, declare_memory
 
-DEFAULT_CHUNK_BYTES = 256 * 2**20  # one chunk of fp32 logits
 SCALE_BLOCK_BYTES = 64 * 2**20  # fp32 scratch when the one-pass head scales its gradients
-MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 128, 65536
-
-# Tests set this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
-_FORCE_TRITON = False
-
-
-def chunk_tokens(vocab: int, chunk_size: int = 0, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Tokens per chunk: chunk_size if > 0, else $COMPILETUNE_LCE_CHUNK_TOKENS, else as many
-    tokens as keep one chunk's fp32 logits [tokens, vocab] under budget_bytes, clamped to
-    [MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS] (a huge vocabulary still gets matmuls worth running)."""
-    if chunk_size > 0:
-        return chunk_size
-    env = os.environ.get("COMPILETUNE_LCE_CHUNK_TOKENS", "").strip()
-    if env:
-        if not env.isdigit() or int(env) <= 0:
-            raise UserError(
-                f"COMPILETUNE_LCE_CHUNK_TOKENS={env!r} is not a positive integer; "
-                "set it to a token count such as 4096, or unset it for the automatic size"
-            )
-        return int(env)
-    return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, budget_bytes // (4 * vocab)))
-
 
 # ---------------------------------------------------------------------------------------------
-# Row-wise work on one chunk of logits: torch versions (compiled on first use) and Triton ones.
-
-
-def _rows_forward(
-    logits: Tensor, targets: Tensor, z_loss: float, softcap: float
-) -> tuple[Tensor, Tensor]:
-    """logits [c, V] (any float dtype), targets [c] in [0, V) -> (lse [c], loss [c]) fp32."""
-    x = logits.float()
-    if softcap > 0:
-        x = softcap * torch.tanh(x / softcap)
-    lse = torch.logsumexp(x, dim=-1)
-    loss = lse - x.gather(1, targets[:, None]).squeeze(1)
-    if z_loss != 0:
-        loss = loss + z_loss * lse * lse
-    return lse, loss
-
-
-def _rows_backward_(
-    logits: Tensor,
-    lse: Tensor,
-    targets: Tensor,
-    coef_p: Tensor,
-    coef_t: Tensor,
-    col_offset: int,
-    softcap: float,
-) -> Tensor:
-    """Overwrite logits [c, v] (columns col_offset.. of the vocabulary) with d loss / d logits:
-    coef_p[i] * softmax[i, j] - coef_t[i] * (j + col_offset == targets[i]), through the softcap.
-    lse, coef_p, coef_t: fp32 [c]. Returns logits. In place so that, compiled, a chunk needs one
-    [c, v] buffer, not two."""
-    x = logits.float()
-    if softcap > 0:
-        t = torch.tanh(x / softcap)
-        x = softcap * t
-    p = torch.exp(x - lse[:, None])
-    cols = torch.arange(x.shape[1], device=x.device) + col_offset
-    d = coef_p[:, None] * p - torch.where(cols == targets[:, None], coef_t[:, None], 0.0)
-    if softcap > 0:
-        d = d * (1 - t * t)
-    return logits.copy_(d)
-
-
-_compiled: dict[Callable, Callable] = {}
-_compile_failed = False
-
-
-def _compiling_allowed() -> bool:
-    """False when COMPILETUNE_LCE_EAGER=1 or compiling failed once (no C++ compiler, say)."""
-    return not _compile_failed and os.environ.get("COMPILETUNE_LCE_EAGER") != "1"
-
-
-def _maybe_compiled(fn: Callable, eager: Callable | None = None) -> Callable:
-    """fn compiled with Inductor (dynamic shapes: the short last chunk must not recompile), or
-    `eager` (default fn itself: the same numbers) when COMPILETUNE_LCE_EAGER=1 or compiling
-    failed once (no C++ compiler, say)."""
-    eager = eager or fn
-    if not _compiling_allowed():
-        return eager
-    if fn not in _compiled:
-        # Chunks vary in size (the last is short): the CPU kernels thread by the size they get.
-        options = torch_internals.dynamic_cpu_kernel_options() or None
-        _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
-    compiled = _compiled[fn]
-
-    def run(*args):
-        global _compile_failed
-        try:
-            # Every call in one dispatch state, so the first training step (which AOTAutograd
-            # runs under a checking mode) and the later ones share one compiled function.
-            with torch_internals.below_inplace_or_view():
-                return compiled(*args)
-        except Exception as e:  # eager gives the same numbers; a genuine error re-raises there
-            _compile_failed = True
-            warnings.warn(
-                f"compiletune: compiling the fused cross-entropy chunks failed ({e!r:.200}); "
-                "running them eagerly",
-                stacklevel=2,
-            )
-            return eager(*args)
-
-    return run
-
-
-def _row_ops(device: torch.device) -> tuple[Callable, Callable]:
-    """(forward, backward) row-wise functions for tensors on `device`."""
-    if device.type == "cuda" or _FORCE_TRITON:
-        try:
-            from compiletune.ops import triton_ce  # needs triton, an optional dependency on CPU
-        except ImportError:
-            pass
-        else:
-            return triton_ce.lse_and_loss, triton_ce.dlogits_
-    return _maybe_compiled(_rows_forward), _maybe_compiled(_rows_backward_)
-
-
-# ---------------------------------------------------------------------------------------------
-# The op.
-
-
-def _check(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, reduction: str):
-    """Shape/dtype checks shared by the real and the fake implementation (no data is read)."""
-    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"linear_cross_entropy: h must be [N, d] and weight [V, d], got h {tuple(h.shape)} "
-            f"and weight {tuple(weight.shape)}"
-        )
-    if not h.is_floating_point() or weight.dtype != h.dtype:
-        raise ValueError(
-            f"linear_cross_entropy: h and weight must share one float dtype, got {h.dtype} and "
-            f"{weight.dtype}"
-        )
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != h.dtype):
-        raise ValueError(
-            f"linear_cross_entropy: bias must be [V] = [{weight.shape[0]}] of {h.dtype}, "
-            f"got {tuple(bias.shape)} of {bias.dtype}"
-        )
-    if targets.shape != (h.shape[0],) or targets.dtype != torch.int64:
-        raise ValueError(
-            f"linear_cross_entropy: targets must be int64 [N] = [{h.shape[0]}], "
-            f"got {targets.dtype} {tuple(targets.shape)}"
-        )
-    if reduction not in ("mean", "sum"):
-        raise ValueError(
-            f"linear_cross_entropy: reduction must be 'mean' or 'sum', not {reduction!r}"
-        )
-
-
-# The head computes the counted tokens' rows, padded with ignored ones to a multiple of
-# ROW_ALIGN (or to all tokens): with 1023 of 1024 tokens counted (a packed row with one
-# document boundary), oneDNN's AMX matmuls over 1023 rows ran 5-35% slower than over 1024.
-ROW_ALIGN = 64
-
-
-class _Rows(NamedTuple):
-    """The rows the head computes, from `_select_rows`."""
-
-    index: Tensor | None  # [m] indices into the N tokens; None: all N, in order (no copy)
-    live: Tensor | None  # bool [m]: which of them count; None: all of them
-    n: int | Tensor  # how many count (the mean's divisor): a host int, or fp32 [] on the device
-
-    def take(self, t: Tensor) -> Tensor:
-        """t's entries (along dim 0) for the computed rows."""
-        return t if self.index is None else t.index_select(0, self.index)
-
-    def inputs(self, h: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """h [m, d] and targets [m] of the computed rows, padding rows zeroed / target 0."""
-        return self.dead(self.take(h), 0.0), self.dead(self.take(targets), 0)
-
-    def dead(self, t: Tensor, fill: float) -> Tensor:
-        """t [m, ...] with the padding rows set to `fill` (a copy; t itself when none)."""
-        if self.live is None:
-            return t
-        live = self.live.view(-1, *(1,) * (t.dim() - 1))
-        return torch.where(live, t, fill)
-
-    @property
-    def empty(self) -> bool:
-        """Known on the host that no token counts (never known without a host read)."""
-        return isinstance(self.n, int) and self.n == 0
-
-    def mean(self, total: Tensor) -> Tensor:
-        """total / the count (0 when nothing counts)."""
-        return total / (self.n if isinstance(self.n, int) else self.n.clamp(min=1))
-
-
-def _select_rows(targets: Tensor, ignore_index: int) -> _Rows:
-    """Which of the N tokens the head computes.
-
-    Where host reads are free (a CPU): those that count, padded with ignored tokens to a
-    multiple of ROW_ALIGN (all N when that reaches N); ignored tokens beyond the padding never
-    reach the projection. Padding rows are computed on zeroed hidden states with target 0 and
-    enter nothing: their loss is dropped and their gradient coefficients are 0.
-
-    On an accelerator: all N rows, the ignored ones as padding rows. Selecting would need the
-    count on the host (a sync per call, forward and backward); the count stays on the device.
-    """
-    valid = targets != ignore_index
-    n_tokens = targets.numel()
-    if not host_reads_free(targets.device):
-        return _Rows(None, valid, valid.sum(dtype=torch.float32))
-    n = int(valid.sum())
-    m = min(n_tokens, -(-n // ROW_ALIGN) * ROW_ALIGN)
-    if m == n_tokens:
-        return _Rows(None, None if n == n_tokens else valid, n)
-    # The counted tokens first, then ignored ones, each in their order.
-    index = torch.argsort((~valid).to(torch.uint8), stable=True)[:m]
-    live = None if m == n else torch.arange(m, device=targets.device) < n
-    return _Rows(index, live, n)
-
-
-def _checked_targets(tv: Tensor, vocab: int, ignore_index: int) -> Tensor:
-    """The targets of the counted tokens, contiguous; a clear error for one outside [0, V)
-    where host reads are free (on an accelerator the trainer checks each batch on the host
-    before copying it: `compiletune.data.rows.check_targets`)."""
-    if host_reads_free(tv.device):
-        bad = (tv < 0) | (tv >= vocab)
-        if bad.any():
-            raise UserError(
-                f"cross-entropy targets must lie in [0, {vocab}) or equal "
-                f"ignore_index={ignore_index}; found {tv[bad][0].item()}. Check that the "
-                "tokenizer matches the model's vocabulary"
-            )
-    return tv.contiguous()
+# The two-op head: loss and lse in the forward, the gradients recomputed chunk by chunk in the
+# backward.
 
 
 @torch.library.custom_op("compiletune::linear_cross_entropy", mutates_args=())
@@ -296,17 +82,17 @@ def linear_cross_entropy_op(
     z_loss: coefficient of z_loss * lse**2 added per token (0 = off).
     softcap: logits = softcap * tanh(logits / softcap) before the softmax (0 = off).
     """
-    _check(h, weight, bias, targets, reduction)
+    check_inputs(h, weight, bias, targets, reduction)
     n_tokens, vocab = h.shape[0], weight.shape[0]
-    sel = _select_rows(targets, ignore_index)
+    sel = select_rows(targets, ignore_index)
     if sel.empty:
         zero = torch.zeros((), dtype=torch.float32, device=h.device)
         return zero, torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
     hv, tv = sel.inputs(h, targets)  # [m, d], [m]
-    tv = _checked_targets(tv, vocab, ignore_index)
+    tv = checked_targets(tv, vocab, ignore_index)
     m = hv.shape[0]
 
-    rows_forward, _ = _row_ops(h.device)
+    rows_forward, _ = row_ops(h.device)
     chunk = chunk_tokens(vocab, chunk_size)
     lse_v = torch.empty(m, dtype=torch.float32, device=h.device)
     loss_v = torch.empty(m, dtype=torch.float32, device=h.device)
@@ -328,7 +114,7 @@ def linear_cross_entropy_op(
 
 @linear_cross_entropy_op.register_fake
 def _(h, weight, bias, targets, ignore_index, reduction, chunk_size, z_loss, softcap):
-    _check(h, weight, bias, targets, reduction)
+    check_inputs(h, weight, bias, targets, reduction)
     return h.new_empty((), dtype=torch.float32), h.new_empty(h.shape[0], dtype=torch.float32)
 
 
@@ -348,41 +134,9 @@ def _chunk_vocab(
     return vocab_acc < token_acc
 
 
-_ADDMM_OUT_DTYPE: bool | None = None  # addmm(..., out_dtype=) works here: unknown until tried
-
-
-def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b, where acc may be fp32 and a, b narrower (bf16): on CUDA one cuBLAS call that
-    accumulates into acc (`addmm` with `out_dtype`, torch >= 2.9), no [m, n] temporary;
-    elsewhere (and where that overload is missing) through the product in a's dtype."""
-    global _ADDMM_OUT_DTYPE
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-        return
-    if acc.is_cuda and _ADDMM_OUT_DTYPE is not False:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            _ADDMM_OUT_DTYPE = True
-            return
-        except (RuntimeError, TypeError, NotImplementedError):
-            _ADDMM_OUT_DTYPE = False
-    acc.add_(a @ b)
-
-
-COL_ALIGN = 128  # vocabulary columns per backward chunk come in multiples of this
-
-
-def vocab_chunk_cols(chunk: int, vocab: int, m: int) -> int:
-    """Vocabulary columns per chunk of the backward over columns: as many logits as a chunk of
-    `chunk` tokens holds, in multiples of COL_ALIGN. A chunk's logits [m, cols] are the leading
-    operand of two matmuls: with a row of e.g. 4094 bf16 values (not 16-byte aligned) cuBLAS
-    falls back to slow kernels (seen on an H200: the head's backward took 4.6x plain's)."""
-    return max(COL_ALIGN, chunk * vocab // m // COL_ALIGN * COL_ALIGN)
-
-
 # Over 100 lines, on purpose: the chunk loop (recompute a chunk's logits, its gradient, the two
 # matmuls into dh and dweight) is the memory pattern ops/op_memory.py declares for this op, and
-# reads best as one loop; its helpers are the row-wise functions above.
+# reads best as one loop; its helpers are the row-wise functions in ce_chunks.
 @torch.library.custom_op("compiletune::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward_op(
     grad_loss: Tensor | None,
@@ -423,7 +177,7 @@ def linear_cross_entropy_backward_op(
         else h.new_empty(0)
     )
     db = torch.zeros(vocab, dtype=h.dtype, device=dev) if need_dbias else h.new_empty(0)
-    sel = _select_rows(targets, ignore_index)
+    sel = select_rows(targets, ignore_index)
     if sel.empty or not (need_dh or need_dweight):
         return dh, dw.zero_(), db
     hv, tv = sel.inputs(h, targets)  # [m, d], [m]
@@ -442,7 +196,7 @@ def linear_cross_entropy_backward_op(
     coef_p = sel.dead(coef_p, 0.0).contiguous()
     coef_t = sel.dead(g.expand(m), 0.0).contiguous()
 
-    _, rows_backward = _row_ops(dev)
+    _, rows_backward = row_ops(dev)
     chunk = chunk_tokens(vocab, chunk_size)
     wide = weight.dtype == f32
     dh_v = dh if sel.index is None or not need_dh else h.new_empty(m, d_model)  # computed rows
@@ -463,7 +217,7 @@ def linear_cross_entropy_backward_op(
             if need_dh:
                 torch.mm(dl, weight, out=dh_v[s:e])
             if need_dweight:
-                _accumulate_mm(dw_acc, dl.t(), h_c)
+                accumulate_mm(dw_acc, dl.t(), h_c)
             if need_dbias:
                 db_acc.add_(dl.sum(0, dtype=f32))
             del dl
@@ -484,7 +238,7 @@ def linear_cross_entropy_backward_op(
             dl = rows_backward(logits, lse_v, tv, coef_p, coef_t, v0, softcap)
             del logits
             if need_dh:
-                _accumulate_mm(dh_acc, dl, w_c)
+                accumulate_mm(dh_acc, dl, w_c)
             if need_dweight:
                 torch.mm(dl.t(), hv, out=dw[v0:v1])
             if need_dbias:
@@ -671,7 +425,7 @@ def linear_cross_entropy_with_grads_op(
     input dtypes; [0] where not needed (dbias comes with dweight when there is a bias).
     chunk_size: tokens per chunk; 0 = `one_pass_chunk_tokens`.
     """
-    _check(h, weight, bias, targets, reduction)
+    check_inputs(h, weight, bias, targets, reduction)
     d_model = h.shape[1]
     vocab = weight.shape[0]
     dev, f32 = h.device, torch.float32
@@ -680,15 +434,15 @@ def linear_cross_entropy_with_grads_op(
     # Not zeroed here: one chunk writes all of it; the paths that accumulate zero it first.
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_dweight else None
     db = torch.zeros(vocab, dtype=h.dtype, device=dev) if need_dbias else h.new_empty(0)
-    sel = _select_rows(targets, ignore_index)
+    sel = select_rows(targets, ignore_index)
     if sel.empty:
         zero = torch.zeros((), dtype=f32, device=dev)
         return zero, dh, h.new_empty(0) if dw is None else dw.zero_(), db
     hv, tv = sel.inputs(h, targets)  # [m, d], [m]
-    tv = _checked_targets(tv, vocab, ignore_index)
+    tv = checked_targets(tv, vocab, ignore_index)
     m = hv.shape[0]
 
-    rows_forward, rows_backward = _row_ops(dev)
+    rows_forward, rows_backward = row_ops(dev)
     chunk = one_pass_chunk_tokens(vocab, d_model, weight.dtype, chunk_size)
     # d loss / d (per-token loss) of each computed row: 0 on padding rows.
     ones = torch.ones((m,), dtype=f32, device=dev)
@@ -717,7 +471,7 @@ def linear_cross_entropy_with_grads_op(
             if one_chunk:
                 torch.mm(dl.t(), h_c, out=dw_acc)
             else:
-                _accumulate_mm(dw_acc, dl.t(), h_c)
+                accumulate_mm(dw_acc, dl.t(), h_c)
         if need_dbias:
             db_acc.add_(dl.sum(0, dtype=f32))
         del dl
@@ -750,7 +504,7 @@ def _(
     need_dh,
     need_dweight,
 ):
-    _check(h, weight, bias, targets, reduction)
+    check_inputs(h, weight, bias, targets, reduction)
     dh = h.new_empty(h.shape) if need_dh else h.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dweight else h.new_empty(0)
     db = h.new_empty(weight.shape[0]) if need_dweight and bias is not None else h.new_empty(0)
@@ -805,7 +559,7 @@ def _scale(t: Tensor, g: Tensor) -> Tensor:
         # trace back to its 2-D base, and the result is no view either.
         with torch_internals.below_inplace_or_view():
             flat = t.reshape(-1)
-        out = _maybe_compiled(_scaled, eager=_scaled_by_blocks)(flat, g)
+        out = maybe_compiled(_scaled, eager=_scaled_by_blocks)(flat, g)
         with torch_internals.below_inplace_or_view():
             return out.view(t.shape)
     return _scaled_by_blocks(t, g)

@@ -189,7 +189,7 @@ def test_fused_head_row_functions_compile_once(tmp_path, monkeypatch):
     """Under --compile the fused head's custom op runs inside the compiled head, and
     AOTAutograd runs its first call under a checking dispatch mode. The head's compiled row
     functions must not be compiled again for the later steps (they were: ~0.5 s once)."""
-    from compiletune.ops import fused_loss
+    from compiletune.ops import ce_chunks
     from compiletune.train import build, loop
 
     for module in (build, loop):  # a GPU would take the Triton path
@@ -209,12 +209,12 @@ def test_fused_head_row_functions_compile_once(tmp_path, monkeypatch):
         return real_compile(fn, backend=backend, **kwargs)
 
     monkeypatch.setattr(torch, "compile", counting_compile)
-    monkeypatch.setattr(fused_loss, "_compiled", {})
+    monkeypatch.setattr(ce_chunks, "_compiled", {})
     corpus = tmp_path / "c.txt"
     corpus.write_text("compiled training on a tiny corpus. " * 200)
     cfg = {"data": str(corpus), "seq_len": 32, "batch_size": 2, "max_steps": 3, "loss": "fused"}
     cfg |= {"output_dir": str(tmp_path / "c"), "compile": True, "compile_backend": "aot_eager"}
     summary = train(resolve({}, cfg))
     assert sorted(compiles) == ["_rows_backward_", "_rows_forward"]
-    assert summary["compile"]["recompiles"] == 0 and not fused_loss._compile_failed
+    assert summary["compile"]["recompiles"] == 0 and not ce_chunks._compile_failed
     assert summary["helper_graphs"] == 2  # the run summary counts them

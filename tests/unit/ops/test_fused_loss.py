@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from compiletune.errors import UserError
-from compiletune.ops import fused_loss
+from compiletune.ops import ce_chunks, fused_loss
+from compiletune.ops.ce_chunks import chunk_tokens
 from compiletune.ops.fused_loss import (
-    chunk_tokens,
     chunked_cross_entropy,
     linear_cross_entropy,
     plain_cross_entropy,
@@ -153,7 +153,7 @@ def test_padding_rows_enter_nothing(align, loop, monkeypatch):
     """Ignored tokens computed as padding rows change neither the loss nor a gradient, even with
     non-finite hidden states and a bias whose exp overflows fp32, and their dh is 0."""
     force_loop(monkeypatch, loop)
-    monkeypatch.setattr(fused_loss, "ROW_ALIGN", align)
+    monkeypatch.setattr(ce_chunks, "ROW_ALIGN", align)
     h, w, b, t = make_case(45, 16, 50, bias=True, ignored=0.3, seed=5)
     ignored = t == IGNORE
     assert (~ignored).sum() == 36
@@ -248,16 +248,16 @@ def test_one_pass_scaling_compiled_on_cpu_equals_the_block_loop(monkeypatch):
     g = torch.tensor(0.37 / 41)
     t = torch.randn(300, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     monkeypatch.setattr(fused_loss, "SCALE_BLOCK_BYTES", 4 * 333)  # blocks of 333 values
-    monkeypatch.setattr(fused_loss, "_compiled", {})
+    monkeypatch.setattr(ce_chunks, "_compiled", {})
     with torch.no_grad():  # as in a backward
         looped = fused_loss._scale(t, g)  # COMPILETUNE_LCE_EAGER=1 here: the block loop
-        assert fused_loss._scaled not in fused_loss._compiled
+        assert fused_loss._scaled not in ce_chunks._compiled
         monkeypatch.delenv("COMPILETUNE_LCE_EAGER")
         with FakeTensorMode():  # tensors without data: never compiled code
             fake = fused_loss._scale(torch.empty(300, 40, dtype=torch.bfloat16), torch.tensor(0.5))
-        assert fake.shape == t.shape and fused_loss._scaled not in fused_loss._compiled
+        assert fake.shape == t.shape and fused_loss._scaled not in ce_chunks._compiled
         compiled = fused_loss._scale(t, g)
-    assert fused_loss._scaled in fused_loss._compiled and not fused_loss._compile_failed
+    assert fused_loss._scaled in ce_chunks._compiled and not ce_chunks._compile_failed
     assert compiled.dtype == torch.bfloat16
     assert torch.equal(compiled, looped)
     assert torch.equal(compiled, (t.float() * g).to(torch.bfloat16))
@@ -273,12 +273,12 @@ def test_one_pass_backward_scales_as_the_block_loop(monkeypatch):
     from compiletune import torch_internals
 
     monkeypatch.delenv("COMPILETUNE_LCE_EAGER")
-    monkeypatch.setattr(fused_loss, "_compiled", {})
+    monkeypatch.setattr(ce_chunks, "_compiled", {})
     # 16 tokens of width 16: dh [16, 16] would specialise a 2-D graph that dW [70, 16] misses.
     h, w, b, t = make_case(16, 16, 70, bias=True, ignored=0.2, dtype=torch.bfloat16, seed=4)
     graphs = torch_internals.dynamo_graphs_compiled()
     compiled = loss_and_grads(linear_cross_entropy, h, w, b, t, one_pass=True)
-    assert fused_loss._scaled in fused_loss._compiled and not fused_loss._compile_failed
+    assert fused_loss._scaled in ce_chunks._compiled and not ce_chunks._compile_failed
     # Row forward, row backward, and one scaling graph for dh, dW and db.
     assert torch_internals.dynamo_graphs_compiled() - graphs == 3
     assert not compiled[2]._is_view()  # dW, as the weight's .grad: its own tensor
@@ -520,17 +520,17 @@ def test_inductor_matches_eager():
 def test_nested_compile_path(monkeypatch):
     """The default CPU path: the row-wise functions run through torch.compile (Inductor)."""
     monkeypatch.delenv("COMPILETUNE_LCE_EAGER")
-    monkeypatch.setattr(fused_loss, "_compiled", {})
+    monkeypatch.setattr(ce_chunks, "_compiled", {})
     h, w, b, t = make_case(37, 16, 50, bias=True, ignored=0.2)
     got = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=8, softcap=3.0)
-    assert not fused_loss._compile_failed
-    assert set(fused_loss._compiled) == {fused_loss._rows_forward, fused_loss._rows_backward_}
+    assert not ce_chunks._compile_failed
+    assert set(ce_chunks._compiled) == {ce_chunks._rows_forward, ce_chunks._rows_backward_}
     assert_close_to_reference(got, reference(h, w, b, t, softcap=3.0), 1e-5)
 
 
 def test_chunk_tokens(monkeypatch):
     assert chunk_tokens(128256) == 256 * 2**20 // (4 * 128256)  # 523 tokens of fp32 logits
-    assert chunk_tokens(128256, budget_bytes=2**20) == fused_loss.MIN_CHUNK_TOKENS
+    assert chunk_tokens(128256, budget_bytes=2**20) == ce_chunks.MIN_CHUNK_TOKENS
     assert chunk_tokens(10) == fused_loss.MAX_CHUNK_TOKENS
     assert chunk_tokens(128256, chunk_size=100) == 100
     monkeypatch.setenv("COMPILETUNE_LCE_CHUNK_TOKENS", "777")
@@ -589,19 +589,19 @@ def _interpreter_checks() -> None:
             tol = 1e-6 if dtype == torch.float32 else 1e-3
             assert d.dtype == dtype and rel(d, d64) <= tol, (dtype, softcap, rel(d, d64))
 
-    fused_loss._FORCE_TRITON = True
+    ce_chunks._FORCE_TRITON = True
     for loop in PATHS:
         fused_loss._chunk_vocab = lambda *args, loop=loop: loop == "vocab"
         os.environ["COMPILETUNE_LCE_ONE_PASS"] = "1" if loop == "one_pass" else "0"
         # ROW_ALIGN 4: the ~17 counted of 21 rows gathered and padded with ignored ones (64:
         # all 21 rows in place).
         for align in (64, 4):
-            fused_loss.ROW_ALIGN = align
+            ce_chunks.ROW_ALIGN = align
             for kw in (dict(), dict(z_loss=1e-2, softcap=2.0, reduction="sum")):
                 h, w, b, t = make_case(21, 8, 37, bias=True, ignored=0.2)
                 got = loss_and_grads(linear_cross_entropy, h, w, b, t, chunk_size=6, **kw)
                 assert_close_to_reference(got, reference(h, w, b, t, **kw), 1e-5)
-        fused_loss.ROW_ALIGN = 64
+        ce_chunks.ROW_ALIGN = 64
     h, w, b, t = make_case(21, 8, 37, bias=True, ignored=0.2, dtype=torch.float16)
     ref = reference(h, w, b, t)
     plain = loss_and_grads(plain_cross_entropy, h, w, b, t)
