@@ -188,10 +188,59 @@ def from_hf(
         for n, p in model.named_parameters()
         for hf, _, shape in hf_pieces(n, tuple(p.shape), family)
     }
-    where: dict[str, tuple[Path, str]] = {}  # HF name -> (file, name in that file)
-    mx: dict[str, dict[str, tuple[Path, str]]] = {}  # MXFP4: HF name -> its blocks and scales
-    fp8: dict[str, tuple[Path, str]] = {}  # block-scaled fp8: HF name -> its scales
     block = fp8_block(cfg)
+    where, mx, fp8 = _locate(files, expected, args, block)
+    missing = [n for n in expected if n not in where]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(
+            f"{path}: checkpoint is missing tensor {missing[0]!r}{more}; copy the complete "
+            "checkpoint (all shards) or fix config.json"
+        )
+
+    parts: list[tuple[str, nn.Module]] = [("tok_embeddings", model.tok_embeddings)]
+    if model.per_layer_inputs is not None:
+        parts.append(("per_layer_inputs", model.per_layer_inputs))
+    parts += [(f"layers.{i}", block) for i, block in enumerate(model.layers)]
+    parts += [("norm", model.norm)] + [("output", model.output)] * (not args.tie_embeddings)
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        readers = {file: stack.enter_context(_open_safetensors(file)) for file in files}
+        for prefix, module in parts:
+            module.to_empty(device=device)
+            model.tie_weights()
+            for name, param in module.named_parameters(prefix=prefix):
+                convert = layout(name, family)
+                for hf, index, _ in hf_pieces(name, tuple(param.shape), family):
+                    file, stored = where[hf]
+                    to_native = None if convert is None else convert[0]
+                    if hf in mx:
+                        _read_mxfp4(param[index], readers, mx[hf], dtype, to_native)
+                        continue
+                    if hf in fp8:
+                        _read_fp8(param[index], readers, (file, stored), fp8[hf], block)
+                        continue
+                    _read_into(param[index], readers[file], file, stored, dtype, to_native)
+            if on_block is not None and prefix.startswith("layers."):
+                on_block(module)
+    model.hf_config = cfg
+    model.generation_config = load_generation_config(path)
+    return model
+
+
+_Where = dict[str, tuple[Path, str]]  # HF name -> (file, name in that file)
+
+
+def _locate(
+    files: list[Path], expected: dict[str, Any], args: ModelArgs, block: tuple[int, int] | None
+) -> tuple[_Where, dict[str, _Where], _Where]:
+    """Where each expected HF tensor lies: (file, name in that file) per HF name, checking every
+    stored tensor's name, dtype and shape against `expected` (HF name -> shape) without reading
+    data. Also the MXFP4 experts' blocks and scales, and the block-scaled fp8 weights' scales
+    (`block`: the checkpoint's fp8 block size, or None)."""
+    family = args.family
+    where: _Where = {}
+    mx: dict[str, _Where] = {}  # MXFP4: HF name -> its blocks and scales
+    fp8: _Where = {}  # block-scaled fp8: HF name -> its scales
     for file in files:
         with _open_safetensors(file) as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -230,41 +279,7 @@ def from_hf(
     for base, parts in mx.items():
         if len(parts) == 2:
             where[base] = parts["_blocks"]
-    missing = [n for n in expected if n not in where]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise UserError(
-            f"{path}: checkpoint is missing tensor {missing[0]!r}{more}; copy the complete "
-            "checkpoint (all shards) or fix config.json"
-        )
-
-    parts: list[tuple[str, nn.Module]] = [("tok_embeddings", model.tok_embeddings)]
-    if model.per_layer_inputs is not None:
-        parts.append(("per_layer_inputs", model.per_layer_inputs))
-    parts += [(f"layers.{i}", block) for i, block in enumerate(model.layers)]
-    parts += [("norm", model.norm)] + [("output", model.output)] * (not args.tie_embeddings)
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        readers = {file: stack.enter_context(_open_safetensors(file)) for file in files}
-        for prefix, module in parts:
-            module.to_empty(device=device)
-            model.tie_weights()
-            for name, param in module.named_parameters(prefix=prefix):
-                convert = layout(name, family)
-                for hf, index, _ in hf_pieces(name, tuple(param.shape), family):
-                    file, stored = where[hf]
-                    to_native = None if convert is None else convert[0]
-                    if hf in mx:
-                        _read_mxfp4(param[index], readers, mx[hf], dtype, to_native)
-                        continue
-                    if hf in fp8:
-                        _read_fp8(param[index], readers, (file, stored), fp8[hf], block)
-                        continue
-                    _read_into(param[index], readers[file], file, stored, dtype, to_native)
-            if on_block is not None and prefix.startswith("layers."):
-                on_block(module)
-    model.hf_config = cfg
-    model.generation_config = load_generation_config(path)
-    return model
+    return where, mx, fp8
 
 
 def _check_shape(stored: str, shape: Any, want: Any, file: Path) -> None:

@@ -511,19 +511,6 @@ def _probe_inputs(cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs) 
     return _Inputs(facts)
 
 
-def sequence_shards(
-    cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs, simulated: bool
-) -> SeqShards | None:
-    """--cp N: this rank's place in its group of N consecutive ranks sharing each row (None
-    without). `simulated`: the memory estimate's rank 0, the same shapes without a group."""
-    n, world = cfg.parallel.cp, env.world if env is not None else 1
-    if n > 1 and (why := unsplittable(args, n, world)):
-        raise UserError(f"--cp {n} {why}")
-    if n == 1 or simulated or env is None:
-        return None if n == 1 else SeqShards(n, 0)
-    return SeqShards(n, env.rank % n, dist_.cp_group(n))
-
-
 def build_run(
     cfg: TrainConfig, env: dist_.DistEnv | None, *, fake: bool = False, probe: Probe | None = None
 ) -> Run:
@@ -565,11 +552,7 @@ def build_run(
         # one process's policy as it starts: the reference is a copy (not read again)
         start = model if resume_from is None and probe is None and env is None else None
         frozen = build_frozen(cfg, env, args, spec, lora_kw, device, probe is not None, start)
-    seq = sequence_shards(cfg, env, args, fake)
-    for m in (model, *(f.model for f in frozen if f is not None)):
-        if seq is not None and m is not model and (why := unsplittable(m.args, seq.size, seq.size)):
-            raise UserError(f"--cp {seq.size}: the teacher {why}")  # (the reference is a copy)
-        split_sequence(m, seq)
+    seq = split_sequences(cfg, env, args, fake, model, frozen)
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None
     head = LossHead(
@@ -622,17 +605,49 @@ def build_run(
         seq=seq,
         notes=notes,
     )
-    if inputs.data is not None:
-        # Every rank draws the same global batch of (world / --cp) x --batch-size rows, trains
-        # its slice (under --cp: its piece of its slice's rows).
-        global_batch = cfg.data.batch_size * run.dp_world
-        if len(inputs.data) == 1:
-            run.batches = Batches(inputs.data[0], global_batch, cfg.run.seed)
-        else:
-            run.batches = Mixture(inputs.data, inputs.weights, global_batch, cfg.run.seed)
+    _attach_batches(run, inputs)
     if inputs.state is not None:
         _load_train_state(run, inputs.state)
     return run
+
+
+def split_sequences(
+    cfg: TrainConfig,
+    env: dist_.DistEnv | None,
+    args: ModelArgs,
+    simulated: bool,
+    model: nn.Module,
+    frozen: tuple[Any, Any],
+) -> SeqShards | None:
+    """--cp N: this rank's place in its group of N consecutive ranks sharing each row (None
+    without), with the model and its frozen ones split to it. `simulated`: the memory
+    estimate's rank 0, the same shapes without a group."""
+    n, world = cfg.parallel.cp, env.world if env is not None else 1
+    if n > 1 and (why := unsplittable(args, n, world)):
+        raise UserError(f"--cp {n} {why}")
+    if n == 1 or simulated or env is None:
+        seq = None if n == 1 else SeqShards(n, 0)
+    else:
+        seq = SeqShards(n, env.rank % n, dist_.cp_group(n))
+    for m in (model, *(f.model for f in frozen if f is not None)):
+        if seq is not None and m is not model and (why := unsplittable(m.args, seq.size, seq.size)):
+            raise UserError(f"--cp {seq.size}: the teacher {why}")  # (the reference is a copy)
+        split_sequence(m, seq)
+    return seq
+
+
+def _attach_batches(run: Run, inputs: _Inputs) -> None:
+    """The run's batch stream over the data it read (none for the estimate's probe). Every rank
+    draws the same global batch of (world / --cp) x --batch-size rows and trains its slice
+    (under --cp: its piece of its slice's rows)."""
+    if inputs.data is None:
+        return
+    cfg = run.cfg
+    global_batch = cfg.data.batch_size * run.dp_world
+    if len(inputs.data) == 1:
+        run.batches = Batches(inputs.data[0], global_batch, cfg.run.seed)
+    else:
+        run.batches = Mixture(inputs.data, inputs.weights, global_batch, cfg.run.seed)
 
 
 # ----------------------------------------------------------------------------- frozen models

@@ -104,3 +104,21 @@ def test_long_modules_are_known():
         if len(p.read_text().splitlines()) > 800
     }
     assert long <= set(LONG_MODULES), f"over 800 lines: {sorted(long - set(LONG_MODULES))}"
+
+
+def test_long_functions_say_why():
+    """A function over 100 lines carries a comment saying why, on the lines just above it
+    (decorators included): "# Over 100 lines, on purpose: ..."."""
+    silent = []
+    for path in _modules().values():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if node.end_lineno - node.lineno + 1 <= 100:
+                continue
+            top = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            above = " ".join(lines[max(0, top - 4) : top - 1])
+            if "over 100 lines" not in above.lower():
+                silent.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not silent, "functions over 100 lines without a reason: " + ", ".join(silent)
