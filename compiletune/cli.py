@@ -299,7 +299,9 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         else:
             print(fit.format_ladder(rows, capacity))
         return 0
-    est = est_.estimate_memory(cfg, ns.gpus)
+    # With a capacity the advice may follow: its first rungs come from this step.
+    also = fit.search_optimizers(cfg) if capacity is not None else ()
+    est = est_.estimate_memory(cfg, ns.gpus, also=also)
     fix = None
     if capacity is not None and not fit.fits(est, capacity):
         print(

@@ -30,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -42,7 +44,7 @@ from torch.utils._pytree import tree_leaves
 from compiletune import distributed as dist_
 from compiletune import recipes
 from compiletune.compiler.activation import parse_ac
-from compiletune.config import TrainConfig
+from compiletune.config import TrainConfig, fill_defaults
 from compiletune.errors import UserError
 from compiletune.estimate import depth as depth_
 from compiletune.estimate import memory_internals as mi
@@ -58,15 +60,19 @@ from compiletune.estimate.tracker import (
     TEMP,
     Key,
     Peaks,
+    Recorded,
     Segment,
     Tracker,
+    fold,
+    shifted,
 )
 from compiletune.loss.head import IGNORE_INDEX
 from compiletune.models import num_params
 from compiletune.ops import op_memory
 from compiletune.optim import _local
-from compiletune.train import Probe, Run, StepBatch, build_run, train_step
-from compiletune.train.build import resolve_model_args
+from compiletune.train import Probe, Run, StepBatch, build_run
+from compiletune.train.build import build_optimizer, probe_dtype, probe_facts, resolve_model_args
+from compiletune.train.step import backward_pass, optimizer_step
 
 GPUS_PER_NODE = 8  # hybrid sharding's default shard group (one node), as torchrun would set it
 
@@ -128,16 +134,26 @@ def shapes_only(cfg: TrainConfig) -> TrainConfig:
 
 
 def estimate_memory(
-    cfg: TrainConfig, gpus: int = 1, round_bytes: int = GPU_ROUND_BYTES
+    cfg: TrainConfig,
+    gpus: int = 1,
+    round_bytes: int = GPU_ROUND_BYTES,
+    also: tuple[str, ...] = (),
 ) -> MemoryEstimate:
     """Run one step of the run `cfg` describes (a resolved TrainConfig) on fake tensors, as
     rank 0 of `gpus` ranks, and return its peak device memory and the host memory offload needs.
 
     More than one GPU means FSDP2 (as `torchrun --nproc-per-node N ... --fsdp` would run).
+
+    `also`: optimizers (`--optimizer`) whose estimates a search may ask for next. Where the
+    step allows it (`_OptimizerSwap`) they come from this step, for a little more time, and
+    the next call for one of them returns it at once.
     """
     if gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {gpus}")
     cfg = shapes_only(cfg)
+    key = _cache_key(cfg, gpus, round_bytes)
+    if (found := _DERIVED.pop(key, None)) is not None:
+        return found
     t0 = time.perf_counter()
     policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
     notes = []
@@ -149,13 +165,15 @@ def estimate_memory(
     if policy.kind == "budget":
         # The partitioner's budget is a fraction of the activation memory between recomputing
         # everything (full) and saving what min-cut saves (none).
-        hi = _estimate(cfg.replace(ac="none"), gpus, round_bytes)
-        lo = _estimate(cfg.replace(ac="full"), gpus, round_bytes)
+        hi = _estimate(cfg.replace(ac="none"), gpus, round_bytes)[cfg.optim.optimizer]
+        lo = _estimate(cfg.replace(ac="full"), gpus, round_bytes)[cfg.optim.optimizer]
         f = policy.budget or 0.0
-        est = _interpolate(lo, hi, f)
+        ests = {cfg.optim.optimizer: _interpolate(lo, hi, f)}
         notes.append(f"--ac {cfg.techniques.ac}: interpolated between --ac full and --ac none")
     else:
-        est = _estimate(cfg, gpus, round_bytes)
+        swappable = not cfg.optim.optimizer_in_backward and depth_.can_fork()
+        others = tuple(k for k in also if k != cfg.optim.optimizer) if swappable else ()
+        ests = _estimate(cfg, gpus, round_bytes, others)
     if cfg.techniques.offload_activations:
         notes.append(
             "--offload-activations: saved activations counted on the host from the end of their "
@@ -184,11 +202,41 @@ def estimate_memory(
             "freed before the updates) is not in the step"
             + ("; reference: counted as parameters" if o.beta and not cfg.lora.rank else "")
         )
-    est.notes = notes + est.notes
-    if o.objective == "grpo":
-        _add_rollout(est, cfg, gpus)
-    est.seconds = time.perf_counter() - t0
-    return est
+    seconds = time.perf_counter() - t0
+    for kind, est in ests.items():
+        est.notes = notes + est.notes
+        if o.objective == "grpo":
+            _add_rollout(est, cfg.replace(optimizer=kind), gpus)
+        est.seconds = seconds
+        if kind != cfg.optim.optimizer:
+            if len(_DERIVED) >= _DERIVED_KEPT:
+                _DERIVED.pop(next(iter(_DERIVED)))
+            _DERIVED[_cache_key(cfg.replace(optimizer=kind), gpus, round_bytes)] = est
+    return ests[cfg.optim.optimizer]
+
+
+# Estimates had alongside another (`also`), each kept until the call that asks for it.
+_DERIVED: dict[tuple[str, int, int], MemoryEstimate] = {}
+_DERIVED_KEPT = 16
+
+
+def _cache_key(cfg: TrainConfig, gpus: int, round_bytes: int) -> tuple[str, int, int]:
+    """What the estimate of `cfg` depends on, as text: its flags with the defaults the build
+    fills in (so a configuration and the same with those defaults written out share a key),
+    without the run folder (a time stamp)."""
+    flat = as_trained(cfg, gpus).to_dict()
+    flat.pop("output_dir", None)
+    return json.dumps(flat, sort_keys=True, default=str), gpus, round_bytes
+
+
+def as_trained(cfg: TrainConfig, gpus: int) -> TrainConfig:
+    """`cfg` with the defaults the build derives from the model filled in (the loss head, say),
+    as the estimate's build fills them: the ladder and the advice start from the run `train`
+    would run."""
+    cfg = shapes_only(cfg)
+    facts = probe_facts(cfg, resolve_model_args(cfg), gpus)
+    facts.bf16_params = probe_dtype(cfg) == torch.bfloat16
+    return fill_defaults(cfg.replace(), facts)
 
 
 def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
@@ -258,72 +306,98 @@ def _interpolate(lo: MemoryEstimate, hi: MemoryEstimate, f: float) -> MemoryEsti
     return out
 
 
-def _estimate(cfg: TrainConfig, gpus: int, round_bytes: int) -> MemoryEstimate:
+def _estimate(
+    cfg: TrainConfig, gpus: int, round_bytes: int, others: tuple[str, ...] = ()
+) -> dict[str, MemoryEstimate]:
+    """The estimate of `cfg`, under its optimizer's name, and of `cfg` with each optimizer in
+    `others` where it could be had from the same step (`_OptimizerSwap`)."""
     fsdp = cfg.parallel.fsdp or gpus > 1
     host = {SHARDED, GRAD, OPT} if cfg.parallel.cpu_offload else set()
     host.add(ACT_HOST)
     args = resolve_model_args(cfg)
     notes = []
     depths = depth_.shortcut_depths(cfg, args)
-    peaks = None
+    found: dict[str, Peaks] = {}
+
+    def at(depth: int | None) -> tuple[Runs, Run]:
+        return _segments_at(cfg, gpus, fsdp, host, round_bytes, depth, others)
+
     if depths is not None:
         # The smaller depth in a forked process beside this one (a second core), when it can.
-        with depth_.Forked(
-            lambda: _segments_at(cfg, gpus, fsdp, host, round_bytes, depths[0])[0]
-        ) as child:
-            second, run = _segments_at(cfg, gpus, fsdp, host, round_bytes, depths[1])
+        with depth_.Forked(lambda: at(depths[0])[0]) as child:
+            second, run = at(depths[1])
             first = child.result()
         if first is None:  # no fork here, or the child failed: run it in this process
-            first = _segments_at(cfg, gpus, fsdp, host, round_bytes, depths[0])[0]
-        if (segments := depth_.extend([first, second], depths, args.n_layers)) is not None:
-            peaks = Peaks.of(segments)
+            first = at(depths[0])[0]
+        for kind, segs in second.items():
+            if first.get(kind) is not None and segs is not None:
+                extended = depth_.extend([first[kind], segs], depths, args.n_layers)
+                if extended is not None:
+                    found[kind] = Peaks.of(extended)
+        if cfg.optim.optimizer in found:
             notes.append(
                 f"{args.n_layers} repeating blocks (period {depths[2]}): run at {depths[0]} and "
                 f"{depths[1]} blocks, each stretch of the step extended to {args.n_layers}"
             )
-    if peaks is None:
-        segments, run = _segments_at(cfg, gpus, fsdp, host, round_bytes, None)
-        peaks = Peaks.of(segments)
+    if cfg.optim.optimizer not in found:
+        whole, run = at(None)
+        found = {k: Peaks.of(s) for k, s in whole.items() if s is not None}
     device_keep = set(REPORTED) - host
-    return MemoryEstimate(
-        peak_bytes=peaks.peak,
-        parts=_reported(peaks.totals, device_keep),
-        host_bytes=peaks.host_peak,
-        host_parts=_reported(peaks.host_totals, host),
-        peak_phase=peaks.phase,
-        phase_peaks=peaks.phase_peaks,
-        gpus=gpus,
-        setup={
-            "model": cfg.name,
-            "params": num_params(args),
-            "dtype": cfg.model.dtype or "bf16",
-            "seq_len": cfg.data.seq_len,
-            "batch_size": cfg.data.batch_size,
-            "grad_accum": cfg.data.grad_accum,
-            "loss": run.cfg.techniques.loss,
-            "ac": cfg.techniques.ac,
-            "offload_activations": cfg.techniques.offload_activations,
-            "optimizer": cfg.optim.optimizer,
-            "optimizer_in_backward": cfg.optim.optimizer_in_backward,
-            "fsdp": fsdp,
-            "sharding": cfg.parallel.sharding if fsdp else None,
-            "cpu_offload": cfg.parallel.cpu_offload,
-            "cp": cfg.parallel.cp,
-            "objective": cfg.objective.objective,
-        },
-        notes=notes,
-    )
+    out = {}
+    for kind, peaks in found.items():
+        c = cfg.replace(optimizer=kind)
+        out[kind] = MemoryEstimate(
+            peak_bytes=peaks.peak,
+            parts=_reported(peaks.totals, device_keep),
+            host_bytes=peaks.host_peak,
+            host_parts=_reported(peaks.host_totals, host),
+            peak_phase=peaks.phase,
+            phase_peaks=peaks.phase_peaks,
+            gpus=gpus,
+            setup={
+                "model": c.name,
+                "params": num_params(args),
+                "dtype": c.model.dtype or "bf16",
+                "seq_len": c.data.seq_len,
+                "batch_size": c.data.batch_size,
+                "grad_accum": c.data.grad_accum,
+                "loss": run.cfg.techniques.loss,
+                "ac": c.techniques.ac,
+                "offload_activations": c.techniques.offload_activations,
+                "optimizer": c.optim.optimizer,
+                "optimizer_in_backward": c.optim.optimizer_in_backward,
+                "fsdp": fsdp,
+                "sharding": c.parallel.sharding if fsdp else None,
+                "cpu_offload": c.parallel.cpu_offload,
+                "cp": c.parallel.cp,
+                "objective": c.objective.objective,
+            },
+            notes=list(notes),
+        )
+    return out
+
+
+# Each optimizer's segments of one step, in the order they ran (None: not had).
+Runs = dict[str, list[tuple[Key, Segment]] | None]
 
 
 def _segments_at(
-    cfg: TrainConfig, gpus: int, fsdp: bool, host: set[str], round_bytes: int, depth: int | None
-) -> tuple[list[tuple[Key, Segment]], Run]:
-    """The step's segments, in the order they ran, with the model cut to `depth` blocks."""
+    cfg: TrainConfig,
+    gpus: int,
+    fsdp: bool,
+    host: set[str],
+    round_bytes: int,
+    depth: int | None,
+    others: tuple[str, ...] = (),
+) -> tuple[Runs, Run]:
+    """The step's segments with the model cut to `depth` blocks, under the name of `cfg`'s
+    optimizer and of each of `others`."""
     tracker = Tracker(host, round_bytes)
     group = mi.fake_process_group(gpus) if fsdp else contextlib.nullcontext()
+    derived: Runs = dict.fromkeys(others)
     with group:
-        run = run_step(cfg, gpus if fsdp else None, tracker, depth=depth)
-    return list(tracker.segments.items()), run
+        run = run_step(cfg, gpus if fsdp else None, tracker, depth=depth, others=derived)
+    return {cfg.optim.optimizer: list(tracker.segments.items()), **derived}, run
 
 
 # The tracker's category for each part of the step (`Probe.observe`'s phases).
@@ -342,12 +416,16 @@ def run_step(
     tracker: Tracker | None,
     device: str = "cpu",
     depth: int | None = None,
+    others: dict[str, list[tuple[Key, Segment]] | None] | None = None,
 ) -> Run:
-    """The trainer's own build (`build_run`) and step (`train_step`) as rank 0 of `world` FSDP
-    ranks (a process group must exist; None: one process), with random weights and tokens: on
-    fake tensors under `tracker`, or, without one, on real tensors on `device` (measuring the
-    estimate). The step runs min(grad_accum, 2) micro-batches: from the second on, gradients
-    are alive. Returns the run (its model and optimizer are the step's)."""
+    """The trainer's own build (`build_run`) and step (`backward_pass`, `optimizer_step`) as
+    rank 0 of `world` FSDP ranks (a process group must exist; None: one process), with random
+    weights and tokens: on fake tensors under `tracker`, or, without one, on real tensors on
+    `device` (measuring the estimate). The step runs min(grad_accum, 2) micro-batches: from the
+    second on, gradients are alive. Returns the run (its model and optimizer are the step's).
+
+    `others` (under a tracker): for each optimizer named in it, the segments of the same step
+    with that optimizer (`_OptimizerSwap`), or None where they could not be had."""
     cfg = cfg.replace()  # the build fills derived defaults in; the caller's config stays as is
     if parse_ac(cfg.techniques.ac, cfg.techniques.ac_every).kind == "budget":
         raise ValueError("run_step takes --ac none|full|selective; estimate_memory interpolates")
@@ -372,10 +450,16 @@ def run_step(
             stack.enter_context(tracker)
         return stack
 
+    swap = _OptimizerSwap(tracker, cfg) if tracker is not None and others else None
+
     def observe(phase: str, params: list[torch.nn.Parameter]) -> None:
         if tracker is None:
             return
+        if swap is not None and phase != "optimizer":
+            swap.observe(phase)  # the optimizer's state is complete
         tracker.set_phase(*_PHASES[phase])
+        if swap is not None and phase == "optimizer":
+            swap.observe(phase)  # the state is recorded from here
         if phase == "optimizer":  # before the optimizer's own hooks (in-backward frees grads)
             for p in params:
                 p.register_post_accumulate_grad_hook(
@@ -385,6 +469,8 @@ def run_step(
     if cfg.objective.objective == "grpo":  # an update's micro-batch: G completions a prompt
         cfg = cfg.replace(batch_size=cfg.data.batch_size * cfg.objective.num_generations)
     run = build_run(cfg, env, fake=fake, probe=Probe(scope, observe, device, depth))
+    if swap is not None:
+        swap.built()
     rows = cfg.data.batch_size * run.dp_world
     # global batches, as the trainer draws them; each rank trains its slice
     micro = [
@@ -401,9 +487,115 @@ def run_step(
     if cfg.techniques.offload_activations and tracker is not None:
         offload = _host_activation_hooks(tracker, run.model)
     with scope(), offload or contextlib.nullcontext():
-        train_step(run, batch, lr=1e-4)
-        run.optimizer.remove_hooks()
+        run.optimizer.set_lr(1e-4)
+        done = backward_pass(run, batch)
+        with contextlib.ExitStack() as children:
+            # Each other optimizer's step in a forked child, beside this one's.
+            forked = {
+                kind: children.enter_context(
+                    depth_.Forked(lambda kind=kind: swap.step_with(kind, run, done))
+                )
+                for kind in (others if swap is not None and others is not None else ())
+            }
+            optimizer_step(run, done)
+            run.optimizer.remove_hooks()
+            for kind, child in forked.items():
+                others[kind] = child.result()  # type: ignore[index]
     return run
+
+
+class _OptimizerSwap:
+    """The same step with another optimizer (`--optimizer`), without running the model again.
+
+    The optimizer's only part in the build is its state, created last, and only its step
+    follows the backward: in between, the model runs the same ops whatever the optimizer, with
+    the state alive as so many bytes (the bytes a tensor holds change nothing else the tracker
+    sees). So after the backward a forked child builds the other optimizer, recording what its
+    state did to the memory; the setup's stretch takes that in place of this optimizer's (from
+    the moment this one was built), every stretch up to the step changes by the difference in
+    state, and the child runs the optimizer step itself. The tests compare every number with
+    running the other optimizer's step whole."""
+
+    def __init__(self, tracker: Tracker, cfg: TrainConfig) -> None:
+        self.tracker, self.cfg = tracker, cfg
+        self.before: tuple[Key, Segment, dict[str, int], int, int] | None = None
+        self.mine: Recorded | None = None  # this optimizer's state being built
+        self.tail: Recorded | None = None  # the rest of the setup's stretch
+        self._recording: Any = None
+
+    def _record(self) -> Recorded:
+        self._stop()
+        self._recording = self.tracker.recording()
+        return self._recording.__enter__()
+
+    def _stop(self) -> None:
+        if self._recording is not None:
+            self._recording.__exit__(None, None, None)
+            self._recording = None
+
+    def observe(self, phase: str) -> None:
+        """At the "optimizer" phase (just entered) the state is about to be built: record it;
+        at the next phase the setup's stretch ends."""
+        t = self.tracker
+        if phase == "optimizer":
+            key = next(k for k, s in t.segments.items() if s is t.segment)
+            seg = dataclasses.replace(t.segment)
+            self.before = (key, seg, dict(t.totals), t.device_now, t.host_now)
+            self.mine = self._record()
+        else:
+            self._stop()
+
+    def built(self) -> None:
+        """The build is done (the state with it): record the rest of the setup apart."""
+        if self._recording is not None:
+            self.tail = self._record()
+
+    def step_with(self, kind: str, run: Run, done: Any) -> list[tuple[Key, Segment]] | None:
+        """In the forked child: this step's segments with optimizer `kind`; None when the
+        state did not follow the pattern above."""
+        t = self.tracker
+        if self.before is None or self.mine is None or self.tail is None:
+            return None
+        if not _only_state(self.mine.change):
+            return None
+        key, setup, totals, device, host = self.before
+        phase, category = t.phase, t.category
+        with t.recording(merge=False) as dropped:
+            run.optimizer.remove_hooks()
+            run.optimizer = None  # type: ignore[assignment]
+            gc.collect()
+        if dropped.change != {k: -v for k, v in self.mine.change.items()}:
+            return None
+        t.phase, t.category = "setup", OPT
+        cfg = run.cfg.replace(optimizer=kind)
+        named = [(n, p) for n, p in run.model.named_parameters() if p.requires_grad]
+        with t.recording(merge=False) as theirs:
+            run.optimizer = build_optimizer(cfg, named, run.device, compile_step=False)
+        t.phase, t.category = phase, category
+        if not _only_state(theirs.change):
+            return None
+        fold(setup, theirs, totals, device, host)
+        totals = {k: v + theirs.change[k] for k, v in totals.items()}
+        device += sum(v for k, v in theirs.change.items() if k not in t.host)
+        host += sum(v for k, v in theirs.change.items() if k in t.host)
+        fold(setup, self.tail, totals, device, host)
+        change = {k: theirs.change[k] - self.mine.change[k] for k in theirs.change}
+        after = False
+        for k, seg in list(t.segments.items()):
+            if k == key:
+                t.segments[k], after = setup, True
+            elif after:
+                t.segments[k] = shifted(seg, change, t.host)
+        run.cfg = cfg
+        run.optimizer.set_lr(1e-4)
+        optimizer_step(run, done)
+        run.optimizer.remove_hooks()
+        return list(t.segments.items())
+
+
+def _only_state(change: dict[str, int]) -> bool:
+    """Whether a change of the totals is optimizer state alone."""
+    return all(v == 0 for k, v in change.items() if k != OPT)
 
 
 def _random_batch(cfg: TrainConfig, rows: int, vocab: int) -> dict[str, Tensor]:

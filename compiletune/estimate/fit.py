@@ -9,18 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from compiletune.config import RunFacts, TrainConfig, fill_defaults, flag_text
+from compiletune.config import TrainConfig, flag_text
 from compiletune.errors import UserError
 from compiletune.estimate.estimator import (
     GPUS_PER_NODE,
     MemoryEstimate,
+    as_trained,
     estimate_memory,
-    shapes_only,
 )
 from compiletune.estimate.tracker import CATEGORIES
-from compiletune.train.build import probe_dtype, resolve_model_args
+from compiletune.train.build import resolve_model_args
 
 # What a GPU needs beyond the tensors of the step: CUDA context, cuBLAS/NCCL workspaces,
 # fragmentation. The pre-flight check keeps this much free.
@@ -92,6 +90,17 @@ LADDER: list[tuple[str, dict[str, Any]]] = [
     ("+ optimizer in backward", {"optimizer_in_backward": True, "max_grad_norm": 0.0}),
     ("+ CPU offload", {"fsdp": True, "cpu_offload": True}),
 ]
+# Rungs that change the optimizer alone: an estimate gets each of their estimates from its own
+# step, for a little more time (`estimate_memory`'s `also`).
+SWAPS = tuple(c["optimizer"] for _, c in LADDER if set(c) == {"optimizer"})
+
+
+def search_optimizers(cfg: TrainConfig) -> tuple[str, ...]:
+    """The optimizers a search from `cfg` may ask an estimate for next: the ladder's and, to
+    drop such a rung again, `cfg`'s own."""
+    return (*SWAPS, cfg.optim.optimizer)
+
+
 # Rungs that change what is trained (only the adapters): shown by --ladder, never suggested,
 # which keeps the run a full fine-tune.
 LORA_RUNGS: list[tuple[str, dict[str, Any]]] = [
@@ -207,16 +216,6 @@ def _not_applicable(cfg: TrainConfig, changes: dict[str, Any]) -> str:
     return ""
 
 
-def as_trained(cfg: TrainConfig, gpus: int) -> TrainConfig:
-    """`cfg` with the defaults `train` derives from the model filled in (the loss head, say), so
-    the ladder and the advice start from the run `train` would run."""
-    cfg = shapes_only(cfg)
-    vocab = resolve_model_args(cfg).vocab_size
-    facts = RunFacts(vocab, packs_documents=False, world=gpus)
-    facts.bf16_params = probe_dtype(cfg) == torch.bfloat16
-    return fill_defaults(cfg.replace(), facts)
-
-
 def ladder(
     cfg: TrainConfig, gpus: int, progress: Callable[[str], None] | None = None
 ) -> list[Rung]:
@@ -224,7 +223,7 @@ def ladder(
     `progress` is told each rung as it is estimated."""
 
     def measure(c: TrainConfig) -> tuple[MemoryEstimate, None, str]:
-        return estimate_memory(c, gpus), None, ""
+        return estimate_memory(c, gpus, also=SWAPS), None, ""
 
     rows: list[Rung] = []
     full = _climb(as_trained(cfg, gpus), LADDER, progress, measure, rows)
@@ -311,6 +310,7 @@ def suggest(
     cfg = as_trained(cfg, gpus)
     current, added = cfg, []
     est = None
+    also = search_optimizers(cfg)
 
     def tried(changes: list[dict[str, Any]], est: MemoryEstimate) -> None:
         if progress is not None:
@@ -324,7 +324,7 @@ def suggest(
             continue
         current = current.replace(**todo)
         added.append(todo)
-        est = estimate_memory(current, gpus)
+        est = estimate_memory(current, gpus, also=also)
         tried(added, est)
         if fits(est, capacity):
             break
@@ -333,7 +333,7 @@ def suggest(
     for todo in list(reversed(added[:-1])):
         keep = [t for t in added if t is not todo]
         trial = cfg.replace(**{k: v for t in keep for k, v in t.items()})
-        trial_est = estimate_memory(trial, gpus)
+        trial_est = estimate_memory(trial, gpus, also=also)
         tried(keep, trial_est)
         if fits(trial_est, capacity):
             added, est = keep, trial_est
@@ -378,7 +378,7 @@ def advice(
     for smaller in (d for d in smaller_batches if batch % d == 0):
         split = {"batch_size": smaller, "grad_accum": accum * batch // smaller}
         trial = cfg.replace(**split)
-        est = estimate_memory(as_trained(trial, gpus), gpus)
+        est = estimate_memory(as_trained(trial, gpus), gpus, also=search_optimizers(trial))
         if progress is not None:
             verdict = "fits" if fits(est, capacity) else "does not fit"
             progress(f"  {flags_text(split)}: {est.peak_bytes / 2**30:.1f} GiB, {verdict}")

@@ -266,6 +266,23 @@ class Tracker(mi.TorchDispatchMode):
         entry[0] = nbytes
         self._change(GATHERED, delta)
 
+    @contextlib.contextmanager
+    def recording(self, merge: bool = True) -> Iterator[Recorded]:
+        """What the code inside the block does to the memory (`Recorded`, complete when the
+        block ends). merge: its peaks count in the current segment, as if it ran there
+        unrecorded; else they count nowhere (the caller folds them in elsewhere)."""
+        seg, probe, rec = self.segment, Segment(), Recorded(None, None, {})
+        totals, device, host = dict(self.totals), self.device_now, self.host_now
+        self.segment = probe
+        try:
+            yield rec
+        finally:
+            self.segment = seg
+            if merge:
+                _merge(seg, probe)
+            rec.device, rec.host = _excess(probe, totals, device, host)
+            rec.change = {k: v - totals[k] for k, v in self.totals.items()}
+
     # --- replayable functions ------------------------------------------------------------
 
     def replay(
@@ -317,29 +334,13 @@ class Tracker(mi.TorchDispatchMode):
                 and change == {k: entry[0] if k == entry[1] else 0 for k in change}
             )
         if ok:
-            self.replays[key] = _Replay(
-                None if probe.peak < 0 else (probe.peak - device, _diff(probe.totals, totals)),
-                None
-                if probe.host_peak < 0
-                else (probe.host_peak - host, _diff(probe.host_totals, totals)),
-                made,
-            )
+            self.replays[key] = _Replay(*_excess(probe, totals, device, host), made)
         else:
             self.replays[key] = memo + 1
         return out
 
     def _replay(self, memo: _Replay) -> Tensor | None:
-        seg = self.segment
-        if memo.device is not None:
-            excess, change = memo.device
-            if self.device_now + excess > seg.peak:
-                seg.peak = self.device_now + excess
-                seg.totals = {k: v + change.get(k, 0) for k, v in self.totals.items()}
-        if memo.host is not None:
-            excess, change = memo.host
-            if self.host_now + excess > seg.host_peak:
-                seg.host_peak = self.host_now + excess
-                seg.host_totals = {k: v + change.get(k, 0) for k, v in self.totals.items()}
+        fold(self.segment, memo, self.totals, self.device_now, self.host_now)
         if memo.out is None:
             return None
         shape, stride, dtype, device = memo.out
@@ -397,15 +398,70 @@ _REPLAY_TRIES = 2  # calls of a key that could not be replayed before it always 
 Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
 
+Excess = tuple[int, dict[str, int]]  # a highest point over a start, and the totals' change there
+
+
 @dataclass
 class _Replay:
     """What a replayable call did to the memory: its highest device and host points over its
     start, each with the change of the totals there (None: nothing counted), and the layout of
     the new tensor it returned (shape, strides, dtype, device), or None."""
 
-    device: tuple[int, dict[str, int]] | None
-    host: tuple[int, dict[str, int]] | None
+    device: Excess | None
+    host: Excess | None
     out: Layout | None
+
+
+@dataclass
+class Recorded:
+    """What a stretch of code did to the memory (`Tracker.recording`): its highest device and
+    host points over its start, each with the totals' change there (None: nothing counted),
+    and the totals' change at its end."""
+
+    device: Excess | None
+    host: Excess | None
+    change: dict[str, int]
+
+
+def _excess(
+    probe: Segment, totals: dict[str, int], device: int, host: int
+) -> tuple[Excess | None, Excess | None]:
+    """A probe segment's peaks as (excess over the start, change of the totals there)."""
+    return (
+        None if probe.peak < 0 else (probe.peak - device, _diff(probe.totals, totals)),
+        None if probe.host_peak < 0 else (probe.host_peak - host, _diff(probe.host_totals, totals)),
+    )
+
+
+def fold(
+    seg: Segment, rec: _Replay | Recorded, totals: dict[str, int], device: int, host: int
+) -> None:
+    """Count in `seg` the peaks of a recorded stretch run from the state (`totals`, `device`
+    and `host` bytes in use), as if it had run there."""
+    if rec.device is not None:
+        excess, change = rec.device
+        if device + excess > seg.peak:
+            seg.peak = device + excess
+            seg.totals = {k: v + change.get(k, 0) for k, v in totals.items()}
+    if rec.host is not None:
+        excess, change = rec.host
+        if host + excess > seg.host_peak:
+            seg.host_peak = host + excess
+            seg.host_totals = {k: v + change.get(k, 0) for k, v in totals.items()}
+
+
+def shifted(seg: Segment, change: dict[str, int], host: set[str]) -> Segment:
+    """`seg` as it would be with `change` more bytes per category alive throughout it."""
+    device_up = sum(v for k, v in change.items() if k not in host)
+    host_up = sum(v for k, v in change.items() if k in host)
+    out = Segment()
+    if seg.peak >= 0:
+        out.peak = seg.peak + device_up
+        out.totals = {k: v + change.get(k, 0) for k, v in seg.totals.items()}
+    if seg.host_peak >= 0:
+        out.host_peak = seg.host_peak + host_up
+        out.host_totals = {k: v + change.get(k, 0) for k, v in seg.host_totals.items()}
+    return out
 
 
 def _made(out: Any) -> Layout | None:

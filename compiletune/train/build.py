@@ -501,14 +501,19 @@ def _device_and_dtype(
 
 def _probe_inputs(cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs) -> _Inputs:
     """A probe reads no data: the facts its defaults depend on, as a run would have them."""
-    facts = RunFacts(
+    return _Inputs(probe_facts(cfg, args, env.world if env is not None else 1))
+
+
+def probe_facts(cfg: TrainConfig, args: ModelArgs, world: int) -> RunFacts:
+    """The facts the memory estimate's build fills `cfg`'s defaults from (its parameters'
+    dtype is added once known)."""
+    return RunFacts(
         args.vocab_size,
         # pair rows hold two sequences each (the estimator's random pairs): masked as in a run
         packs_documents=cfg.objective.objective in ("dpo", "ipo", "simpo"),
-        world=env.world if env is not None else 1,
+        world=world,
         router_aux_coef=args.router_aux_coef,
     )
-    return _Inputs(facts)
 
 
 def build_run(

@@ -1,7 +1,8 @@
 """`train_step`: the one training step (the trainer's and the memory estimate's), and `evaluate`.
 
 micro-batches -> forward (hidden states) -> loss head (fused / chunked / plain) -> backward
-  -> (accumulate) -> clip -> optimizer step -> zero grads
+  -> (accumulate)                                   `backward_pass`
+  -> clip -> optimizer step -> zero grads           `optimizer_step`
 """
 
 from __future__ import annotations
@@ -144,9 +145,24 @@ def train_step(
     """One optimizer step over `batch` (this rank trains its slice of each global batch).
     `lr` is set before backward, since --optimizer-in-backward steps during backward.
     `accept` sees the loss and gradient norm before the optimizer step and can refuse it."""
-    cfg, device = run.cfg, run.device
     if lr is not None:
         run.optimizer.set_lr(lr)
+    return optimizer_step(run, backward_pass(run, batch), accept)
+
+
+@dataclass
+class Backward:
+    """What a step's micro-batches leave for its optimizer step (`backward_pass`)."""
+
+    total: Tensor  # fp32 [], this rank's loss summed over its target tokens
+    n_targets: int
+    sums: dict[str, Tensor]  # the objective's per-pair or per-token values, summed
+    router: list[tuple[Tensor, Tensor, Tensor]]  # per micro-batch: aux, z, expert loads
+
+
+def backward_pass(run: Run, batch: StepBatch) -> Backward:
+    """Forward and backward over each micro-batch: the gradients accumulate in .grad."""
+    cfg, device = run.cfg, run.device
     b = cfg.data.batch_size
     rows = slice(run.dp_rank * b, (run.dp_rank + 1) * b)
     # The loss is normalised by the target tokens of the whole accumulated batch, so
@@ -177,6 +193,14 @@ def train_step(
         objective.backward()
         total += loss.detach()
         del hidden, loss, objective, stats
+    return Backward(total, n_targets, sums, router)
+
+
+def optimizer_step(run: Run, done: Backward, accept: Accept | None = None) -> StepResult:
+    """Clip (or measure) the gradients `backward_pass` left, then step the optimizer and zero
+    them, unless `accept` refuses the step's values."""
+    cfg = run.cfg
+    total, n_targets, sums, router = done.total, done.n_targets, done.sums, done.router
     run.observe("step")
     max_norm = cfg.optim.max_grad_norm or 0.0
     grad_norm = None

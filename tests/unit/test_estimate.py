@@ -450,6 +450,47 @@ def test_replayed_calls_give_the_bytes_of_running_every_call(
     assert replayed == ran
 
 
+@pytest.mark.parametrize(
+    "flags, gpus, other",
+    [
+        ({}, 1, "adamw8bit"),  # torch's fused AdamW, then the 8-bit state
+        ({"optimizer": "adamw8bit", "grad_accum": 2}, 1, "adamw"),  # gradients alive
+        # NF4 base, bf16 adapters: stochastic rounding; 16 blocks: the depth shortcut
+        ({"lora_rank": 8, "quantize_base": "nf4", "dtype": "bf16", "n_layers": 16}, 1, "adamw8bit"),
+        ({"ac": "full", "n_layers": 16}, 2, "adamw8bit"),  # sharded state, depth shortcut
+        ({"cpu_offload": True}, 4, "adamw8bit"),  # state and step on the host
+        ({"objective": "dpo", "lora_rank": 4}, 1, "adamw8bit"),
+    ],
+    ids=["fused-to-8bit", "8bit-accum", "qlora-deep", "fsdp-deep", "cpu-offload", "dpo"],
+)
+def test_other_optimizers_from_one_step_give_their_whole_estimates(
+    flags: dict, gpus: int, other: str
+) -> None:
+    """An estimate asked for another optimizer as well (`also`) gets it from its own step
+    (the state swapped after the backward): every number equals estimating that optimizer's
+    step whole, and the next call for it returns it without running."""
+    cfg = resolve({}, {**SMALL, "n_layers": 4, **flags, **({"fsdp": True} if gpus > 1 else {})})
+    theirs = cfg.replace(optimizer=other)
+    estimate._DERIVED.clear()
+    mine = estimate.estimate_memory(cfg, gpus, also=(other, cfg.optim.optimizer))
+    key = estimate._cache_key(theirs, gpus, estimate.GPU_ROUND_BYTES)
+    assert list(estimate._DERIVED) == [key]  # one other optimizer: not its own again
+    derived = estimate.estimate_memory(theirs, gpus)
+    assert not estimate._DERIVED
+    whole = estimate.estimate_memory(theirs, gpus)
+    assert derived.host_parts == whole.host_parts
+    d, w = derived.to_dict(), whole.to_dict()
+    d.pop("seconds"), w.pop("seconds")
+    assert d == w
+
+    def state(e: estimate.MemoryEstimate) -> tuple[int, int]:
+        return e.parts["optimizer_state"], e.host_parts["optimizer_state"]
+
+    assert state(derived) != state(mine)  # the state did change
+    # A search asks with the defaults the build fills in written out: the same key.
+    assert estimate._cache_key(fit.as_trained(theirs, gpus), gpus, 512) == key
+
+
 def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
     """Two short runs that do not follow one step per block (a middle block off by a byte, a
     stretch missing) give no extension; MoE layers mixed with dense ones have no period, unless
