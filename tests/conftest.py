@@ -48,3 +48,15 @@ def pytest_collection_modifyitems(config, items):
     """The slow cases first (each keeps its order): pytest-xdist hands tests out as workers
     free up, so long ones started last leave the other worker idle at the end of the run."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def _no_estimates_kept_between_tests():
+    """Estimates derived for a later call (`estimate_memory(..., also=...)`) stay in the test
+    that made them: a test that patches the estimator must run its own."""
+    yield
+    import sys
+
+    estimator = sys.modules.get("compiletune.estimate.estimator")  # only once imported
+    if estimator is not None:
+        estimator._DERIVED.clear()

@@ -17,7 +17,7 @@ What is approximated (stated in the output's `notes`):
                          partitioner's budget is that fraction of the activation memory
     --offload-activations  what each block saves is moved to the host category after the
                          block's forward and back to the device when backward first reads it
-    fused loss           one chunk of logits [c, V] (c from fused_loss.chunk_tokens, or
+    fused loss           one chunk of logits [c, V] (c from ce_chunks.chunk_tokens, or
                          one_pass_chunk_tokens for the one-pass head) plus the weight-gradient
                          buffers, added while the op runs (all tokens counted as targets)
 Not seen at all: the CUDA context and library workspaces (cuBLAS, NCCL), communication
@@ -72,7 +72,7 @@ from compiletune.ops import op_memory
 from compiletune.optim import _local
 from compiletune.train import Probe, Run, StepBatch, build_run
 from compiletune.train.build import build_optimizer, probe_dtype, probe_facts, resolve_model_args
-from compiletune.train.step import backward_pass, optimizer_step
+from compiletune.train.step import Backward, backward_pass, optimizer_step
 
 GPUS_PER_NODE = 8  # hybrid sharding's default shard group (one node), as torchrun would set it
 
@@ -151,8 +151,7 @@ def estimate_memory(
     if gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {gpus}")
     cfg = shapes_only(cfg)
-    key = _cache_key(cfg, gpus, round_bytes)
-    if (found := _DERIVED.pop(key, None)) is not None:
+    if _DERIVED and (found := _DERIVED.pop(_cache_key(cfg, gpus, round_bytes), None)):
         return found
     t0 = time.perf_counter()
     policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
@@ -226,13 +225,14 @@ def _cache_key(cfg: TrainConfig, gpus: int, round_bytes: int) -> tuple[str, int,
     without the run folder (a time stamp)."""
     flat = as_trained(cfg, gpus).to_dict()
     flat.pop("output_dir", None)
+    flat["(shortcut)"] = depth_.can_fork()  # decides whether the depth shortcut runs
     return json.dumps(flat, sort_keys=True, default=str), gpus, round_bytes
 
 
 def as_trained(cfg: TrainConfig, gpus: int) -> TrainConfig:
-    """`cfg` with the defaults the build derives from the model filled in (the loss head, say),
-    as the estimate's build fills them: the ladder and the advice start from the run `train`
-    would run."""
+    """`cfg` with the defaults the build derives from the model filled in (the loss head, say,
+    and document masks for preference pairs), as the estimate's build fills them: the ladder
+    and the advice start from the run the estimate runs."""
     cfg = shapes_only(cfg)
     facts = probe_facts(cfg, resolve_model_args(cfg), gpus)
     facts.bf16_params = probe_dtype(cfg) == torch.bfloat16
@@ -334,14 +334,20 @@ def _estimate(
                 extended = depth_.extend([first[kind], segs], depths, args.n_layers)
                 if extended is not None:
                     found[kind] = Peaks.of(extended)
-        if cfg.optim.optimizer in found:
+        if found:
             notes.append(
                 f"{args.n_layers} repeating blocks (period {depths[2]}): run at {depths[0]} and "
                 f"{depths[1]} blocks, each stretch of the step extended to {args.n_layers}"
             )
     if cfg.optim.optimizer not in found:
+        # The whole model, for what the shortcut did not give (as each would run alone).
+        others = tuple(k for k in others if k not in found)
         whole, run = at(None)
-        found = {k: Peaks.of(s) for k, s in whole.items() if s is not None}
+        shortcut = {k: notes for k in found}
+        notes = []
+        found |= {k: Peaks.of(s) for k, s in whole.items() if s is not None}
+    else:
+        shortcut = {}
     device_keep = set(REPORTED) - host
     out = {}
     for kind, peaks in found.items():
@@ -372,7 +378,7 @@ def _estimate(
                 "cp": c.parallel.cp,
                 "objective": c.objective.objective,
             },
-            notes=list(notes),
+            notes=list(shortcut.get(kind, notes)),
         )
     return out
 
@@ -450,7 +456,7 @@ def run_step(
             stack.enter_context(tracker)
         return stack
 
-    swap = _OptimizerSwap(tracker, cfg) if tracker is not None and others else None
+    swap = _OptimizerSwap(tracker) if tracker is not None and others else None
 
     def observe(phase: str, params: list[torch.nn.Parameter]) -> None:
         if tracker is None:
@@ -516,8 +522,8 @@ class _OptimizerSwap:
     state, and the child runs the optimizer step itself. The tests compare every number with
     running the other optimizer's step whole."""
 
-    def __init__(self, tracker: Tracker, cfg: TrainConfig) -> None:
-        self.tracker, self.cfg = tracker, cfg
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
         self.before: tuple[Key, Segment, dict[str, int], int, int] | None = None
         self.mine: Recorded | None = None  # this optimizer's state being built
         self.tail: Recorded | None = None  # the rest of the setup's stretch
@@ -550,7 +556,7 @@ class _OptimizerSwap:
         if self._recording is not None:
             self.tail = self._record()
 
-    def step_with(self, kind: str, run: Run, done: Any) -> list[tuple[Key, Segment]] | None:
+    def step_with(self, kind: str, run: Run, done: Backward) -> list[tuple[Key, Segment]] | None:
         """In the forked child: this step's segments with optimizer `kind`; None when the
         state did not follow the pattern above."""
         t = self.tracker

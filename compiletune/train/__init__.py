@@ -1,7 +1,7 @@
 """Training: `build_run` builds, `train_step` steps, `Trainer` loops, `run_dir` keeps the folder.
 
 build.py     build_run(cfg, env) -> Run: model, techniques, optimizer, data (the one build)
-step.py      train_step(run, micro_batches) -> StepResult; evaluate; the lr schedule
+step.py      train_step = backward_pass + optimizer_step -> StepResult; evaluate; lr schedule
 loop.py      train(cfg) -> Trainer(cfg, env).train(): the loop, logging, the summary
 run_dir.py   the run folder: checks, config.yaml, checkpoint cadence, summary, signals
 """
