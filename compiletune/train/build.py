@@ -499,11 +499,6 @@ def _device_and_dtype(
     return device, dtype
 
 
-def _probe_inputs(cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs) -> _Inputs:
-    """A probe reads no data: the facts its defaults depend on, as a run would have them."""
-    return _Inputs(probe_facts(cfg, args, env.world if env is not None else 1))
-
-
 def probe_facts(cfg: TrainConfig, args: ModelArgs, world: int) -> RunFacts:
     """The facts the memory estimate's build fills `cfg`'s defaults from (its parameters'
     dtype is added once known)."""
@@ -536,7 +531,10 @@ def build_run(
     spec = lora_spec(cfg, args)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
-    inputs = _read_inputs(cfg, env, args, spec) if probe is None else _probe_inputs(cfg, env, args)
+    if probe is None:
+        inputs = _read_inputs(cfg, env, args, spec)
+    else:  # a probe reads no data: only the facts its defaults depend on
+        inputs = _Inputs(probe_facts(cfg, args, env.world if env is not None else 1))
     inputs.facts.bf16_params = dtype == torch.bfloat16
     comp = cfg.optim.bf16_compensation
     if comp not in (None, "none") and dtype != torch.bfloat16:
