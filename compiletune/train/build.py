@@ -499,9 +499,12 @@ def _device_and_dtype(
     return device, dtype
 
 
+def _probe_inputs(cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs) -> _Inputs:
+    return _Inputs(probe_facts(cfg, args, env.world if env is not None else 1))  # reads no data
+
+
 def probe_facts(cfg: TrainConfig, args: ModelArgs, world: int) -> RunFacts:
-    """The facts the memory estimate's build fills `cfg`'s defaults from (its parameters'
-    dtype is added once known)."""
+    """The facts the estimate's build fills `cfg`'s defaults from (then its params' dtype)."""
     return RunFacts(
         args.vocab_size,
         # pair rows hold two sequences each (the estimator's random pairs): masked as in a run
@@ -531,10 +534,7 @@ def build_run(
     spec = lora_spec(cfg, args)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
-    if probe is None:
-        inputs = _read_inputs(cfg, env, args, spec)
-    else:  # a probe reads no data: only the facts its defaults depend on
-        inputs = _Inputs(probe_facts(cfg, args, env.world if env is not None else 1))
+    inputs = _read_inputs(cfg, env, args, spec) if probe is None else _probe_inputs(cfg, env, args)
     inputs.facts.bf16_params = dtype == torch.bfloat16
     comp = cfg.optim.bf16_compensation
     if comp not in (None, "none") and dtype != torch.bfloat16:
@@ -622,9 +622,8 @@ def split_sequences(
     model: nn.Module,
     frozen: tuple[Any, Any],
 ) -> SeqShards | None:
-    """--cp N: this rank's place in its group of N consecutive ranks sharing each row (None
-    without), with the model and its frozen ones split to it. `simulated`: the memory
-    estimate's rank 0, the same shapes without a group."""
+    """--cp N: this rank's place among N consecutive ranks sharing each row (None without), the
+    model and its frozen ones split to it. `simulated`: the estimate's rank 0, no group."""
     n, world = cfg.parallel.cp, env.world if env is not None else 1
     if n > 1 and (why := unsplittable(args, n, world)):
         raise UserError(f"--cp {n} {why}")
@@ -641,8 +640,7 @@ def split_sequences(
 
 def _attach_batches(run: Run, inputs: _Inputs) -> None:
     """The run's batch stream over the data it read (none for the estimate's probe). Every rank
-    draws the same global batch of (world / --cp) x --batch-size rows and trains its slice
-    (under --cp: its piece of its slice's rows)."""
+    draws the same global batch of (world / --cp) x --batch-size rows, trains its slice."""
     if inputs.data is None:
         return
     cfg = run.cfg
