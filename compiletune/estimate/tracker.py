@@ -270,14 +270,17 @@ class Tracker(mi.TorchDispatchMode):
     def recording(self, merge: bool = True) -> Iterator[Recorded]:
         """What the code inside the block does to the memory (`Recorded`, complete when the
         block ends). merge: its peaks count in the current segment, as if it ran there
-        unrecorded; else they count nowhere (the caller folds them in elsewhere)."""
+        unrecorded; else they count nowhere (the caller folds them in elsewhere). A block mark
+        inside (`rec.moved`) leaves the segment it entered current."""
         seg, probe, rec = self.segment, Segment(), Recorded(None, None, {})
         totals, device, host = dict(self.totals), self.device_now, self.host_now
         self.segment = probe
         try:
             yield rec
         finally:
-            self.segment = seg
+            rec.moved = self.segment is not probe
+            if not rec.moved:
+                self.segment = seg
             if merge:
                 _merge(seg, probe)
             rec.device, rec.host = _excess(probe, totals, device, host)
@@ -304,24 +307,17 @@ class Tracker(mi.TorchDispatchMode):
             return self._replay(memo)
         if memo >= _REPLAY_TRIES:
             return fn(*args, **kwargs)
-        seg, probe = self.segment, Segment()
-        self.segment = probe
-        totals, device, host, seq = dict(self.totals), self.device_now, self.host_now, self.seq
-        try:
+        seq = self.seq
+        with self.recording() as rec:
             out = fn(*args, **kwargs)
-        finally:
-            moved = self.segment is not probe  # a block mark inside: no replay
-            _merge(seg, probe)
-            if not moved:
-                self.segment = seg
         made = _made(out)
         kept = []  # entries made by the call and still alive (entries are in `seq` order)
         for e in reversed(self.entries.values()):
             if e[2] <= seq:
                 break
             kept.append(e)
-        change = {k: v - totals[k] for k, v in self.totals.items()}
-        if moved:
+        change = rec.change
+        if rec.moved:  # a block mark inside: no replay
             ok = False
         elif out is None:
             ok = not kept and not any(change.values())
@@ -334,7 +330,7 @@ class Tracker(mi.TorchDispatchMode):
                 and change == {k: entry[0] if k == entry[1] else 0 for k in change}
             )
         if ok:
-            self.replays[key] = _Replay(*_excess(probe, totals, device, host), made)
+            self.replays[key] = _Replay(rec.device, rec.host, made)
         else:
             self.replays[key] = memo + 1
         return out
@@ -421,6 +417,7 @@ class Recorded:
     device: Excess | None
     host: Excess | None
     change: dict[str, int]
+    moved: bool = False  # a block mark inside: the stretch ended in another segment
 
 
 def _excess(
