@@ -208,15 +208,24 @@ def estimate_memory(
             _add_rollout(est, cfg.replace(optimizer=kind), gpus)
         est.seconds = seconds
         if kind != cfg.optim.optimizer:
-            if len(_DERIVED) >= _DERIVED_KEPT:
-                _DERIVED.pop(next(iter(_DERIVED)))
-            _DERIVED[_cache_key(cfg.replace(optimizer=kind), gpus, round_bytes)] = est
+            keep(cfg.replace(optimizer=kind), gpus, est, round_bytes)
     return ests[cfg.optim.optimizer]
 
 
-# Estimates had alongside another (`also`), each kept until the call that asks for it.
+# Estimates had alongside another (`also`), or kept by a search (`keep`), each until the call
+# that asks for it.
 _DERIVED: dict[tuple[str, int, int], MemoryEstimate] = {}
 _DERIVED_KEPT = 16
+
+
+def keep(
+    cfg: TrainConfig, gpus: int, est: MemoryEstimate, round_bytes: int = GPU_ROUND_BYTES
+) -> None:
+    """Keep `est`, the estimate of `cfg`, for the next `estimate_memory` call that asks for it
+    (a search that will ask for a configuration again)."""
+    if len(_DERIVED) >= _DERIVED_KEPT:
+        _DERIVED.pop(next(iter(_DERIVED)))
+    _DERIVED[_cache_key(cfg, gpus, round_bytes)] = est
 
 
 def _cache_key(cfg: TrainConfig, gpus: int, round_bytes: int) -> tuple[str, int, int]:

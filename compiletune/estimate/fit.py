@@ -16,6 +16,7 @@ from compiletune.estimate.estimator import (
     MemoryEstimate,
     as_trained,
     estimate_memory,
+    keep,
 )
 from compiletune.estimate.tracker import CATEGORIES
 from compiletune.train.build import resolve_model_args
@@ -341,6 +342,54 @@ def suggest(
     return flags_text({k: v for t in added for k, v in t.items()}), est
 
 
+def _stack(
+    cfg: TrainConfig, rungs: list[tuple[str, dict[str, Any]]]
+) -> tuple[TrainConfig, dict[str, Any]]:
+    """`cfg` with each of `rungs` added as `suggest` climbs them (those already on or invalid
+    for the run skipped), and the flags that added."""
+    added: dict[str, Any] = {}
+    for _, changes in rungs:
+        todo = _todo(cfg, changes)
+        if todo and not _not_applicable(cfg, todo):
+            cfg = cfg.replace(**todo)
+            added |= todo
+    return cfg, added
+
+
+def _may_fit(
+    cfg: TrainConfig,
+    gpus: int,
+    capacity: Capacity,
+    progress: Callable[[str], None] | None,
+    label: str,
+) -> str:
+    """Whether `suggest` can find flags that make `cfg` fit ("": it can; else what ran out,
+    "GPU" or "host"), from one or two estimates instead of its climb: no rung raises the device
+    peak, so the climb fits somewhere when every rung together fits, and nowhere when that
+    misses the GPU. When only the host cannot take the CPU offload (the last rung), the rungs
+    before it decide. An estimate that fits is kept for the climb, which reaches the same
+    configuration."""
+    top = as_trained(cfg, gpus)
+    offload = LADDER[-1][1]
+    stacks = [_stack(top, LADDER)]
+    if _todo(top, offload):  # the stack without the offload, when the run does not offload
+        stacks.append(_stack(top, LADDER[:-1]))
+    for i, (stacked, added) in enumerate(stacks):
+        est = estimate_memory(stacked, gpus)
+        ok = fits(est, capacity)
+        if progress is not None:
+            progress(
+                f"  {label} with {flags_text(added) or 'no rung'}: {est.peak_bytes / 2**30:.1f} "
+                f"GiB, {'fits' if ok else 'does not fit'}"
+            )
+        if ok:
+            keep(stacked, gpus, est)
+            return ""
+        if not _device_fits(est, capacity):
+            return "GPU" if i == 0 else "host"  # (every rung fitted the GPU, not the host)
+    return "host"
+
+
 def verdict(est: MemoryEstimate, capacity: Capacity) -> str:
     """One line: whether the step fits each GPU and, when it offloads, the machine's host memory."""
     gib = 2**30
@@ -367,16 +416,32 @@ def advice(
 ) -> str:
     """What to do about a step that does not fit: the cheapest technique flags that fit; when
     none do at this micro-batch, smaller micro-batches (largest first) with --grad-accum raised
-    to keep the tokens per step, each with the technique flags it needs; else more GPUs."""
+    to keep the tokens per step, each with the technique flags it needs (`_may_fit` first,
+    from every rung together: at the smallest micro-batch, then at each); else more GPUs."""
     found = suggest(cfg, gpus, capacity, progress)
     if found is not None:
         flags, est = found
         return f"add {flags} (then about {est.peak_bytes / 2**30:.1f} GiB per GPU)"
     batch, accum = cfg.data.batch_size, cfg.data.grad_accum
     # (accumulation is not possible with the optimizer stepping in backward)
-    smaller_batches = [] if cfg.optim.optimizer_in_backward else range(batch - 1, 0, -1)
-    for smaller in (d for d in smaller_batches if batch % d == 0):
-        split = {"batch_size": smaller, "grad_accum": accum * batch // smaller}
+    smaller = [] if cfg.optim.optimizer_in_backward else range(batch - 1, 0, -1)
+    splits = [
+        {"batch_size": d, "grad_accum": accum * batch // d} for d in smaller if batch % d == 0
+    ]
+    short_of: dict[int, str] = {}  # what ran out at each micro-batch with every rung
+
+    def reachable(split: dict[str, Any]) -> bool:
+        d = split["batch_size"]
+        if d not in short_of:
+            trial = cfg.replace(**split)
+            short_of[d] = _may_fit(trial, gpus, capacity, progress, flags_text(split))
+        return not short_of[d]
+
+    # The smallest micro-batch first: a larger one holds more, so when no rung fits even that,
+    # none fits any of them.
+    for split in splits if splits and reachable(splits[-1]) else []:
+        if not reachable(split):
+            continue
         trial = cfg.replace(**split)
         est = estimate_memory(as_trained(trial, gpus), gpus, also=search_optimizers(trial))
         if progress is not None:
@@ -390,6 +455,12 @@ def advice(
                 f"{batch * accum} rows per step; then about {est.peak_bytes / 2**30:.1f} GiB "
                 "per GPU)"
             )
+    if short_of.get(1) == "host":
+        return (
+            "no technique flag makes it fit, even at --batch-size 1: with --cpu-offload the step "
+            "fits the GPU but not the host memory (--host-memory); use more machines or a shorter "
+            "--seq-len"
+        )
     return (
         "no technique flag makes it fit, even at --batch-size 1: use more GPUs (--fsdp) or a "
         "shorter --seq-len"

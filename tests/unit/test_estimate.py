@@ -196,9 +196,27 @@ def test_advice_splits_the_micro_batch_when_no_technique_is_enough() -> None:
     assert any("--batch-size 4 --grad-accum 2:" in line for line in lines), lines
     # every technique rung was tried at batch 8 first, and none fitted
     assert sum(line.endswith("does not fit") for line in lines[:5]) == 5, lines
-    # nothing fits even one row at a time: the advice says so
+    # nothing fits even one row at a time: the advice says so, from every rung together at
+    # --batch-size 1, without climbing the ladder at each micro-batch
     tiny = fit.Capacity(fit.RESERVE_BYTES + 2**20, host_bytes=2**20)
-    assert "even at --batch-size 1" in fit.advice(cfg.replace(batch_size=1), 1, tiny)
+    lines = []
+    text = fit.advice(cfg, 1, tiny, lines.append)
+    assert "even at --batch-size 1: use more GPUs" in text, text
+    assert [line.split(":")[0] for line in lines[5:]] == [
+        "  --batch-size 1 --grad-accum 8 with --loss fused --optimizer adamw8bit --ac full --fsdp "
+        "--cpu-offload"
+    ], lines
+    # with the offload the GPU has room at --batch-size 1, but the host has none: said so
+    ones = {
+        off: estimate.estimate_memory(
+            cfg.replace(batch_size=1, grad_accum=2, **every, fsdp=off, cpu_offload=off)
+        )
+        for off in (False, True)
+    }
+    assert ones[True].peak_bytes < ones[False].peak_bytes
+    gpu = (ones[True].peak_bytes + ones[False].peak_bytes) // 2 + fit.RESERVE_BYTES
+    text = fit.advice(cfg.replace(batch_size=2), 1, fit.Capacity(gpu, host_bytes=2**20))
+    assert "fits the GPU but not the host memory (--host-memory)" in text, text
 
 
 def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
