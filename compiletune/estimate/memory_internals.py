@@ -17,6 +17,8 @@ one of them touches this file only, and a missing one is reported as a `UserErro
                             when it is that mode (selective checkpointing puts its own above)
     is_traceable_wrapper_subclass  a tensor subclass that wraps others (float8) and has no
                             storage of its own
+    FakeTensor, _DisableTorchDispatch  a view of a fake tensor made from its meta data directly
+                            (`fake_view`): a third of FakeTensorMode's cost per op
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from compiletune.errors import UserError
 
 try:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.utils._python_dispatch import (
         TorchDispatchMode,
         _get_current_dispatch_mode,
@@ -45,8 +47,10 @@ except ImportError as e:  # pragma: no cover - depends on the torch build
 
 __all__ = [
     "TorchDispatchMode",
+    "VIEWS",
     "dtensor_shape_propagation",
     "fake_mode",
+    "fake_view",
     "fake_process_group",
     "innermost_dispatch_mode",
     "is_traceable_wrapper_subclass",
@@ -58,6 +62,43 @@ def fake_mode() -> FakeTensorMode:
     """A fake tensor mode that also accepts meta tensors (the model is built on meta and
     materialised inside the mode; the meta tensors become fake ones)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+aten = torch.ops.aten
+# Ops whose one output is a view of their one tensor input (no memory of its own): about half
+# the ops of a step (detach alone a tenth: autograd's and checkpointing's saved tensors).
+VIEWS = frozenset(
+    {
+        aten.detach.default,
+        aten.t.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.transpose.int,
+        aten.unsqueeze.default,
+        aten.expand.default,
+        aten.permute.default,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.squeeze.dim,
+        aten.alias.default,
+    }
+)
+
+
+def fake_view(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """`func` (one of VIEWS) on a fake tensor, run by its meta kernel on the tensor's own meta
+    data and wrapped as a fake tensor of the same mode and device: what FakeTensorMode returns
+    for it (the same storage, shape, strides and offset), for about a third of the time. None
+    when the call is not that simple (another tensor argument, keywords, a fake tensor that
+    holds a constant): FakeTensorMode then runs it."""
+    x = args[0] if args else None
+    if type(x) is not FakeTensor or x.constant is not None or kwargs:
+        return None
+    if any(isinstance(a, torch.Tensor) for a in args[1:]):
+        return None
+    with torch._C._DisableTorchDispatch():
+        out = func(*args)
+    return FakeTensor(x.fake_mode, out, x.fake_device)
 
 
 def innermost_dispatch_mode() -> TorchDispatchMode | None:

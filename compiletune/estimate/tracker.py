@@ -355,7 +355,9 @@ class Tracker(mi.TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)  # DTensor's shape propagation, not the step's memory
-        out = func(*args, **kwargs)
+        out = mi.fake_view(func, args, kwargs) if func in mi.VIEWS else None
+        if out is None:
+            out = func(*args, **kwargs)
         kind = _KINDS.get(func)
         if kind is None:
             kind = _KINDS[func] = _kind(func)

@@ -104,6 +104,51 @@ def test_techniques_move_the_parts_they_should() -> None:
     assert moved.peak_bytes < kept.peak_bytes
 
 
+def test_fake_views_are_what_fake_tensor_mode_returns() -> None:
+    """Each view op the tracker runs on the fake tensor's meta data (`memory_internals.VIEWS`)
+    gives what FakeTensorMode gives: a fake tensor of the same mode and device on the same
+    storage, with the same shape, strides, offset and dtype; a call it cannot take is left to
+    FakeTensorMode (None)."""
+    from compiletune.estimate import memory_internals as mi
+
+    aten = torch.ops.aten
+    calls = {
+        aten.detach.default: (),
+        aten.t.default: (),
+        aten.view.default: ([6, 20],),
+        aten._unsafe_view.default: ([2, 60],),
+        aten.transpose.int: (0, 2),
+        aten.unsqueeze.default: (1,),
+        aten.expand.default: ([3, 2, 3, 20],),
+        aten.permute.default: ([2, 0, 1],),
+        aten.slice.Tensor: (2, 4, 12, 2),
+        aten.select.int: (1, 2),
+        aten.squeeze.dim: (0,),
+        aten.alias.default: (),
+    }
+    assert set(calls) == mi.VIEWS
+    mode = mi.fake_mode()
+    with mode:
+        x = torch.empty(2, 3, 20, dtype=torch.bfloat16)
+        flat = torch.empty(12, 20)
+        one = torch.empty(1, 3, 20)
+    for op, rest in calls.items():
+        arg = {aten.t.default: flat, aten.squeeze.dim: one}.get(op, x)
+        with mode:
+            want = op(arg, *rest)
+        got = mi.fake_view(op, (arg, *rest), {})
+        assert type(got) is type(want) and got.fake_mode is mode, op
+        assert got.device == want.device and got.dtype == want.dtype, op
+        assert (got.shape, got.stride(), got.storage_offset()) == (
+            want.shape,
+            want.stride(),
+            want.storage_offset(),
+        ), op
+        assert got.untyped_storage()._cdata == arg.untyped_storage()._cdata, op
+    assert mi.fake_view(aten.expand.default, (x, [2, 3, 20]), {"implicit": True}) is None
+    assert mi.fake_view(aten.detach.default, (torch.empty(2),), {}) is None  # not fake
+
+
 def test_sharding_divides_the_state_and_leaves_no_process_group() -> None:
     one = estimate.estimate_memory(_cfg(loss="plain"), 1)
     four = estimate.estimate_memory(_cfg(loss="plain", fsdp=True), 4)
