@@ -3,6 +3,7 @@ two short ones, exactly (see the comment above `ENDS`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -20,10 +21,23 @@ def can_fork() -> bool:
     return hasattr(os, "fork") and not os.environ.get("COMPILETUNE_ESTIMATE_NO_FORK")
 
 
+_IN_CHILD = False  # whether this process is a `Forked` child
+
+
+def _enter_child() -> None:
+    """In a new child: lead a process group, unless this process is itself a child (a fork
+    from a fork stays in its parent's group, so killing that group kills both)."""
+    global _IN_CHILD
+    if not _IN_CHILD:
+        os.setpgid(0, 0)
+    _IN_CHILD = True
+
+
 class Forked:
     """`work` run in a forked child (a second core) while this process goes on: `result()`
     waits for its pickled value, None when the platform cannot fork or the child failed in any
-    way. Leaving the `with` block without the result kills the child."""
+    way. Leaving the `with` block without the result kills the child and what it forked in
+    turn (its own process group)."""
 
     def __init__(self, work: Callable[[], Any]) -> None:
         self.pid = 0
@@ -34,6 +48,7 @@ class Forked:
         if self.pid == 0:  # the child never returns into the caller's code
             code = 1
             try:
+                _enter_child()
                 os.close(read)
                 with os.fdopen(write, "wb") as f:
                     pickle.dump(work(), f)
@@ -42,6 +57,10 @@ class Forked:
                 os._exit(code)
         os.close(write)
         self.read = os.fdopen(read, "rb")
+        self.group = not _IN_CHILD  # the child leads its own group, which its forks join
+        if self.group:
+            with contextlib.suppress(OSError):  # (done by the child too: whichever runs first)
+                os.setpgid(self.pid, self.pid)
 
     def result(self) -> Any:
         if not self.pid:
@@ -56,7 +75,11 @@ class Forked:
 
     def __exit__(self, *exc: object) -> None:
         if self.pid:
-            os.kill(self.pid, signal.SIGKILL)
+            kill = os.killpg if self.group else os.kill  # (in a child its forks share a group)
+            try:
+                kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # no such group (setpgid failed): the child alone
+                os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
             self.pid = 0
         if hasattr(self, "read"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -639,3 +640,41 @@ def test_length_ladder_reaches_further_with_each_rung(capsys) -> None:
     whole = estimate.estimate_memory(cfg.replace(seq_len=4096), 2)
     assert half.peak_bytes < whole.peak_bytes
     assert "seq 4096 (2048 each, --cp 2)" in fit.format_estimate(half)
+
+
+@pytest.mark.skipif(
+    not depth.can_fork() or not Path("/proc").is_dir(), reason="needs os.fork and /proc"
+)
+def test_leaving_a_fork_early_kills_its_forks_too(tmp_path) -> None:
+    """A forked estimate that forked again (the depth shortcut's child forks the optimizers'
+    children) leaves no process behind when its parent gives up on it (an exception)."""
+    import time
+
+    def grandchild() -> None:
+        time.sleep(60)
+
+    def child() -> None:
+        with depth.Forked(grandchild) as inner:
+            (tmp_path / "pid").write_text(str(inner.pid))
+            time.sleep(60)
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state not in ("Z", "X")
+
+    with pytest.raises(KeyboardInterrupt), depth.Forked(child) as outer:
+        for _ in range(500):
+            if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text():
+                break
+            time.sleep(0.01)
+        pids = [outer.pid, int((tmp_path / "pid").read_text())]
+        assert all(alive(p) for p in pids)
+        raise KeyboardInterrupt
+    for _ in range(500):
+        if not any(alive(p) for p in pids):
+            break
+        time.sleep(0.01)
+    assert not any(alive(p) for p in pids), pids
