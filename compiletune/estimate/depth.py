@@ -4,6 +4,7 @@ two short ones, exactly (see the comment above `ENDS`)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pickle
 import signal
@@ -21,34 +22,35 @@ def can_fork() -> bool:
     return hasattr(os, "fork") and not os.environ.get("COMPILETUNE_ESTIMATE_NO_FORK")
 
 
-_IN_CHILD = False  # whether this process is a `Forked` child
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _enter_child() -> None:
-    """In a new child: lead a process group, unless this process is itself a child (a fork
-    from a fork stays in its parent's group, so killing that group kills both)."""
-    global _IN_CHILD
-    if not _IN_CHILD:
-        os.setpgid(0, 0)
-    _IN_CHILD = True
+def _die_with_parent(parent: int) -> None:
+    """In a new child (Linux): be killed when the process that forked it ends, however it ends
+    (a fork from a fork dies with its parent in turn); gone already: exit now."""
+    with contextlib.suppress(Exception):  # elsewhere, or where prctl is refused: not needed
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class Forked:
     """`work` run in a forked child (a second core) while this process goes on: `result()`
     waits for its pickled value, None when the platform cannot fork or the child failed in any
-    way. Leaving the `with` block without the result kills the child and what it forked in
-    turn (its own process group)."""
+    way. Leaving the `with` block without the result kills the child, and with it what it
+    forked in turn; the child dies with this process too, however this one ends."""
 
     def __init__(self, work: Callable[[], Any]) -> None:
         self.pid = 0
         if not can_fork():
             return
         read, write = os.pipe()
+        parent = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:  # the child never returns into the caller's code
             code = 1
             try:
-                _enter_child()
+                _die_with_parent(parent)
                 os.close(read)
                 with os.fdopen(write, "wb") as f:
                     pickle.dump(work(), f)
@@ -57,10 +59,6 @@ class Forked:
                 os._exit(code)
         os.close(write)
         self.read = os.fdopen(read, "rb")
-        self.group = not _IN_CHILD  # the child leads its own group, which its forks join
-        if self.group:
-            with contextlib.suppress(OSError):  # (done by the child too: whichever runs first)
-                os.setpgid(self.pid, self.pid)
 
     def result(self) -> Any:
         if not self.pid:
@@ -75,11 +73,7 @@ class Forked:
 
     def __exit__(self, *exc: object) -> None:
         if self.pid:
-            kill = os.killpg if self.group else os.kill  # (in a child its forks share a group)
-            try:
-                kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:  # no such group (setpgid failed): the child alone
-                os.kill(self.pid, signal.SIGKILL)
+            os.kill(self.pid, signal.SIGKILL)  # its own forks die with it (`_die_with_parent`)
             os.waitpid(self.pid, 0)
             self.pid = 0
         if hasattr(self, "read"):

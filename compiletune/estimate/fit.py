@@ -329,15 +329,17 @@ def suggest(
         tried(added, est)
         if fits(est, capacity):
             break
-    else:
+    else:  # every rung on, kept: at --batch-size 1 `advice` asks for it again (`_may_fit`)
+        if est is not None:
+            keep(current, gpus, est)
         return None
     for todo in list(reversed(added[:-1])):
-        keep = [t for t in added if t is not todo]
-        trial = cfg.replace(**{k: v for t in keep for k, v in t.items()})
+        kept = [t for t in added if t is not todo]
+        trial = cfg.replace(**{k: v for t in kept for k, v in t.items()})
         trial_est = estimate_memory(trial, gpus, also=also)
-        tried(keep, trial_est)
+        tried(kept, trial_est)
         if fits(trial_est, capacity):
-            added, est = keep, trial_est
+            added, est = kept, trial_est
     assert est is not None
     return flags_text({k: v for t in added for k, v in t.items()}), est
 
@@ -375,7 +377,10 @@ def _may_fit(
     if _todo(top, offload):  # the stack without the offload, when the run does not offload
         stacks.append(_stack(top, LADDER[:-1]))
     for i, (stacked, added) in enumerate(stacks):
-        est = estimate_memory(stacked, gpus)
+        try:  # (the climb's drop phase asks for the other optimizers: had from this step)
+            est = estimate_memory(stacked, gpus, also=search_optimizers(cfg))
+        except UserError:  # a stack this run cannot build: leave the question to the climb
+            return ""
         ok = fits(est, capacity)
         if progress is not None:
             progress(
@@ -455,6 +460,8 @@ def advice(
                 f"{batch * accum} rows per step; then about {est.peak_bytes / 2**30:.1f} GiB "
                 "per GPU)"
             )
+    if not splits and not cfg.optim.optimizer_in_backward:  # --batch-size 1: what ran out
+        short_of[1] = _may_fit(cfg, gpus, capacity, None, "")
     if short_of.get(1) == "host":
         return (
             "no technique flag makes it fit, even at --batch-size 1: with --cpu-offload the step "

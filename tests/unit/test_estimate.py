@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -261,8 +262,10 @@ def test_advice_splits_the_micro_batch_when_no_technique_is_enough() -> None:
     }
     assert ones[True].peak_bytes < ones[False].peak_bytes
     gpu = (ones[True].peak_bytes + ones[False].peak_bytes) // 2 + fit.RESERVE_BYTES
-    text = fit.advice(cfg.replace(batch_size=2), 1, fit.Capacity(gpu, host_bytes=2**20))
-    assert "fits the GPU but not the host memory (--host-memory)" in text, text
+    short_host = fit.Capacity(gpu, host_bytes=2**20)
+    for start in (cfg.replace(batch_size=2), cfg.replace(batch_size=1, grad_accum=2)):
+        text = fit.advice(start, 1, short_host)  # (from --batch-size 1 itself too)
+        assert "fits the GPU but not the host memory (--host-memory)" in text, text
 
 
 def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
@@ -665,16 +668,16 @@ def test_leaving_a_fork_early_kills_its_forks_too(tmp_path) -> None:
             return False
         return state not in ("Z", "X")
 
-    with pytest.raises(KeyboardInterrupt), depth.Forked(child) as outer:
-        for _ in range(500):
-            if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text():
-                break
+    def wait(done: Callable[[], bool]) -> bool:
+        deadline = time.monotonic() + 30
+        while not done() and time.monotonic() < deadline:
             time.sleep(0.01)
-        pids = [outer.pid, int((tmp_path / "pid").read_text())]
+        return done()
+
+    written = tmp_path / "pid"
+    with pytest.raises(KeyboardInterrupt), depth.Forked(child) as outer:
+        assert wait(lambda: written.exists() and written.read_text() != "")
+        pids = [outer.pid, int(written.read_text())]
         assert all(alive(p) for p in pids)
         raise KeyboardInterrupt
-    for _ in range(500):
-        if not any(alive(p) for p in pids):
-            break
-        time.sleep(0.01)
-    assert not any(alive(p) for p in pids), pids
+    assert wait(lambda: not any(alive(p) for p in pids)), pids
