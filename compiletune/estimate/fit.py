@@ -217,6 +217,13 @@ def _not_applicable(cfg: TrainConfig, changes: dict[str, Any]) -> str:
     return ""
 
 
+def _climbed(cfg: TrainConfig, changes: dict[str, Any]) -> dict[str, Any]:
+    """What a climb adds to `cfg` for a rung: its flags `cfg` lacks, none when the rung is on
+    already or invalid for the run."""
+    todo = _todo(cfg, changes)
+    return {} if _not_applicable(cfg, todo) else todo
+
+
 def ladder(
     cfg: TrainConfig, gpus: int, progress: Callable[[str], None] | None = None
 ) -> list[Rung]:
@@ -320,8 +327,8 @@ def suggest(
             progress(f"  {flags or 'as configured'}: {est.peak_bytes / 2**30:.1f} GiB, {verdict}")
 
     for _, changes in LADDER:
-        todo = _todo(current, changes)
-        if not todo or _not_applicable(current, todo):
+        todo = _climbed(current, changes)
+        if not todo:
             continue
         current = current.replace(**todo)
         added.append(todo)
@@ -351,8 +358,7 @@ def _stack(
     for the run skipped), and the flags that added."""
     added: dict[str, Any] = {}
     for _, changes in rungs:
-        todo = _todo(cfg, changes)
-        if todo and not _not_applicable(cfg, todo):
+        if todo := _climbed(cfg, changes):
             cfg = cfg.replace(**todo)
             added |= todo
     return cfg, added

@@ -56,6 +56,8 @@ _KINDS: dict[Any, str] = {}
 
 
 def _kind(func: Any) -> str:
+    if func in mi.VIEWS:
+        return "view"  # made from the fake tensor's metadata (`mi.fake_view`)
     name = str(func)
     if "all_gather_copy_in" in name:
         return "gather_in"  # FSDP2's all-gather input buffer: a temporary
@@ -355,12 +357,12 @@ class Tracker(mi.TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)  # DTensor's shape propagation, not the step's memory
-        out = mi.fake_view(func, args, kwargs) if func in mi.VIEWS else None
-        if out is None:
-            out = func(*args, **kwargs)
         kind = _KINDS.get(func)
         if kind is None:
             kind = _KINDS[func] = _kind(func)
+        out = mi.fake_view(func, args, kwargs) if kind == "view" else None
+        if out is None:
+            out = func(*args, **kwargs)
         category = TEMP if kind == "gather_in" else None
         if isinstance(out, Tensor):  # most ops: one tensor out
             if not isinstance(out, DTensor):
