@@ -67,10 +67,7 @@ def resolve_model_path(
     folder = hub.model_folder(str(name), flag, weights)
     if folder is not None:
         return folder
-    raise UserError(
-        f"model folder {name} does not exist; pass {flag} with a local HF model folder "
-        "(config.json, model.safetensors, tokenizer files) or a Hub id ORG/NAME[@REVISION]"
-    )
+    raise UserError(hub.no_model_folder(name, flag))
 
 
 def load_hf_config(path: str | os.PathLike, flag: str = "--model-dir") -> dict:
@@ -133,6 +130,32 @@ _POSITIVE_INTS = (
     "global_head_dim",
     "num_global_key_value_heads",
     "vocab_size_per_layer_input",
+    # the families' own fields (models/family_hooks.py): transformers' strict configs refuse
+    # a string here, so ours must too, before a later reader (the tokenizer's) trips on it
+    "n_routed_experts",
+    "n_group",
+    "topk_group",
+    "top_k_experts",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "full_attention_interval",
+    "no_rope_layer_interval",
+)
+# Counts that may be 0.
+_COUNTS = (
+    "first_k_dense_replace",
+    "n_shared_experts",
+    "num_kv_shared_layers",
+    "hidden_size_per_layer_input",
+    "shared_expert_intermediate_size",
 )
 _NUMBERS = (
     "rms_norm_eps",
@@ -146,6 +169,7 @@ _NUMBERS = (
     "router_jitter_noise",
     "swiglu_limit",
     "swiglu_alpha",
+    "routed_scaling_factor",
 )
 _BOOLS = (
     "tie_word_embeddings",
@@ -256,6 +280,12 @@ def _check_field_types(cfg: dict) -> None:
             isinstance(value, int) and not isinstance(value, bool) and value >= 1
         ):
             raise bad(key, "a positive integer")
+    for key in _COUNTS:
+        value = cfg.get(key)
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        ):
+            raise bad(key, "a non-negative integer")
     for key in _NUMBERS:
         if cfg.get(key) is not None and not _is_number(cfg[key]):
             raise bad(key, "a number")

@@ -144,12 +144,34 @@ def load_tokenizer(path: str | Path, flag: str = "--model-dir") -> PreTrainedTok
             str(folder), local_files_only=True, trust_remote_code=False
         )
     except Exception as e:  # OSError, ValueError, JSON and tokenizers errors of broken files
+        # AutoTokenizer also reads config.json (for the model type): a bad field there is the
+        # config's fault, and the line must send the user to that file, not to the tokenizer.
+        config = _config_error(folder)
+        if config is not None:
+            raise UserError(
+                f"{folder / 'config.json'} cannot be read by transformers ({config}), so "
+                "neither can the tokenizer beside it; fix the field or re-export the config"
+            ) from e
         raise UserError(
             f"could not load the tokenizer in {folder} ({brief(e)}); check that the folder is a "
             "complete HF tokenizer (tokenizer.json, or tokenizer.model / vocab.json + merges.txt)"
         ) from e
     check_vocabulary(tokenizer, folder)
     return tokenizer
+
+
+def _config_error(folder: Path) -> str | None:
+    """Why transformers cannot read `folder`/config.json (one short line), or None when it can
+    or there is none."""
+    if not (folder / "config.json").is_file():
+        return None
+    from transformers import AutoConfig  # only on a failed load (see byte_tokenizer)
+
+    try:
+        AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # strict-dataclass, JSON and unknown-model-type errors alike
+        return brief(e)
+    return None
 
 
 def check_vocabulary(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:

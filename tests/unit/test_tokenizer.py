@@ -80,3 +80,21 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(tmp_path / "nope")
     with pytest.raises(UserError, match="no tokenizer files"):
         load_tokenizer(tmp_path)
+
+
+def test_config_json_transformers_refuses_is_named_not_the_tokenizer(tmp_path):
+    """AutoTokenizer reads config.json too: a field transformers' strict config refuses there
+    (n_group "4") is reported as config.json's, not as a tokenizer that could not load."""
+    import json
+
+    import transformers
+
+    transformers.DeepseekV3Config(n_group=4, topk_group=2).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"n_group": "4"}))
+    with pytest.raises(UserError) as e:
+        load_tokenizer(tmp_path, "--tokenizer")
+    msg = str(e.value)
+    assert str(tmp_path / "config.json") in msg and "n_group" in msg, msg
+    assert "could not load the tokenizer" not in msg, msg

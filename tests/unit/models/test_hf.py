@@ -442,3 +442,43 @@ def test_long_rope_positions_equal_transformers(config_class, scaling) -> None:
     hf_cos, hf_sin = cls(config)(torch.zeros(1, dtype=torch.float32), positions)
     cos, sin = rope_cos_sin(args, positions, torch.float32)
     assert torch.equal(cos, hf_cos) and torch.equal(sin, hf_sin)
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        (
+            transformers.Qwen3_5TextConfig(
+                **SMALL, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4
+            ),
+            "linear_conv_kernel_dim",
+        ),
+        (
+            transformers.DeepseekV3Config(
+                **SMALL, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2
+            ),
+            "n_group",
+        ),
+    ],
+)
+def test_family_field_written_as_a_string_names_config_json(tmp_path, capsys, config, key):
+    """A family's own integer field written as a string ("4") is one line naming config.json,
+    the key, the value and the type wanted: not a tokenizer that could not load (transformers'
+    strict config refuses it when AutoTokenizer reads config.json)."""
+    from compiletune.cli import main
+    from compiletune.data.tokenizer import byte_tokenizer
+
+    folder = tmp_path / "model"
+    config.save_pretrained(folder)  # no weights: the config is refused before they are read
+    byte_tokenizer().save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = str(cfg[key])
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "d.txt").write_text("hello world " * 50)
+    capsys.readouterr()
+    argv = ["train", "--model-dir", str(folder), "--data", str(tmp_path / "d.txt")]
+    code = main([*argv, "--max-steps", "1", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert str(folder / "config.json") in err[0] and repr(key) in err[0], err
+    assert f'"{cfg[key]}"' in err[0] and "integer" in err[0] and "tokenizer" not in err[0]
