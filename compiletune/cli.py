@@ -372,18 +372,26 @@ def _cmd_cache(ns: argparse.Namespace) -> int:
     from compiletune.data import token_cache  # lazy: a subcommand's cost
 
     root = token_cache.cache_root(ns.cache_dir)
+    others = token_cache.foreign(ns.cache_dir)  # a user's folders: shown, never deleted
     if ns.action == "clear":
         removed = token_cache.clear(ns.cache_dir, ns.keys)
         print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} from {root}")
+        if others and not ns.keys:
+            names = ", ".join(p.name for p in others[:5]) + (", ..." if len(others) > 5 else "")
+            print(
+                f"left {len(others)} folder{'s' if len(others) > 1 else ''} that "
+                f"{'are' if len(others) > 1 else 'is'} not token cache entries: {names}"
+            )
         return 0
     found = token_cache.entries(ns.cache_dir)
     if ns.keys:
-        names = {p.name for p in found}
+        names = {p.name for p in found + others}
         missing = [k for k in ns.keys if k not in names]
         if missing:
             raise UserError(f"no token cache entry {missing[0]} in {root}; see `cache list`")
         found = [p for p in found if p.name in ns.keys]
-    if not found:
+        others = [p for p in others if p.name in ns.keys]
+    if not found and not others:
         print(f"no entries in {root}")
         return 0
     damaged = 0
@@ -402,6 +410,8 @@ def _cmd_cache(ns: argparse.Namespace) -> int:
             damaged += problem is not None
             line += f"  {'ok' if problem is None else 'DAMAGED: ' + problem}"
         print(line)
+    for folder in others:
+        print(f"{folder.name}  not a cache entry (compiletune did not write it; left alone)")
     if damaged:
         print(
             f"{damaged} damaged: a training run rebuilds an entry from its source; "

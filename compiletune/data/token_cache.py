@@ -20,6 +20,12 @@ token id. Opening an entry always checks the sizes and the document offsets (che
 first open in a process also re-hashes every file. A damaged entry is rebuilt from its source
 with one line saying why: a truncated file, offsets past the ids, unreadable metadata, or ids
 changed in place. `compiletune cache list|verify|clear` shows, checks and removes entries.
+
+Only what the cache wrote is ever deleted. The cache root holds a ROOT_MARK file and each entry an
+ENTRY_MARK file, both written by compiletune; an entry of an older version (before the markers)
+is recognised by its own manifest, a meta.json with the fields only this cache writes, under a
+folder named by a key. Anything else in the folder (a user's files, a training run, a
+--cache-dir pointed at the wrong place) is "not a cache entry": listed as such, never deleted.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -54,6 +61,10 @@ from compiletune.errors import UserError
 FORMAT = 2  # bump when the entry layout or the tokenisation rules change (2: checksums)
 _CHUNK = 512  # raw examples per tokenisation task
 _IN_PROCESS_BYTES = 16 << 20  # sources smaller than this tokenise in this process
+ROOT_MARK = ".compiletune-token-cache"  # in the cache root, written when a run first uses it
+ENTRY_MARK = ".compiletune-entry"  # in each entry, written with it
+_KEY = re.compile(r"[0-9a-f]{40}")  # an entry's name: cache_key()
+_MARK_TEXT = "written by compiletune (the token cache); `compiletune cache clear` removes it\n"
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -130,6 +141,7 @@ def cached_store(
     """The tokenised documents of `source`, from the cache (built first if missing)."""
     root = cache_root(cache_dir)
     make_folder(root, "--cache-dir")
+    _mark(root / ROOT_MARK)
     key = cache_key(source, tokenizer, fmt, columns, split, roles)
     entry = root / key
     if entry.exists() and damage(entry) is None:
@@ -144,7 +156,11 @@ def cached_store(
             try:
                 write_folder_atomically(
                     entry,
-                    lambda tmp: _build(tmp, source, tokenizer, fmt, columns, split, n, say, roles),
+                    _marked(
+                        lambda tmp: _build(
+                            tmp, source, tokenizer, fmt, columns, split, n, say, roles
+                        )
+                    ),
                 )
             except OSError as e:
                 if e.errno != errno.ENOSPC:
@@ -219,35 +235,105 @@ def check_vocabulary(store: FileStore, vocab: int) -> None:
         )
 
 
-def _remove(entry: Path) -> None:
-    """Take an entry out of the cache: renamed first (one step), then deleted."""
+def _mark(path: Path) -> None:
+    """Write the marker file `path` unless it is there."""
+    if path.exists():
+        return
+    try:
+        path.write_text(_MARK_TEXT)
+    except OSError:  # a cache on a read-only disk (entries built elsewhere) is still read
+        return
+
+
+def _marked(write: Callable[[Path], None]) -> Callable[[Path], None]:
+    """`write(tmp)` for a new entry, followed by its ENTRY_MARK (before the entry is published)."""
+
+    def write_marked(tmp: Path) -> None:
+        write(tmp)
+        (tmp / ENTRY_MARK).write_text(_MARK_TEXT)
+
+    return write_marked
+
+
+def is_entry(folder: Path) -> bool:
+    """Whether `folder` is a token cache entry compiletune wrote: a folder named by a key that
+    holds ENTRY_MARK, or (written by a version before the marker) a meta.json manifest with the
+    fields `_build` writes."""
+    if not _KEY.fullmatch(folder.name) or not folder.is_dir():
+        return False
+    if (folder / ENTRY_MARK).is_file():
+        return True
+    try:
+        meta = json.loads((folder / META).read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    manifest = {"format", "source", "documents", "tokens", "files"}
+    return isinstance(meta, dict) and manifest <= meta.keys()
+
+
+def _remove(entry: Path) -> bool:
+    """Take an entry out of the cache: renamed first (one step), then deleted. False when it is
+    already gone (another process removed it): removing is idempotent."""
     trash = entry.with_name(f".trash-{entry.name}-{os.getpid()}")
-    entry.rename(trash)
+    try:
+        entry.rename(trash)
+    except FileNotFoundError:
+        return False
     shutil.rmtree(trash, ignore_errors=True)
     _HASHED.discard(str(entry))
+    return True
 
 
-def entries(cache_dir: str | None = None) -> list[Path]:
-    """Every entry folder of the cache, by name."""
+def _visible(cache_dir: str | None) -> list[Path]:
+    """The folders of the cache root, by name, leaving out its own dot-files (locks, markers,
+    half-written and half-removed entries)."""
     root = cache_root(cache_dir)
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+def entries(cache_dir: str | None = None) -> list[Path]:
+    """Every entry folder of the cache (what compiletune wrote), by name."""
+    return [p for p in _visible(cache_dir) if is_entry(p)]
+
+
+def foreign(cache_dir: str | None = None) -> list[Path]:
+    """The folders in the cache root that are not entries: never shown as damaged, never
+    deleted."""
+    return [p for p in _visible(cache_dir) if not is_entry(p)]
+
+
+def _holds_anything(root: Path) -> bool:
+    return root.is_dir() and any(not p.name.startswith(".") for p in root.iterdir())
+
+
 def clear(cache_dir: str | None = None, keys: list[str] | None = None) -> list[Path]:
-    """Remove these entries (by key, or every entry); returns what was removed."""
+    """Remove these entries (by key, or every entry); returns what was removed. A key naming
+    anything but an entry, or a root that is not a cache at all, is refused by its path."""
+    root = cache_root(cache_dir)
     found = {p.name: p for p in entries(cache_dir)}
-    unknown = [k for k in keys or [] if k not in found]
-    if unknown:
+    keys = list(dict.fromkeys(keys or []))  # a key given twice is removed once
+    for key in keys:
+        if key in found:
+            continue
+        if (root / key).exists():
+            raise UserError(
+                f"{root / key} is not a token cache entry (no {ENTRY_MARK} marker or cache "
+                "manifest): compiletune deletes only what it wrote, so it is left alone; check "
+                "--cache-dir and the key (`compiletune cache list` shows the entries)"
+            )
         raise UserError(
-            f"no token cache entry {unknown[0]} in {cache_root(cache_dir)}; "
-            "`compiletune cache list` shows the entries"
+            f"no token cache entry {key} in {root}; `compiletune cache list` shows the entries"
+        )
+    if not keys and not found and not (root / ROOT_MARK).exists() and _holds_anything(root):
+        raise UserError(
+            f"--cache-dir {root} is not a compiletune token cache (no {ROOT_MARK} marker and no "
+            "cache entry); nothing removed: pass the cache's folder (`compiletune cache list` "
+            "without --cache-dir shows the default one)"
         )
     chosen = [found[k] for k in keys] if keys else list(found.values())
-    for entry in chosen:
-        _remove(entry)
-    return chosen
+    return [entry for entry in chosen if _remove(entry)]
 
 
 def _workers(source: str, split: str | None, asked: int | None) -> int:

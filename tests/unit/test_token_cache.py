@@ -299,3 +299,73 @@ def test_cache_command_lists_verifies_and_clears(tmp_path, capsys):
     assert not other.exists()
     assert main(["cache", "list", "--cache-dir", cache]) == 0
     assert "no entries" in capsys.readouterr().out
+
+
+def _user_files(folder: Path) -> list[str]:
+    """A user's own things in `folder`: notes, photos, a training run, a folder whose name looks
+    like a key. Returns what is there, to compare after."""
+    (folder / "photos").mkdir(parents=True)
+    (folder / "photos" / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
+    (folder / "todo.txt").write_text("buy milk")
+    run = folder / "run"
+    (run / "step_1").mkdir(parents=True)
+    (run / "config.yaml").write_text("lr: 0.001\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (folder / ("ab" * 20)).mkdir()
+    (folder / ("ab" * 20) / "meta.json").write_text('{"mine": true}')
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_clear_deletes_only_what_the_cache_wrote(tmp_path, capsys):
+    """`cache clear` pointed at a user's folder, or at a cache with a user's folders in it,
+    deletes nothing but cache entries; a foreign folder named as a key is refused by name."""
+    mine = tmp_path / "mine"
+    before = _user_files(mine)
+    assert main(["cache", "clear", "--cache-dir", str(mine)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{mine} is not a compiletune token cache" in err[0], err
+    assert sorted(str(p.relative_to(mine)) for p in mine.rglob("*")) == before
+    # a real cache that a user's folders ended up in
+    src, cache, entry, _ = _entry(tmp_path)
+    kept = [k for k in _user_files(Path(cache)) if not k.startswith((".", entry.name))]
+    for name in ("photos", "run", "ab" * 20):
+        assert main(["cache", "clear", name, "--cache-dir", cache]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{Path(cache) / name} is not a token cache entry" in err[0]
+    assert main(["cache", "clear", "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    assert "removed 1 entry" in out and "left 3 folders that are not token cache entries" in out
+    assert not entry.exists()
+    left = sorted(str(p.relative_to(cache)) for p in Path(cache).rglob("*"))
+    assert [k for k in left if not k.startswith(".")] == kept
+
+
+def test_an_entry_of_an_older_version_is_recognised_by_its_manifest(tmp_path, capsys):
+    from compiletune.data import token_cache
+
+    src, cache, entry, _ = _entry(tmp_path)
+    (entry / token_cache.ENTRY_MARK).unlink()  # written before the marker existed
+    (Path(cache) / token_cache.ROOT_MARK).unlink()
+    assert token_cache.entries(cache) == [entry]
+    assert main(["cache", "clear", entry.name, "--cache-dir", cache]) == 0
+    assert not entry.exists()
+
+
+def test_clearing_a_key_twice_in_one_command_removes_it_once(tmp_path, capsys):
+    src, cache, entry, _ = _entry(tmp_path)
+    assert main(["cache", "clear", entry.name, entry.name, "--cache-dir", cache]) == 0
+    assert "removed 1 entry" in capsys.readouterr().out and not entry.exists()
+
+
+def test_list_and_verify_show_foreign_folders_as_not_entries(tmp_path, capsys):
+    src, cache, entry, _ = _entry(tmp_path)
+    _user_files(Path(cache))
+    for action in ("list", "verify"):
+        assert main(["cache", action, "--cache-dir", cache]) == 0
+        out = capsys.readouterr().out
+        assert "DAMAGED" not in out and "damaged" not in out and "cache clear" not in out
+        for name in ("photos", "run", "ab" * 20):
+            assert f"{name}  not a cache entry" in out
+        assert entry.name in out
+    assert main(["cache", "verify", "photos", "--cache-dir", cache]) == 0
+    assert "photos  not a cache entry" in capsys.readouterr().out
