@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from array import array
 from collections import deque
@@ -57,6 +56,7 @@ from compiletune.data.layouts import read_examples
 from compiletune.data.sources import fingerprint, source_files
 from compiletune.data.token_store import DOCS, FLAGS, IDS, META, FileStore
 from compiletune.errors import UserError
+from compiletune.progress import Progress
 
 FORMAT = 2  # bump when the entry layout or the tokenisation rules change (2: checksums)
 _CHUNK = 512  # raw examples per tokenisation task
@@ -153,6 +153,11 @@ def cached_store(
             _remove(entry)
         if not entry.exists():
             n = _workers(source, split, workers)
+            # said before the work: a large source tokenises for minutes
+            say(
+                f"tokenizing {source} into the token cache ({entry}; later runs read it from "
+                "there without tokenizing)"
+            )
             try:
                 write_folder_atomically(
                     entry,
@@ -438,8 +443,9 @@ def _build(
     raw = read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split, roles=roles)
     chunks = iter(lambda: list(islice(raw, _CHUNK)), [])
     bounds = array("q", [0])
-    interactive = sys.stderr.isatty()
-    bar = tqdm(desc=f"tokenizing {source}", unit="tok", unit_scale=True, disable=not interactive)
+    # a streamed source's size in documents is unknown until it is read: a bar on a terminal,
+    # else a line each time the count doubles
+    bar = Progress(f"tokenizing {source}", None, "documents", say)
     hashes = {IDS: hashlib.sha256(), FLAGS: hashlib.sha256()}
     top = [-1]  # the largest token id
     with open(tmp / IDS, "wb") as ids_f, open(tmp / FLAGS, "wb") as flags_f:
@@ -454,7 +460,7 @@ def _build(
                 top[0] = max(top[0], int(np.frombuffer(ids, dtype=np.int32).max()))
             for n in lengths:
                 bounds.append(bounds[-1] + n)
-            bar.update(sum(lengths))
+            bar.update(len(lengths))
             faults.point("cache")  # a chunk is written, the entry is not complete
 
         if workers == 0:
