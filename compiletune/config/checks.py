@@ -398,6 +398,10 @@ CHECKS = {
 }
 
 
+# A number in exponent form (1e-3, 5E4, 2.5e+2): what YAML 1.1 leaves a string.
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def check_types(cfg: TrainConfig) -> None:
     """YAML values arrive untyped; make sure each has its field's type before anything runs."""
     for section, cls in SECTIONS.items():
@@ -419,6 +423,11 @@ def check_types(cfg: TrainConfig) -> None:
             if typ is float and isinstance(value, int) and not isinstance(value, bool):
                 setattr(sec, f.name, float(value))
                 continue
+            if typ is float and isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+                # YAML 1.1 (PyYAML) reads `lr: 1e-3` as a string (its floats need a dot and a
+                # signed exponent); users write numbers so, and mean the number.
+                value = float(value)
+                setattr(sec, f.name, value)
             if typ is float and isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"{flag_of(f)} must be a finite number, got {value}")
             if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):

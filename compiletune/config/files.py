@@ -29,7 +29,16 @@ def load_yaml(path: str) -> dict[str, Any]:
             )
         p = shipped
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"--config {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+            f"{e.start}); save the file as UTF-8"
+        ) from e
+    except OSError as e:
+        raise UserError(f"--config {path}: cannot be read ({e.strerror}); fix the path") from e
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise UserError(f"--config {path}: not valid YAML ({e}); fix the file") from e
     if not isinstance(raw, dict):

@@ -251,6 +251,34 @@ def test_yaml_values_are_checked_against_the_field_types(values, needle):
         resolve(values, {})
 
 
+def test_yaml_exponent_numbers_are_floats(tmp_path):
+    """`lr: 1e-3` as users write it: YAML 1.1 reads it as a string, and a float field takes
+    it as the number (a word, an int field's "8" and 1e999 stay refused)."""
+    run = tmp_path / "run.yaml"
+    run.write_text("lr: 1e-3\nweight_decay: 5E-2\nmin_lr_ratio: 2.5e-1\nmax_grad_norm: 1e0\n")
+    values = load_yaml(str(run))
+    assert values["lr"] == "1e-3"  # the YAML 1.1 reading this guards against
+    cfg = resolve(values, {})
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (1e-3, 5e-2)
+    assert (cfg.optim.min_lr_ratio, cfg.optim.max_grad_norm) == (0.25, 1.0)
+    assert isinstance(cfg.optim.lr, float)
+    with pytest.raises(UserError, match="--lr must be a finite number"):
+        resolve({"lr": "1e999"}, {})
+    with pytest.raises(UserError, match="must be float, got 'e-3'"):
+        resolve({"lr": "e-3"}, {})
+
+
+def test_non_utf8_config_file_is_one_line(tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_bytes(b"seq_len: 64\n# caf\xe9\n")
+    with pytest.raises(UserError, match=f"--config {run}: not UTF-8 text \\(byte 0xe9"):
+        load_yaml(str(run))
+    capsys.readouterr()
+    assert main(["train", "--config", str(run), "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(run) in err[0] and "UTF-8" in err[0], err
+
+
 def test_one_option_twice_and_non_finite_numbers_are_refused(tmp_path):
     twice = tmp_path / "twice.yaml"
     twice.write_text("seq_len: 64\nseq-len: 128\n")
