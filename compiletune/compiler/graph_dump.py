@@ -9,6 +9,7 @@ for backward. `write_dump` turns the records into files a person can read:
         the readable graph, headed by the op-count diff against the previous stage
     DIR/<region>/forward.code.py, backward.code.py     generated code (Inductor)
     DIR/summary.json                                   per region: passes, saved bytes, largest tensor
+    DIR/index.json                                     each file: its region, stage and what it is
 """
 
 from __future__ import annotations
@@ -152,10 +153,39 @@ class RegionRecord:
         return out
 
 
+# What each stage's graph is, by the stage name's first part (the rest names a pass).
+_STAGES = {
+    "dynamo": "the graph dynamo captured (torch-level ops)",
+    "pre_grad": "the dynamo graph after the pre-grad pass",
+    "joint": "the joint forward+backward graph (aten ops)",
+    "forward": "the partitioned forward (outputs past the real ones are saved for backward)",
+    "backward": "the partitioned backward",
+}
+
+
+def _describe(stage: str) -> str:
+    kind, _, pass_name = stage.partition(".")
+    what = _STAGES.get(kind, stage)
+    if pass_name and kind != "pre_grad":
+        return f"{what}, after the {pass_name} pass"
+    return f"{what} {pass_name}".strip()
+
+
 def write_dump(records: list[RegionRecord], directory: Path) -> dict[str, Any]:
-    """Write every record under `directory` and return the summary written to summary.json."""
+    """Write every record under `directory` and return the summary written to summary.json.
+    `index.json` lists each file written with its region, stage and what it is, in order, so a
+    reader need not guess from file names."""
     directory.mkdir(parents=True, exist_ok=True)
     summary = {}
+    index: list[dict[str, str]] = [
+        {
+            "file": "summary.json",
+            "region": "",
+            "stage": "",
+            "what": "per region: passes, saved "
+            "activations, largest tensor per stage, compile seconds",
+        }
+    ]
     for rec in records:
         folder = directory / rec.name
         folder.mkdir(exist_ok=True)
@@ -170,10 +200,23 @@ def write_dump(records: list[RegionRecord], directory: Path) -> dict[str, Any]:
                 }
                 header = f"# op-count diff against the previous stage: {json.dumps(diff)}\n"
             header += f"# largest tensor: {json.dumps(stage.largest)}\n\n"
-            (folder / f"{i:02d}_{stage.name}.txt").write_text(header + stage.readable)
+            name = f"{i:02d}_{stage.name}.txt"
+            (folder / name).write_text(header + stage.readable)
+            entry = {"region": rec.name, "stage": stage.name, "what": _describe(stage.name)}
+            index.append({"file": f"{rec.name}/{name}", **entry})
             previous = stage.counts
         for kind, code in rec.code.items():
             (folder / f"{kind}.code.py").write_text(code)
+            what = f"the code Inductor generated for the {kind}"
+            index.append(
+                {
+                    "file": f"{rec.name}/{kind}.code.py",
+                    "region": rec.name,
+                    "stage": kind,
+                    "what": what,
+                }
+            )
         summary[rec.name] = rec.summary()
     (directory / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (directory / "index.json").write_text(json.dumps(index, indent=2) + "\n")
     return summary

@@ -246,7 +246,9 @@ class Trainer:
             with run_dir.StopSignal(distributed=self.env is not None) as stop:
                 run.model.train()
                 while self.step < cfg.run.max_steps and not stop.should_stop():
+                    compile_t0 = self.announce_compile()
                     record = self.one_step(stop)
+                    self.compiled(compile_t0)
                     at_end = self.step == cfg.run.max_steps or stop.should_stop()
                     # a signal's grace period goes to the save: grpo's evaluation decodes
                     stopping = stop.should_stop() and self.grpo is not None
@@ -581,6 +583,39 @@ class Trainer:
             f"{self.out / adapter_io.MERGED_DIR} could not be written ({type(e).__name__}: "
             f"{brief(e, 300)}); the last checkpoint, {self.last_saved}, is complete (an adapter folder "
             "that peft loads on the base model)"
+        )
+
+    def announce_compile(self) -> float | None:
+        """Before the first step under --compile: a line, since it compiles every region (tens
+        of seconds on a CPU, before any progress can show); returns when it started (None: not
+        the first compiled step)."""
+        regions = self.run.regions
+        if regions is None or self.step != self.run.start_step:
+            return None
+        names = list(regions.backends)
+        blocks = [n for n in names if n.startswith("block")]
+        others = " + ".join(n for n in names if not n.startswith("block"))
+        kinds = f"{len(blocks)} block kind{'s' if len(blocks) != 1 else ''}"
+        self.say(
+            f"--compile: compiling {kinds} + {others} ({', '.join(names)}); the first step "
+            "takes longer"
+        )
+        if self.cfg.techniques.dump_graphs:
+            folder = Path(self.cfg.techniques.dump_graphs)
+            self.say(
+                f"--dump-graphs: the graphs go to {folder} after the first step "
+                f"({folder / 'index.json'} says which file is which region and stage)"
+            )
+        return time.perf_counter()
+
+    def compiled(self, started: float | None) -> None:
+        """After the first compiled step: how long it took, and how much of it compiling."""
+        if started is None or self.run.regions is None:
+            return
+        seconds = self.run.regions.stats()["compile_seconds"]
+        self.say(
+            f"--compile: compiled in {seconds:.1f}s (the first step took "
+            f"{time.perf_counter() - started:.1f}s)"
         )
 
     def write_dump(self) -> None:

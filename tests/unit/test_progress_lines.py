@@ -8,9 +8,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from tiny_run import tiny_run
+
+from compiletune.compiler.backend import CompiletuneBackend
+from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.data import token_cache
 from compiletune.data.token_cache import cached_store
 from compiletune.data.tokenizer import byte_tokenizer
+from compiletune.loss.head import LossHead
+from compiletune.models import build_model, from_name
 from compiletune.progress import Progress
 
 
@@ -60,3 +67,64 @@ def test_tokenising_names_the_source_and_the_entry_before_it_reads(tmp_path, mon
     events.clear()
     cached_store(str(source), byte_tokenizer(), cache_dir=str(cache), say=events.append)
     assert events == []  # a cache hit is quiet
+
+
+def test_compile_says_it_compiles_before_the_first_step_and_how_long_after(
+    tmp_path, monkeypatch, capsys
+):
+    real = CompiletuneBackend.__call__
+
+    def compiling(self, *args, **kwargs):
+        print("<the backend compiles>", flush=True)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiletuneBackend, "__call__", compiling)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("compiled training on a tiny corpus. " * 200)
+    dump = tmp_path / "dump"
+    tiny_run(
+        tmp_path,
+        str(corpus),
+        max_steps=2,
+        loss="plain",
+        compile=True,
+        compile_backend="aot_eager",
+        dump_graphs=str(dump),
+    )
+    out = capsys.readouterr().out.splitlines()
+    before = next(i for i, line in enumerate(out) if line.startswith("--compile: compiling"))
+    work = out.index("<the backend compiles>")
+    after = next(i for i, line in enumerate(out) if line.startswith("--compile: compiled in"))
+    assert before < work < after
+    assert "1 block kind + head (block, head); the first step takes longer" in out[before]
+    # no backend call after the line that says compiling is done: it was the whole of it
+    assert "<the backend compiles>" not in out[after:]
+    said = [line for line in out if line.startswith("--dump-graphs:")]
+    assert said == [
+        f"--dump-graphs: the graphs go to {dump} after the first step ({dump / 'index.json'} "
+        "says which file is which region and stage)"
+    ]
+    assert (dump / "index.json").is_file()
+
+
+def test_the_graph_dump_has_an_index_of_every_file(tmp_path):
+    args = from_name("debug")
+    args.n_layers, args.dim, args.ffn_dim, args.n_heads, args.n_kv_heads = 2, 64, 160, 4, 2
+    args.vocab_size = 300
+    model = build_model(args, seed=0)
+    head = LossHead(model.output)
+    regions = compile_regions(model, head, CompileOptions(backend="aot_eager", dump=True))
+    tokens = torch.randint(0, 300, (2, 24))
+    head(model.hidden_states(tokens), torch.randint(0, 300, (2, 24))).backward()
+    regions.write_dump(tmp_path)
+    index = json.loads((tmp_path / "index.json").read_text())
+    listed = {e["file"] for e in index}
+    on_disk = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
+    assert listed == on_disk - {"index.json"}
+    by_file = {e["file"]: e for e in index}
+    assert by_file["block/00_dynamo.txt"]["region"] == "block"
+    assert by_file["block/00_dynamo.txt"]["stage"] == "dynamo"
+    assert "partitioned forward" in by_file["block/02_forward.txt"]["what"]
+    # the fused head's pre-grad pass, by name
+    fused = [e for e in index if e["region"] == "head" and e["stage"].startswith("pre_grad.")]
+    assert fused and all(e["stage"].split(".", 1)[1] in e["what"] for e in fused)
