@@ -312,6 +312,13 @@ def _check_eval_tasks(section: RunConfig, cfg: TrainConfig) -> None:
 
 
 def check_objective(section: ObjectiveConfig, cfg: TrainConfig) -> None:
+    if cfg.data.packing == "stream" and section.objective not in _STREAMED:
+        # pairs and prompts are read whole (train/inputs.py): a stream would be ignored
+        raise UserError(
+            f"--packing stream cuts a token stream into rows (sft, kd); --objective "
+            f"{section.objective} reads each {_UNIT.get(section.objective, 'example')} whole; "
+            "drop --packing stream"
+        )
     kd = section.objective == "kd"
     if kd != (section.teacher_dir is not None):
         raise UserError(
@@ -333,6 +340,12 @@ def check_objective(section: ObjectiveConfig, cfg: TrainConfig) -> None:
         raise UserError("--precompute-ref applies to --objective dpo or ipo (a reference)")
     if section.objective in ("dpo", "ipo", "simpo") and "," in (cfg.data.source or ""):
         raise UserError(f"--objective {section.objective} reads one --data source of pairs")
+
+
+# The objectives whose data is packed by --packing (the others read pairs or prompts whole).
+_STREAMED = ("sft", "kd")
+_UNIT = {"dpo": "preference pair", "ipo": "preference pair", "simpo": "preference pair"}
+_UNIT |= {"grpo": "prompt"}
 
 
 _GRPO_ONLY = (

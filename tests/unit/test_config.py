@@ -268,6 +268,19 @@ def test_yaml_exponent_numbers_are_floats(tmp_path):
         resolve({"lr": "e-3"}, {})
 
 
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "simpo", "grpo"])
+def test_packing_stream_is_refused_where_the_objective_reads_examples_whole(objective):
+    """Pairs (dpo family) and prompts (grpo) are never cut from a stream: --packing stream
+    would be accepted and ignored. sft and kd pack their rows, so they take it."""
+    values = {"objective": objective, "data": "pairs.jsonl", "packing": "stream"}
+    with pytest.raises(UserError, match=f"--packing stream .*--objective {objective} reads"):
+        resolve({}, values)
+    assert resolve({}, {**values, "packing": "whole"}).data.packing == "whole"
+    for streamed in ({"objective": "sft"}, {"objective": "kd", "teacher_dir": "t"}):
+        cfg = resolve({}, {"data": "corpus.txt", "packing": "stream", **streamed})
+        assert cfg.data.packing == "stream"
+
+
 def test_non_utf8_config_file_is_one_line(tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_bytes(b"seq_len: 64\n# caf\xe9\n")
