@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +34,22 @@ def perplexity(loss: float) -> float:
 
 
 class MetricsLog:
-    """Appends one line per step and flushes it, so a crash loses at most the current step."""
+    """Appends one line per step and flushes it, so a crash loses at most the current step
+    (a torn last line, which every reader skips and a resume cuts away)."""
 
     def __init__(self, path: Path, resume_step: int | None = None) -> None:
         self.path = path
         if resume_step is not None and path.exists():
-            # Steps after the checkpoint are replayed by the resumed run; drop the stale copies.
+            # Steps after the checkpoint are replayed by the resumed run; drop the stale copies,
+            # and the line a kill tore, so what is appended starts on a line of its own.
             kept = [
                 line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
+                for _, line, record in _lines(path.read_bytes())
+                if record is not None and _step(record) <= resume_step
             ]
-            path.write_text("".join(line + "\n" for line in kept))
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)  # whole or not at all: a crash here keeps the old file
         # a new run starts the file afresh (a first attempt that died before its first
         # checkpoint may have left steps in it)
         self._f = path.open("w" if resume_step is None else "a", buffering=1)
@@ -75,5 +81,37 @@ def strict_json(record: dict[str, Any], **kw: Any) -> str:
     return json.dumps(clean, allow_nan=False, **kw)
 
 
+def _step(record: dict[str, Any]) -> float:
+    step = record.get("step", 0)
+    return step if isinstance(step, int | float) and not isinstance(step, bool) else 0
+
+
+def parse_metrics(data: bytes) -> tuple[list[dict[str, Any]], list[int]]:
+    """The records of a metrics.jsonl as the trainer can leave it: one JSON object per line,
+    where a kill mid-write tears the last line (and a run resumed by an older version appended
+    after the torn piece). Returns the records and the numbers of the lines that are not a JSON
+    object, which are skipped."""
+    records, torn = [], []
+    for n, _, record in _lines(data):
+        if record is None:
+            torn.append(n)
+        else:
+            records.append(record)
+    return records, torn
+
+
+def _lines(data: bytes) -> Iterator[tuple[int, str, dict[str, Any] | None]]:
+    """(line number, text, the JSON object or None) of each line that is not blank."""
+    for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        yield n, line, record if isinstance(record, dict) else None
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of `path`, torn lines skipped."""
+    return parse_metrics(path.read_bytes())[0]

@@ -573,17 +573,18 @@ class Trainer:
             )
 
         if self.env is None:
-            merge()
+            try:
+                merge()
+            except Exception as e:  # OSError, SafetensorError: a full disk is one line
+                if not run_dir.is_disk_full(e):
+                    raise
+                raise UserError(self._merge_error(e)) from e
         else:  # every rank joins the gathers; a failure on one is every rank's one line
             dist_.agree(dist_.attempt(merge), self._merge_error)
         return path
 
     def _merge_error(self, e: BaseException) -> str:
-        return (
-            f"{self.out / adapter_io.MERGED_DIR} could not be written ({type(e).__name__}: "
-            f"{brief(e, 300)}); the last checkpoint, {self.last_saved}, is complete (an adapter folder "
-            "that peft loads on the base model)"
-        )
+        return run_dir.merge_error(self.out, e, self.last_saved)
 
     def announce_compile(self) -> float | None:
         """Before the first step under --compile: a line, since it compiles every region (tens

@@ -40,9 +40,10 @@ from compiletune.config import (
 )
 from compiletune.data import sources
 from compiletune.errors import UserError
-from compiletune.harness import EVAL_DIR
+from compiletune.harness import EVAL_DIR, RESULTS_LOG
 from compiletune.loggers import MLFLOW_DIR, MLFLOW_RUN_ID, WANDB_RUN_ID
 from compiletune.metrics import strict_json
+from compiletune.models.hf_config import brief
 from compiletune.plot import PLOT_FILES
 from compiletune.train.step import lr_factor
 
@@ -352,11 +353,13 @@ def _lr_at(cfg: TrainConfig, step: int, max_steps: int) -> float:
 def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
     """Rank 0, once the run is built: clear an --overwrite'n run, write config.yaml."""
     if cfg.run.overwrite and out.exists():
-        for _, path in ckpt.list_checkpoints(out):
+        # Only what a run wrote, recognised by its contents: a user's folder that happens to be
+        # named step_N, merged or eval stays.
+        for _, path in ckpt.list_checkpoints(out):  # each holds a compiletune training state
             shutil.rmtree(path)
-        for folder in (adapter_io.MERGED_DIR, EVAL_DIR):
-            if (out / folder).is_dir():
-                shutil.rmtree(out / folder)
+        for folder in (out / adapter_io.MERGED_DIR, out / EVAL_DIR):
+            if _written_by_a_run(folder):
+                shutil.rmtree(folder)
         # The W&B and MLflow run ids too: a later --resume must not continue the discarded
         # run (the runs themselves stay in their stores).
         for stale in ("metrics.jsonl", "summary.json", WANDB_RUN_ID, MLFLOW_RUN_ID):
@@ -365,6 +368,47 @@ def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
     for stale in PLOT_FILES:  # charts of metrics.jsonl as it was; redrawn at the run's end
         (out / stale).unlink(missing_ok=True)
     save_yaml(cfg, out / SAVED_CONFIG)
+
+
+def _written_by_a_run(folder: Path) -> bool:
+    """Whether `folder` (OUTPUT_DIR/merged or OUTPUT_DIR/eval) holds only what a run writes:
+    merged/ an HF export (config.json, safetensors weights, tokenizer and generation files),
+    eval/ lm-eval's log and a results folder per checkpoint."""
+    if not folder.is_dir():
+        return False
+    names = [e.name for e in folder.iterdir()]
+    if folder.name == EVAL_DIR:
+        return all(n == RESULTS_LOG or re.fullmatch(r"step_\d+|merged", n) for n in names)
+    weights = [n for n in names if re.fullmatch(r"model.*\.safetensors", n)]
+    export = re.compile(
+        r"config\.json|generation_config\.json|model.*\.safetensors(\.index\.json)?|"
+        r"tokenizer.*|special_tokens_map\.json|chat_template\.j(inja|son)|vocab\..*|merges\.txt|"
+        r"added_tokens\.json"
+    )
+    return "config.json" in names and bool(weights) and all(export.fullmatch(n) for n in names)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """A write that failed for want of space: ENOSPC, or the text of it in an error that has no
+    errno (torch's zip writer, safetensors' SafetensorError)."""
+    return (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space left" in str(exc)
+
+
+def merge_error(out: Path, exc: BaseException, last: Path | None) -> str:
+    """The one line for a --merge that could not be written; the adapters are saved, and a
+    --resume writes merged/ without training."""
+    merged = out / adapter_io.MERGED_DIR
+    if is_disk_full(exc):
+        free = shutil.disk_usage(out).free if out.is_dir() else 0
+        return (
+            f"the disk of {out} is full: {merged} could not be written ({_gib(free)} free); the "
+            f"last checkpoint, {last}, is complete: free some space and run `compiletune train "
+            f"--output-dir {out} --resume`, which writes {merged} without training again"
+        )
+    return (
+        f"{merged} could not be written ({type(exc).__name__}: {brief(exc, 300)}); the last "
+        f"checkpoint, {last}, is complete (an adapter folder that peft loads on the base model)"
+    )
 
 
 def folder_bytes(folder: Path | None) -> int:
@@ -403,10 +447,10 @@ def space_warning(out: Path, need: int) -> str | None:
 def disk_full_error(out: Path, step: int, exc: BaseException, need: int) -> UserError | None:
     """The one line for a checkpoint that failed for want of disk space (None: another cause).
     The half-written folder is gone by now (checkpoint/atomic.py), the previous checkpoint intact."""
-    full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
     free = shutil.disk_usage(out).free if out.is_dir() else 0
-    # torch.save reports a full disk as a RuntimeError of its zip writer, without the errno
-    full = full or "No space left" in str(exc) or free < need
+    # torch.save may report a full disk as a RuntimeError of its zip writer with neither the
+    # errno nor its text: the free space tells
+    full = is_disk_full(exc) or free < need
     if not full:
         return None
     last = ckpt.latest_checkpoint(out)

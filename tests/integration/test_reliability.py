@@ -502,3 +502,71 @@ def test_free_space_below_one_checkpoint_is_warned_before_the_first_save(tmp_pat
     assert run_dir.space_warning(tmp_path, 1) is None
     warning = run_dir.space_warning(tmp_path, 1 << 60)
     assert warning.startswith(f"warning: {tmp_path} has ") and "needs about" in warning
+
+
+# ----------------------------------------------------------------------------- issue 67
+
+
+def test_resume_after_a_kill_tore_the_last_metrics_line(tmp_path, corpus, capsys):
+    """A kill while a metrics line was written leaves it torn; --resume cuts it away and the
+    file stays valid JSON lines."""
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--max-steps", "2", "--save-every", "1") == 0
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "loss": 4.1, "lr": 0.0003, "tokens_per_s": 9')  # no newline
+    assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", "3"]) == 0
+    assert [r["step"] for r in _strict(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("how", ["fault", "safetensors"])
+def test_disk_full_while_merging_is_one_line_and_resume_merges(
+    tmp_path, corpus, capsys, monkeypatch, how
+):
+    """A full disk in --merge: one line naming merged/ and what to do, no half folder, the
+    adapters kept; the advised --resume writes merged/."""
+    from collections import Counter
+
+    from safetensors import SafetensorError
+
+    from compiletune import faults
+    from compiletune.models import hf
+
+    if how == "fault":
+        monkeypatch.setattr(faults, "_failed", Counter())
+        monkeypatch.setenv(faults.FAIL_ENV, "merge")
+    else:
+
+        def full(*a, **k):
+            raise SafetensorError(
+                'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                'space left on device" })'
+            )
+
+        monkeypatch.setattr(hf, "save_file", full)
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--lora-rank", "4", "--merge", "--max-steps", "2") == 2
+    line = _one_error_line(capsys)
+    assert f"the disk of {out} is full: {out / 'merged'} could not be written" in line
+    assert f"{out / 'step_2'}" in line and "--resume" in line
+    assert not [p.name for p in out.iterdir() if p.name.startswith((".tmp", ".old", "merged"))]
+    assert (out / "step_2" / "adapter_model.safetensors").is_file()
+    monkeypatch.undo()
+    assert main(["train", "--output-dir", str(out), "--resume"]) == 0
+    transformers.AutoModelForCausalLM.from_pretrained(out / "merged")
+
+
+def test_overwrite_deletes_only_what_a_run_wrote(tmp_path, corpus, capsys):
+    """--overwrite in a folder of a user's things named like a run's (eval/, merged/, a step_N/
+    that is no checkpoint) replaces a run's files and leaves theirs."""
+    mine = tmp_path / "mine"
+    for name in ("eval", "merged", "step_7"):
+        (mine / name).mkdir(parents=True)
+        (mine / name / "notes.txt").write_text(f"my {name} notes")
+    (mine / "todo.txt").write_text("buy milk")
+    assert _train(mine, corpus, "--max-steps", "1", "--overwrite") == 0
+    assert _train(mine, corpus, "--max-steps", "1", "--overwrite") == 0  # over its own run
+    for name in ("eval", "merged", "step_7"):
+        assert (mine / name / "notes.txt").read_text() == f"my {name} notes"
+    assert (mine / "todo.txt").read_text() == "buy milk"
+    assert [s for s, _ in ckpt.list_checkpoints(mine)] == [1]
+    assert [r["step"] for r in _strict(mine / "metrics.jsonl")] == [1]
