@@ -34,6 +34,7 @@ from compiletune.data.tokenizer import load_tokenizer
 from compiletune.errors import UserError
 from compiletune.generate import adapter_base, load_lora_checkpoint
 from compiletune.models import from_hf, resolve_model_path
+from compiletune.progress import Progress
 from compiletune.train.build import pick_device, pick_dtype
 from compiletune.train.inputs import build_eval_set
 from compiletune.train.step import evaluate
@@ -112,6 +113,11 @@ def eval_loss(
     cfg = resolve({}, {**values, **flags})
     device = pick_device()
     dtype = pick_dtype(dtype_name or ckpt.saved.get("dtype"), device)
+    # said at once: loading, tokenising and the forwards can take minutes, none of it shown yet
+    say(
+        f"eval: {ckpt.folder} on {cfg.data.source} ({_dtype_name(dtype)} on {device.type}): "
+        "loading the model and reading the data"
+    )
     if tokenizer_dir is None:
         has = any((ckpt.folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer_dir = str(ckpt.folder if has or ckpt.base is None else ckpt.base)
@@ -130,7 +136,21 @@ def eval_loss(
     packs = getattr(data, "packs_documents", lambda: False)()
     fill_defaults(cfg, RunFacts(args.vocab_size, packs_documents=packs))
     d = cfg.data
-    result = evaluate(model, data, cfg.techniques.loss, d.batch_size, device, bool(d.doc_mask))
+    batches = -(-data.rows // d.batch_size)
+    say(
+        f"eval: {examples:,} examples in {data.rows:,} rows of {d.seq_len} tokens, "
+        f"{batches:,} batches of {d.batch_size}"
+    )
+    with Progress("eval", batches, "batches", say) as bar:
+        result = evaluate(
+            model,
+            data,
+            cfg.techniques.loss,
+            d.batch_size,
+            device,
+            bool(d.doc_mask),
+            on_batch=bar.update,
+        )
     return {
         "checkpoint": str(ckpt.folder),
         "data": d.source,

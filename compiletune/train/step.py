@@ -295,8 +295,10 @@ def evaluate(
     doc_mask: bool,
     env: dist_.DistEnv | None = None,
     seq: SeqShards | None = None,
+    on_batch: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Mean loss per target token (and its perplexity) over every row of `data`.
+    """Mean loss per target token (and its perplexity) over every row of `data`; `on_batch` is
+    called after each batch (`compiletune eval`'s progress).
 
     Runs eagerly even under --compile (`force_eager`): the compiled regions were traced with
     gradients on, so calling them under no_grad would compile them a second time, and a short
@@ -327,6 +329,8 @@ def evaluate(
                 mine = local_batch(batch, rows, seq, device)
                 total += head(forward_hidden(model, mine, doc_mask), mine["targets"])
                 n_targets += int((mine["targets"] != IGNORE_INDEX).sum())
+                if on_batch is not None:
+                    on_batch()
     finally:
         model.train()
     loss_sum = total.item()

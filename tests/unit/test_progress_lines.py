@@ -6,11 +6,15 @@ a measured time."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
+from tiny_hf import save_tiny_llama
 from tiny_run import tiny_run
 
+from compiletune import evaluation
+from compiletune.cli import main
 from compiletune.compiler.backend import CompiletuneBackend
 from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.data import token_cache
@@ -128,3 +132,39 @@ def test_the_graph_dump_has_an_index_of_every_file(tmp_path):
     # the fused head's pre-grad pass, by name
     fused = [e for e in index if e["region"] == "head" and e["stage"].startswith("pre_grad.")]
     assert fused and all(e["stage"].split(".", 1)[1] in e["what"] for e in fused)
+
+
+def test_eval_says_what_it_evaluates_at_once_and_counts_its_batches(tmp_path, monkeypatch, capsys):
+    model = save_tiny_llama(tmp_path / "model", vocab_size=320, hidden_size=64)
+    data = tmp_path / "held.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": f"held-out note {i} " * 8}) + "\n" for i in range(12))
+    )
+    real_load, real_evaluate = evaluation.from_hf, evaluation.evaluate
+
+    def loading(*args, **kwargs):
+        print("<loading the model>", file=sys.stderr)
+        return real_load(*args, **kwargs)
+
+    def evaluating(*args, **kwargs):
+        print("<evaluating>", file=sys.stderr)
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "from_hf", loading)
+    monkeypatch.setattr(evaluation, "evaluate", evaluating)
+    argv = ["eval", str(model), "--data", str(data), "--seq-len", "32", "--batch-size", "1"]
+    assert main([*argv, "--cache-dir", str(tmp_path / "cache")]) == 0
+    # (other libraries warn on stderr too: only our lines and the marks)
+    err = [e for e in capsys.readouterr().err.splitlines() if e.startswith(("eval", "<"))]
+    assert err[0] == (
+        f"eval: {model} on {data} (fp32 on cpu): loading the model and reading the data"
+    )
+    assert err[1] == "<loading the model>"
+    sizes = err.index("<evaluating>") - 1
+    rows = int(err[sizes].split(" rows of ")[0].split(" in ")[-1])
+    batches = rows
+    assert err[sizes] == f"eval: 12 examples in {rows} rows of 32 tokens, {batches} batches of 1"
+    progress = [line for line in err[sizes:] if line.startswith("eval: ") and "/" in line]
+    tenth = -(-batches // 10)
+    assert len(progress) == len(range(tenth, batches + 1, tenth)) + (batches % tenth > 0) > 3
+    assert progress[-1] == f"eval: {batches}/{batches} batches (100%)"
