@@ -19,6 +19,8 @@ one of them touches this file only, and a missing one is reported as a `UserErro
                             storage of its own
     FakeTensor, _DisableTorchDispatch  a view of a fake tensor made from its meta data directly
                             (`fake_view`): a third of FakeTensorMode's cost per op
+    profiler event tree     the CPU allocator's events with their addresses
+                            (`cpu_allocation_peak`: the real step's peak that tests check against)
 """
 
 from __future__ import annotations
@@ -179,18 +181,41 @@ def dtensor_shape_propagation(paused: Callable[[], Any]) -> Iterator[None]:
 def cpu_allocation_peak(fn: Callable[[], Any]) -> int:
     """Run `fn` and return the highest running total of the CPU allocator's events during it
     (bytes above what was live before): torch.profiler with profile_memory=True, read through
-    the profiler's kineto results (not a documented field)."""
+    the profiler's event tree (not a documented structure).
+
+    Only frees of blocks allocated during `fn` count. The allocator's size table outlives a
+    profiling session, so a block allocated under an earlier profiler and freed during this one
+    (the garbage collector reclaiming an earlier step's model, at a moment that depends on
+    which tests ran before in the process) would otherwise be subtracted from this step.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        (e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size)
+        for e in _event_tree(prof.profiler.kineto_results.experimental_event_tree())
+        if isinstance(e.extra_fields, torch._C._profiler._ExtraFields_Allocation)
+        and e.extra_fields.device.type == "cpu"
     )
+    held: dict[int, int] = {}  # address -> bytes, of blocks allocated in the window
     live = peak = 0
-    for _, nbytes in events:
+    for _, ptr, nbytes in events:
+        if nbytes > 0:
+            held[ptr] = nbytes
+        elif ptr in held:
+            nbytes = -held.pop(ptr)
+        else:
+            continue  # allocated before the window
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def _event_tree(roots: list[Any]) -> Iterator[Any]:
+    """Every event of the profiler's event tree, parents before their children."""
+    stack = list(reversed(roots))
+    while stack:
+        event = stack.pop()
+        yield event
+        stack.extend(reversed(event.children))
