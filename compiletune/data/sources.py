@@ -7,8 +7,9 @@ Containers (`--data SOURCE`):
 - `FILE.jsonl`: one JSON object per line (empty lines skipped); messages name `FILE:LINE`.
 - `FILE.json`: a JSON array of objects, or an object holding one such array (JSON lines, as
   `datasets`' `to_json` writes under a `.json` name, are read like `.jsonl`).
-- `FILE.parquet`, `FILE.arrow` (Arrow IPC file or stream, what `datasets` writes), `FILE.csv`
-  (header row; every cell is read as text): read with pyarrow, batch by batch.
+- `FILE.parquet`, `FILE.arrow` (Arrow IPC file or stream, what `datasets` writes): read with
+  pyarrow, batch by batch. `FILE.csv` (header row; every cell is read as text): read with
+  Python's csv module in strict mode, row by row; messages name `FILE:LINE`.
 - A folder or a glob of shards of one kind, in sorted order. Shards named after a split
   (`train-00000-of-00004.parquet`, `test.jsonl`, `train/...`) are filtered by `--data-split`.
 - A folder written by `datasets`' `save_to_disk`: a Dataset (`state.json` + `data-*.arrow`) or
@@ -17,13 +18,14 @@ Containers (`--data SOURCE`):
   `configs:` (README.md), else the folders and shard names, pick the files of one split
   (`--data-split`, default train); only those are downloaded into the HF cache (`hub.py`).
 
-Rows of table-like files name `FILE:row N` in messages (row 1 is the first).
+Rows of parquet, arrow and JSON-array files name `FILE:row N` in messages (row 1 is the first).
 
 What the rows hold (the layouts) is read in `compiletune.data.layouts`.
 """
 
 from __future__ import annotations
 
+import csv
 import glob as globlib
 import hashlib
 import json
@@ -44,7 +46,7 @@ FILE_KINDS = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".txt")
 
 # Two or more consecutive empty (or whitespace-only) lines separate documents in a .txt file.
 _DOC_GAP = re.compile(r"\n[ \t\r\f\v]*\n(?:[ \t\r\f\v]*\n)+")
-_BATCH_ROWS = 1024  # rows converted to Python objects at a time (parquet, arrow, csv)
+_BATCH_ROWS = 1024  # rows converted to Python objects at a time (parquet, arrow)
 _SHARD = re.compile(r"^(?P<split>[A-Za-z][\w.]*?)-\d{5}-of-\d{5}$")
 _SPLIT_NAMES = {"train", "test", "validation", "valid", "dev", "eval", "val"}
 # Files of datasets' own bookkeeping, never rows (hub repositories and save_to_disk folders).
@@ -149,32 +151,87 @@ def _read_arrow(path: Path) -> Iterator[tuple[dict, str]]:
 
 
 def _read_csv(path: Path) -> Iterator[tuple[dict, str]]:
-    """The rows of a CSV file, parsed strictly: a header of distinct names, every row with as
-    many fields as it, UTF-8 text; a value may span lines inside quotes. A bad row is a
-    UserError naming its line (pyarrow's own errors name none)."""
-    pa = _pyarrow(path)
-    import pyarrow.csv as pacsv
+    """The rows of a CSV file (`FILE:LINE` of each row's first line), parsed strictly: a header
+    of distinct names, every row with as many fields as it, UTF-8 text; a value may span lines
+    inside quotes. A bad row is a UserError naming its line.
 
-    parse = pacsv.ParseOptions(newlines_in_values=True)
+    Python's csv module in strict mode reads it (not pyarrow, which has no strict mode): a quote
+    left open merges the rows after it into one value, and strict parsing is what notices,
+    where the stray quote's value closes with text after it or runs to the end of the file."""
+    limit = csv.field_size_limit()
+    csv.field_size_limit(2**31 - 1)  # a long document is one value (the default is 128 KiB)
     try:
-        # The header first, so that every column is read as text: a column of numbers is still
-        # text to train on, and a type guessed from the first block cannot fail on a later one.
-        names = pacsv.open_csv(path, parse_options=parse).schema.names
-        _check_header(path, names)
-        reader = pacsv.open_csv(
-            path,
-            parse_options=parse,
-            convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names}),
+        with path.open(newline="", encoding="utf-8-sig") as fh:
+            reader = csv.reader(fh, strict=True)
+            yield from _csv_records(path, reader)
+    except UnicodeDecodeError as e:
+        raise _utf8_error(path) from e
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e.strerror or e}); check the path") from e
+    finally:
+        csv.field_size_limit(limit)
+
+
+# The fix for a bad CSV row, in every message about one.
+_CSV_FIX = 'quote a value that holds a comma or a quote ("a, b"; "say ""hi""")'
+
+
+def _csv_records(path: Path, reader: Any) -> Iterator[tuple[dict, str]]:
+    names, start = None, 1
+    try:
+        for record in reader:
+            if not record:  # an empty line
+                start = reader.line_num + 1
+                continue
+            if names is None:
+                names = record
+                _check_header(path, names)
+            elif len(record) != len(names):
+                n = len(record)
+                raise UserError(
+                    f"{path}:{start}: {n} field{'s' if n != 1 else ''} where the header has "
+                    f"{len(names)}; {_CSV_FIX}"
+                )
+            else:
+                yield dict(zip(names, record, strict=True)), f"{path}:{start}"
+            start = reader.line_num + 1
+    except csv.Error as e:
+        raise _quote_error(path, start, reader.line_num, str(e)) from e
+    if names is None:
+        raise UserError(f"{path} is empty; add a header row and data, or remove it")
+
+
+def _quote_error(path: Path, start: int, line: int, why: str) -> UserError:
+    """A strict-mode csv error of the row that starts on line `start` (met on `line`)."""
+    if "unexpected end of data" in why:
+        return UserError(
+            f"{path}:{start}: a quote opened in this row is never closed (its value runs to "
+            f"the end of the file, line {line}); close it; {_CSV_FIX}"
         )
-        yield from _batches_rows(path, reader)
-    except UserError:
-        raise
-    except Exception as e:
-        if "Empty CSV file" in str(e):
-            raise UserError(f"{path} is empty; add a header row and data, or remove it") from e
-        if type(e).__module__.startswith("pyarrow"):
-            raise _csv_error(path, e) from e
-        raise
+    if "expected after" in why:
+        span = f"closes on line {line}" if line != start else "closes"
+        return UserError(
+            f"{path}:{start}: a quoted value of this row {span} with more text after its "
+            f"closing quote (an unbalanced quote merges rows); close each quoted value where "
+            f"it ends; {_CSV_FIX}"
+        )
+    return UserError(f"{path}:{line}: {why}; fix this row")
+
+
+def _utf8_error(path: Path) -> UserError:
+    """The first line of `path` that is not UTF-8, as one line."""
+    offset = 0
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return UserError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[bad.start]:02x} at "
+                    f"offset {offset + bad.start}); save the file as UTF-8"
+                )
+            offset += len(raw)
+    return UserError(f"{path}: not valid UTF-8; save the file as UTF-8")
 
 
 def _check_header(path: Path, names: list[str]) -> None:
@@ -189,41 +246,6 @@ def _check_header(path: Path, names: list[str]) -> None:
                 "ignored; give each column its own name"
             )
         seen.add(n)
-
-
-def _csv_error(path: Path, e: Exception) -> UserError:
-    """pyarrow's error about `path` as one line naming the file's line where it can be found:
-    the first line that is not UTF-8, or the first record whose field count is not the
-    header's (found with Python's csv module, which counts physical lines)."""
-    import csv
-
-    why = " ".join(str(e).split())[:200]
-    if "UTF8" in why or "UTF-8" in why:
-        offset = 0
-        with path.open("rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                try:
-                    raw.decode("utf-8")
-                except UnicodeDecodeError as bad:
-                    return UserError(
-                        f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[bad.start]:02x} at "
-                        f"offset {offset + bad.start}); save the file as UTF-8"
-                    )
-                offset += len(raw)
-    with path.open(newline="", encoding="utf-8-sig", errors="replace") as fh:
-        reader = csv.reader(fh)
-        try:
-            width = len(next(reader))
-            for record in reader:
-                if record and len(record) != width:
-                    return UserError(
-                        f"{path}:{reader.line_num}: {len(record)} field{'s' if len(record) != 1 else ''} where the header has "
-                        f"{width}; quote a value that holds a comma or a quote "
-                        '("a, b"; "say ""hi""")'
-                    )
-        except csv.Error as bad:
-            return UserError(f"{path}:{reader.line_num}: {bad}; fix the quoting of this row")
-    return _arrow_error(path, e)
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[dict, str]]:

@@ -535,13 +535,39 @@ def test_fingerprint_follows_content(tmp_path):
         ("prompt,completion\nhi,there\nonly\n", 3, "1 field where the header has 2"),
         # a value may span lines inside quotes: the bad record is on the file's line 6
         ('prompt,completion\n"hi\nthere",ok\nx,"multi\nline"\nbad,row,here\n', 6, "3 fields"),
-        ('prompt,completion\n"hi\nthere",ok\n"unterminated,x\n', 4, "1 field"),
+        ('prompt,completion\n"hi\nthere",ok\n"unterminated,x\n', 4, "a quote opened in"),
     ],
 )
 def test_csv_errors_name_the_line(tok, tmp_path, text, line, message):
     path = tmp_path / "bad.csv"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(UserError, match=rf"bad\.csv:{line}: {message}.*quote a value"):
+        load_examples(str(path), tok)
+
+
+@pytest.mark.parametrize(
+    "text, line, message",
+    [
+        # a quote opened mid-file closes two lines on, followed by text: rows 2-4 would merge
+        (
+            'prompt,completion\n"What is 2+2?,4\nCapital of France?,Paris\n"Say hi",hello\nx,y\n',
+            2,
+            "a quoted value of this row closes on line 4 with more text after its closing quote",
+        ),
+        # a quote opened in the last rows never closes: they would merge into one value
+        (
+            'prompt,completion\na,b\nc,"d\ne,f\n',
+            3,
+            "a quote opened in this row is never closed .*line 4",
+        ),
+    ],
+)
+def test_csv_unbalanced_quote_names_the_line(tok, tmp_path, text, line, message):
+    """An unbalanced quote merged rows silently (pyarrow read both files as valid rows); the
+    strict reader names the line of the row where the quote opened."""
+    path = tmp_path / "q.csv"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(UserError, match=rf"q\.csv:{line}: {message}.*quote a value"):
         load_examples(str(path), tok)
 
 
