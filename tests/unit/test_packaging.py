@@ -59,3 +59,35 @@ def test_the_wheel_holds_every_module(tmp_path: Path) -> None:
     missing = _source_files() - held
     assert not missing, f"the wheel lacks {sorted(missing)}"
     assert not any(name.startswith(("models/", "passes/")) for name in held)  # no top-level names
+
+
+# Declared dependencies that our code does not import itself, each with the reason it is needed.
+USED_THROUGH_OTHERS = {
+    "jinja2": "transformers renders chat templates with it but does not require it",
+}
+IMPORT_NAMES = {"pyyaml": "yaml", "huggingface_hub": "huggingface_hub"}
+
+
+def test_every_declared_dependency_is_used() -> None:
+    """A core dependency nothing imports (einops was one) is a download for every user."""
+    import ast
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ \[;]", spec, maxsplit=1)[0].lower() for spec in declared}
+    imported: set[str] = set()
+    for folder in FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imported.add(node.module.split(".")[0])
+    unused = {
+        name
+        for name in names
+        if IMPORT_NAMES.get(name, name.replace("-", "_")) not in imported
+        and name not in USED_THROUGH_OTHERS
+    }
+    assert not unused, f"declared in pyproject.toml but imported nowhere: {sorted(unused)}"
