@@ -278,6 +278,7 @@ class Trainer:
         # then answered with a line instead of ending the process silently.
         with run_dir.LateSignal() as late:
             summary = self.summarise(time.perf_counter() - self.t_start, train_peaks, merged)
+            late.finished(summary["interrupted"])
             if late.received is not None:
                 self.say(
                     f"compiletune: {late.received} arrived after the run had finished; nothing "

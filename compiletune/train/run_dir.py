@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compiletune import hub
+from compiletune import hub, interrupt
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.checkpoint.atomic import make_folder, recover
@@ -573,6 +573,11 @@ class LateSignal(_StopSignals):
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum).name
+
+    def finished(self, interrupted: bool) -> None:
+        """The summary is written: a signal after this block, while the process ends, exits
+        with the run's status and one line (compiletune.interrupt), not a silent 143."""
+        interrupt.run_finished(interrupted)
 
 
 # Options that may name a Hub repository: (flat key, kind, flag).

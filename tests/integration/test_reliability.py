@@ -468,6 +468,53 @@ def test_sigterm_after_the_run_finished_is_answered(tmp_path, corpus, capsys, mo
     assert (out / "summary.json").is_file()
 
 
+# The program's signal handling (compiletune.interrupt, as `python -m compiletune` sets it up),
+# one run, then a SIGTERM the moment `main` has returned: after the closing line, while the
+# process ends (the interpreter's teardown after torch takes seconds).
+_SIGNAL_AFTER_DONE = """
+import os, signal, sys, time
+from compiletune.interrupt import exit_on_interrupt
+exit_on_interrupt()
+from compiletune.cli import main
+code = main(sys.argv[1:])
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+print("the signal was lost")
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_after_the_closing_line_exits_0_with_one_line(tmp_path, corpus):
+    """A signal once the run's work is saved ends the process with the run's own status (0)
+    and one line saying nothing was lost, never a silent 143."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", corpus, *TINY, "--output-dir", str(out), "--max-steps", "1"]
+    cmd = [sys.executable, "-c", _SIGNAL_AFTER_DONE, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("done: 1 steps")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "compiletune: SIGTERM after the run had finished; nothing was lost"
+    )
+    assert "Traceback" not in proc.stderr and "signal was lost" not in proc.stdout
+    assert (out / "summary.json").is_file()
+
+
+def test_a_signal_after_a_run_stopped_early_keeps_its_status():
+    """A run stopped early returns 130; a signal after its summary keeps that status."""
+    code = (
+        "import os, signal, time\n"
+        "from compiletune import interrupt\n"
+        "interrupt.exit_on_interrupt()\n"
+        "interrupt.run_finished(interrupted=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(30)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130
+    assert proc.stderr.strip() == "compiletune: SIGINT after the run had finished; nothing was lost"
+
+
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, corpus):
     out = tmp_path / "run"
     proc = _start(out, corpus)
