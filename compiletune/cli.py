@@ -1,4 +1,4 @@
-"""Command line: `compiletune train | generate | eval | estimate-memory | models | configs | convert | plot`.
+"""Command line: `compiletune train | generate | eval | estimate-memory | models | configs | convert | plot | export`.
 
 Flags override `--config run.yaml`, which overrides the defaults in `config.TrainConfig`.
 Bad input prints one line, `compiletune: error: ...`, and exits with code 2.
@@ -132,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH.png",
         help="default: RUN_DIR/plot.png for one run (needed for several); the page is PATH.html",
+    )
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint as a GGUF file for llama.cpp / Ollama / LM Studio",
+        description="Write a checkpoint folder (a run's step_N or merged/; a LoRA step is merged "
+        "first) as one GGUF file: f16, or q8_0 (8-bit). Needs the gguf package: "
+        "pip install 'compiletune[gguf]'. See docs/export.md.",
+    )
+    export.add_argument("checkpoint", metavar="STEP_DIR", help="a run's step_N or merged/ folder")
+    export.add_argument("--gguf", required=True, choices=("f16", "q8_0"), help="tensor type")
+    export.add_argument(
+        "-o", "--output", default=None, metavar="OUT.gguf", help="default: STEP_DIR-KIND.gguf"
     )
     return parser
 
@@ -481,6 +493,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_cache(ns)
         if ns.command == "plot":
             return _cmd_plot(ns)
+        if ns.command == "export":
+            from compiletune.export_gguf import export_gguf  # lazy: a subcommand's cost
+
+            export_gguf(ns.checkpoint, ns.gguf, ns.output)
+            return 0
         return _cmd_models(ns)
     except UserError as e:
         show(e)

@@ -1,0 +1,208 @@
+"""What each model family is in llama.cpp's terms: its GGUF architecture, metadata and tensors.
+
+The families exported are the dense decoders that both llama.cpp runs and transformers' GGUF loader
+reads back (so the export is tested by a round trip):
+
+    config.json model_type   general.architecture   what changes on the way
+    llama, mistral           llama                  q/k rows interleaved per head (below)
+    qwen2, qwen3             qwen2, qwen3           names only
+    phi3                     phi3                   names only (fused qkv and gate_up stay fused)
+    gemma2, gemma3_text      gemma2, gemma3         norms stored as 1 + w
+
+llama.cpp's "llama" graph applies rotary embeddings to adjacent pairs (x0, x1), (x2, x3), ... where
+HF Llama rotates the two halves of each head; the converter reorders each head's q and k rows from
+[half 0 | half 1] to [r0 of half 0, r0 of half 1, r1 of half 0, ...], which makes both the same
+function. The NEOX-style families (qwen, phi3, gemma) rotate halves in llama.cpp too: no reorder.
+Gemma's RMSNorm multiplies by (1 + w); llama.cpp's by w, so the file holds 1 + w.
+
+Mistral is written as llama (as llama.cpp does): its sliding window, if any, is not applied.
+Every value a family's llama.cpp graph fixes rather than reads (Gemma's attention scale and
+sliding-window pattern) is checked against the config, and a config that differs is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+
+from compiletune.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: gguf.MODEL_ARCH
+    interleave_qk: bool = False  # llama: reorder q/k rows for llama.cpp's pairwise rotary
+    norm_plus_one: bool = False  # gemma: the file stores 1 + w for every RMSNorm weight
+    swa_every: int = 0  # gemma: llama.cpp's fixed pattern (every n-th layer is global)
+
+
+FAMILIES = {
+    "llama": Family(gguf.MODEL_ARCH.LLAMA, interleave_qk=True),
+    "mistral": Family(gguf.MODEL_ARCH.LLAMA, interleave_qk=True),
+    "qwen2": Family(gguf.MODEL_ARCH.QWEN2),
+    "qwen3": Family(gguf.MODEL_ARCH.QWEN3),
+    "phi3": Family(gguf.MODEL_ARCH.PHI3),
+    "gemma2": Family(gguf.MODEL_ARCH.GEMMA2, norm_plus_one=True, swa_every=2),
+    "gemma3_text": Family(gguf.MODEL_ARCH.GEMMA3, norm_plus_one=True, swa_every=6),
+}
+SUPPORTED = ", ".join(FAMILIES)
+# llama.cpp scales Gemma's queries by 1/sqrt(head_dim), except for the 27B models (known there by
+# their layer count), which use 1/sqrt(hidden / heads): config.query_pre_attn_scalar must agree.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def family_of(cfg: dict[str, Any], folder: object) -> Family:
+    """The family of a config.json, or one line naming what is exported."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise UserError(
+            f"{folder}: model_type {model_type!r} is not exported to GGUF; supported: "
+            f"{SUPPORTED} (dense decoders that llama.cpp runs and transformers reads back)"
+        )
+    return FAMILIES[model_type]
+
+
+def head_dim(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def rope_parameters(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the global layers' rope parameters, the sliding layers' ones or None), from either the
+    transformers 5 `rope_parameters` (per layer kind for Gemma 3) or the older keys."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if "full_attention" in params:
+        return params["full_attention"], params.get("sliding_attention")
+    merged = dict(params)
+    merged.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    local = cfg.get("rope_local_base_freq")
+    return merged, ({"rope_theta": local} if local else None)
+
+
+def llama3_rope_factors(cfg: dict[str, Any]) -> list[float]:
+    """llama.cpp's rope_freqs tensor for Llama 3.1-style rope scaling: per frequency, the divisor
+    that turns the base frequency into the scaled one (1 for fast ones, `factor` for slow ones,
+    interpolated between), [head_dim / 2]."""
+    params, _ = rope_parameters(cfg)
+    dim = int(head_dim(cfg) * cfg.get("partial_rotary_factor", 1.0))
+    base, factor = params["rope_theta"], params["factor"]
+    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old_context = params.get("original_max_position_embeddings", 8192)
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < old_context / high:
+            out.append(1.0)
+        elif wavelen > old_context / low:
+            out.append(float(factor))
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _check_gemma(cfg: dict[str, Any], fam: Family, folder: object) -> None:
+    """Refuse a Gemma config whose attention scale or layer pattern llama.cpp would not follow."""
+    model_type, layers = cfg["model_type"], cfg["num_hidden_layers"]
+    scalar = cfg.get("query_pre_attn_scalar", head_dim(cfg))
+    wide = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if scalar != head_dim(cfg) and not (scalar == wide and layers == _GEMMA_27B_LAYERS[model_type]):
+        raise UserError(
+            f"{folder}: query_pre_attn_scalar {scalar} is neither head_dim {head_dim(cfg)} nor "
+            "the 27B model's hidden_size / heads; llama.cpp would scale attention differently"
+        )
+    kinds = cfg.get("layer_types")
+    expected = [
+        "full_attention" if (i + 1) % fam.swa_every == 0 else "sliding_attention"
+        for i in range(layers)
+    ]
+    if kinds is not None and list(kinds) != expected:
+        raise UserError(
+            f"{folder}: layer_types differs from llama.cpp's fixed {model_type} pattern "
+            f"(every {fam.swa_every}th layer global); this model cannot be exported to GGUF"
+        )
+
+
+def metadata(cfg: dict[str, Any], fam: Family, folder: object) -> dict[str, Any]:
+    """The `{arch}.*` keys as GGUFWriter method name -> value (applied in order)."""
+    heads = cfg["num_attention_heads"]
+    dim = head_dim(cfg)
+    rope, local = rope_parameters(cfg)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    keys: dict[str, Any] = {
+        "add_context_length": cfg.get("max_position_embeddings", 4096),
+        "add_embedding_length": cfg["hidden_size"],
+        "add_block_count": cfg["num_hidden_layers"],
+        "add_feed_forward_length": cfg["intermediate_size"],
+        "add_head_count": heads,
+        "add_head_count_kv": cfg.get("num_key_value_heads") or heads,
+        "add_key_length": dim,
+        "add_value_length": dim,
+        "add_layer_norm_rms_eps": cfg.get("rms_norm_eps", 1e-6),
+        "add_rope_freq_base": rope["rope_theta"],
+        "add_rope_dimension_count": int(dim * cfg.get("partial_rotary_factor", 1.0)),
+        "add_vocab_size": cfg["vocab_size"],
+    }
+    if rope_type == "linear":
+        keys["add_rope_scaling_type"] = gguf.RopeScalingType.LINEAR
+        keys["add_rope_scaling_factor"] = rope["factor"]
+    elif rope_type not in ("default", "llama3"):  # llama3: the rope_freqs tensor
+        raise UserError(
+            f"{folder}: rope scaling {rope_type!r} is not exported to GGUF (exported: none, "
+            "linear, llama3)"
+        )
+    if fam.swa_every:
+        _check_gemma(cfg, fam, folder)
+        keys["add_sliding_window"] = cfg["sliding_window"]
+        if local:
+            keys["add_rope_freq_base_swa"] = local["rope_theta"]
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(name):
+                keys[f"add_{name}"] = cfg[name]
+    elif cfg["model_type"] == "phi3" and cfg.get("sliding_window"):
+        keys["add_sliding_window"] = cfg["sliding_window"]
+    return keys
+
+
+def interleave_rows(weight: Any, n_heads: int) -> Any:
+    """llama.cpp's q/k row order for a llama head: [r0, r0 + d/2, r1, r1 + d/2, ...] of each
+    head's [d] rows (see the module docstring). `weight`: [n_heads * d, ...] (a bias: [n_heads * d])."""
+    rest = weight.shape[1:]
+    d = weight.shape[0] // n_heads
+    return weight.reshape(n_heads, 2, d // 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+
+
+class TensorNames:
+    """HF tensor name -> llama.cpp's, with what the value needs on the way."""
+
+    def __init__(self, cfg: dict[str, Any], fam: Family) -> None:
+        self.cfg, self.fam = cfg, fam
+        self._map = gguf.get_tensor_name_map(fam.arch, cfg["num_hidden_layers"])
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        """llama.cpp's name, or None for a tensor the file leaves out (a tied lm_head)."""
+        if hf_name == "lm_head.weight" and self.cfg.get("tie_word_embeddings", False):
+            return None
+        stem, _, suffix = hf_name.rpartition(".")
+        name = self._map.get_name(stem) if suffix in ("weight", "bias") else None
+        if name is None:
+            raise UserError(
+                f"{hf_name}: no llama.cpp tensor of {self.fam.arch.name.lower()} is named for it; "
+                "this checkpoint holds a tensor the GGUF export does not know"
+            )
+        return f"{name}.{suffix}"
+
+    def convert(self, gguf_name: str, value: Any) -> Any:
+        """The value the file holds (`value`: an fp32 numpy array as the checkpoint has it)."""
+        cfg = self.cfg
+        if self.fam.interleave_qk:
+            if ".attn_q." in gguf_name:
+                value = interleave_rows(value, cfg["num_attention_heads"])
+            elif ".attn_k." in gguf_name:
+                kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+                value = interleave_rows(value, kv)
+        if self.fam.norm_plus_one and "_norm." in gguf_name:
+            value = value + 1.0
+        return value
