@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -15,8 +16,8 @@ from pathlib import Path
 
 from compiletune import __version__
 from compiletune.choices import BaseDtype, choices
-from compiletune.config import TrainConfig, add_flags
-from compiletune.errors import UserError, show
+from compiletune.config import TrainConfig, add_flags, check_inputs
+from compiletune.errors import UserError, closest, show
 from compiletune.interrupt import EXIT_INTERRUPTED
 
 EXIT_BAD_INPUT = 2
@@ -32,8 +33,53 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice and (near := closest(choice[1], re.findall(r"'([^']*)'", choice[2]))):
+            message += f"; did you mean '{near}'?"
         sys.stderr.write(f"compiletune: error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(EXIT_BAD_INPUT)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, with the nearest flag of the command named for a mistyped one."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{_near_flag(self, ns, extras)}")
+        return ns
+
+
+# Other trainers' names for our flags (transformers' TrainingArguments, torchtune, axolotl):
+# a user who types one is told ours.
+_FLAG_SYNONYMS = {
+    "--learning-rate": "--lr",
+    "--num-epochs": "--epochs",
+    "--num-train-epochs": "--epochs",
+    "--max-length": "--seq-len",
+    "--max-seq-length": "--seq-len",
+    "--sequence-len": "--seq-len",
+    "--gradient-accumulation-steps": "--grad-accum",
+    "--per-device-train-batch-size": "--batch-size",
+    "--micro-batch-size": "--batch-size",
+    "--model-name-or-path": "--model-dir",
+    "--dataset": "--data",
+    "--warmup": "--warmup-steps",
+    "--lr-scheduler-type": "--schedule",
+    "--gradient-checkpointing": "--ac",
+    "--lora-r": "--lora-rank",
+}
+
+
+def _near_flag(parser: argparse.ArgumentParser, ns: argparse.Namespace, extras: list[str]) -> str:
+    """ "; did you mean '--lr'?" for the first unknown flag of `extras` near one of the command's
+    flags (or another trainer's name for one), else ""."""
+    command = getattr(ns, "command", None)
+    sub = parser._subparsers._group_actions[0].choices.get(command) if parser._subparsers else None
+    flags = {s for a in (sub or parser)._actions for s in a.option_strings if s.startswith("--")}
+    known = {**{f: f for f in flags}, **{k: v for k, v in _FLAG_SYNONYMS.items() if v in flags}}
+    for extra in extras:
+        typed = extra.split("=", 1)[0]
+        if typed.startswith("--") and (near := closest(typed, known)):
+            return f"; did you mean {known[near]}?"
+    return ""
 
 
 def _add_train_flags(p: argparse.ArgumentParser, *, estimate_only: bool = False) -> None:
@@ -100,17 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     configs.add_argument("action", nargs="?", choices=("list", "show", "copy"), default="list")
     configs.add_argument("name", nargs="?", help="a recipe name (show, copy)")
     configs.add_argument("path", nargs="?", help="where to copy it (copy)")
-    cache = sub.add_parser(
-        "cache",
-        help="the token cache: `cache list`, `cache verify [KEY ...]`, `cache clear [KEY ...]`",
-        description="Entries of the token cache (tokenised data sources, see --cache-dir). "
-        "verify re-hashes every file of each entry against its recorded checksums and exits 1 "
-        "when one is damaged (training rebuilds a damaged entry by itself); clear removes "
-        "entries (all of them without KEY).",
-    )
-    cache.add_argument("action", choices=("list", "verify", "clear"))
-    cache.add_argument("keys", nargs="*", metavar="KEY", help="entries (default: every one)")
-    cache.add_argument("--cache-dir", default=None, help="default: as `train` finds it")
+    _add_cache_parser(sub)
     convert = sub.add_parser("convert", help="turn a sharded (--fsdp) checkpoint into an HF folder")
     convert.add_argument("checkpoint", help="a step_N folder of an --fsdp run")
     convert.add_argument("output", help="new folder for the HF checkpoint")
@@ -146,6 +182,27 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", default=None, metavar="OUT.gguf", help="default: STEP_DIR-KIND.gguf"
     )
     return parser
+
+
+def _add_cache_parser(sub: argparse._SubParsersAction) -> None:
+    """`compiletune cache [list|verify|clear] [KEY ...]`: alone, it lists."""
+    cache = sub.add_parser(
+        "cache",
+        help="the token cache: `cache [list]`, `cache verify [KEY ...]`, `cache clear [KEY ...]`",
+        description="Entries of the token cache (tokenised data sources, see --cache-dir). "
+        "verify re-hashes every file of each entry against its recorded checksums and exits 1 "
+        "when one is damaged (training rebuilds a damaged entry by itself); clear removes "
+        "entries (all of them without KEY).",
+    )
+    cache.add_argument(
+        "action",
+        nargs="?",
+        choices=("list", "verify", "clear"),
+        default="list",
+        help="default: list",
+    )
+    cache.add_argument("keys", nargs="*", metavar="KEY", help="entries (default: every one)")
+    cache.add_argument("--cache-dir", default=None, help="default: as `train` finds it")
 
 
 def _add_generate_flags(p: argparse.ArgumentParser) -> None:
@@ -246,6 +303,7 @@ def _resolve(ns: argparse.Namespace, flags: dict) -> TrainConfig:
 def _cmd_train(ns: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
     cfg = _resolve(ns, flags)  # a wrong value is reported before the trainer's imports
+    check_inputs(cfg)  # and a missing file or folder
     from compiletune.train.loop import train  # lazy: a subcommand's cost (seconds of imports)
 
     summary = train(cfg)
@@ -265,13 +323,18 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(ns).items() if k not in own}
     if ns.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {ns.gpus}")
-    if ns.gpus > 1:
-        flags["fsdp"] = True  # several GPUs train under torchrun with --fsdp
-    cfg = _resolve(ns, flags)  # a wrong value is reported before the estimator's imports
     if ns.host_memory is not None and not 0 < ns.host_memory < float("inf"):
         raise UserError(f"--host-memory {ns.host_memory}: pass this machine's GiB (e.g. 512)")
     if ns.host_memory is not None and not ns.device_memory:
         raise UserError("--host-memory is judged with --device-memory; pass both")
+    if ns.max_seq_len and not ns.device_memory:
+        raise UserError(
+            "--max-seq-len searches for the longest --seq-len that fits --device-memory; "
+            "pass --device-memory GIB|GPU (e.g. 80 or h100)"
+        )
+    if ns.gpus > 1:
+        flags["fsdp"] = True  # several GPUs train under torchrun with --fsdp
+    cfg = _resolve(ns, flags)  # a wrong value is reported before the estimator's imports
     from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
     from compiletune.estimate import fit  # lazy: a subcommand's cost
 
@@ -296,9 +359,9 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
             out = {"max_seq_len": min(longest, positions), "memory_max_seq_len": longest}
             print(json.dumps({**out, **(est.to_dict() if est is not None else {})}, indent=2))
         elif est is None:
-            print(f"no --seq-len of {fit.SEQ_STEP} tokens or more fits; see the ladder (--ladder)")
+            print(fit.no_length_line(capacity))
         else:
-            print(fit.longest_line(longest, est, positions))
+            print(fit.longest_line(longest, est, positions, capacity))
         return 0
     if ns.ladder:
         rows = fit.ladder(cfg, ns.gpus, _to_stderr)
@@ -332,14 +395,13 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_models(ns: argparse.Namespace) -> int:
-    from compiletune.models import PRESETS, num_params  # lazy: a subcommand's cost
+    from compiletune.models import PRESETS, num_params, params_text  # lazy: a subcommand's cost
 
     print(
         f"{'preset':<16} {'params':>10}  {'layers':>6} {'dim':>6} {'heads':>5} {'kv':>3} {'vocab':>7}"
     )
     for name, a in PRESETS.items():
-        n = num_params(a)
-        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        size = params_text(num_params(a))
         print(
             f"{name:<16} {size:>10}  {a.n_layers:>6} {a.dim:>6} {a.n_heads:>5} "
             f"{a.n_kv_heads:>3} {a.vocab_size:>7}"

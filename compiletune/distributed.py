@@ -43,6 +43,7 @@ from torch import nn
 from compiletune import faults, torch_internals
 from compiletune.choices import Sharding, choices
 from compiletune.errors import UserError
+from compiletune.launch import launched_world_size as launched_world_size  # re-exported
 from compiletune.torch_internals import fsdp_completes_partial_groups
 
 if TYPE_CHECKING:
@@ -66,11 +67,6 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def launched_world_size() -> int:
-    """Processes in this job as torchrun announced it (1 when started by hand)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init_distributed(device_type: str) -> DistEnv:

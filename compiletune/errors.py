@@ -4,7 +4,9 @@ A `UserError` is bad input: the CLI prints its message as one line and exits wit
 The message names the input that is wrong and the fix.
 """
 
+import difflib
 import sys
+from collections.abc import Iterable
 
 
 class UserError(Exception):
@@ -20,3 +22,10 @@ def show(error: UserError) -> None:
         sys.stderr.write(f"compiletune: error: {message}\n")
         sys.stderr.flush()
         error.shown = True
+
+
+def closest(word: str, known: Iterable[str]) -> str | None:
+    """The known name nearest to a mistyped `word` (for "did you mean ...?"), or None when none
+    is near: the one matcher of flags, YAML keys and preset names."""
+    near = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return near[0] if near else None

@@ -206,6 +206,14 @@ def _token() -> bool:
         return False
 
 
+def no_model_folder(name: object, flag: str) -> str:
+    """The refusal of a model folder that is neither a local path nor a Hub id."""
+    return (
+        f"model folder {name} does not exist; pass {flag} with a local HF model folder "
+        "(config.json, model.safetensors, tokenizer files) or a Hub id ORG/NAME[@REVISION]"
+    )
+
+
 def model_folder(text: str, flag: str = "--model-dir", weights: bool = True) -> Path | None:
     """The local folder of a hub model spec (downloaded if needed), or None when `text` is not
     one. The configs and tokenizer come first; then the weights that

@@ -77,12 +77,9 @@ import torch
 from torch import Tensor, nn
 
 from compiletune import torch_internals
-from compiletune.choices import Bf16Compensation, OptimizerKind, choices
+from compiletune.config.checks import check_optimizer_flags
 from compiletune.errors import UserError
 from compiletune.ops import cpu_kernels, op_memory
-
-OPTIMIZERS = choices(OptimizerKind)
-BF16_COMPENSATIONS = choices(Bf16Compensation)
 
 # Values per quantisation block of the 8-bit moments: one fp32 scale per 256 values costs
 # 4/256 = 0.016 bytes per value per moment, and a block is small enough that one outlier
@@ -96,37 +93,6 @@ _CHUNK_BLOCKS = 16384
 _CODE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
 
 _STATE_FORMAT = 1
-
-
-def check_optimizer_flags(
-    optimizer: str,
-    in_backward: bool,
-    grad_accum: int,
-    max_grad_norm: float,
-    bf16_compensation: str,
-) -> None:
-    """Raise `UserError` for an unknown optimizer or compensation, or a contradictory combination."""
-    if optimizer not in OPTIMIZERS:
-        raise UserError(
-            f"--optimizer {optimizer} is not known; pass one of {', '.join(OPTIMIZERS)}"
-        )
-    if bf16_compensation not in BF16_COMPENSATIONS:
-        raise UserError(
-            f"--bf16-compensation {bf16_compensation} is not known; "
-            f"pass one of {', '.join(BF16_COMPENSATIONS)}"
-        )
-    if in_backward and grad_accum > 1:
-        raise UserError(
-            f"--optimizer-in-backward steps each parameter as soon as its gradient is ready, so it "
-            f"cannot accumulate --grad-accum {grad_accum} micro-batches; pass --grad-accum 1 "
-            "(with a larger --batch-size) or drop --optimizer-in-backward"
-        )
-    if in_backward and max_grad_norm > 0:
-        raise UserError(
-            f"--optimizer-in-backward never holds all gradients at once, so it cannot clip them "
-            f"to a global norm (--max-grad-norm {max_grad_norm}); pass --max-grad-norm 0 or drop "
-            "--optimizer-in-backward"
-        )
 
 
 # ----------------------------------------------------------------------------- 8-bit moments

@@ -43,6 +43,15 @@ def _linear_params(args: ModelArgs) -> int:
     return total + conv * args.linear_conv + 2 * args.linear_v_heads + args.linear_v_dim
 
 
+def params_text(n: int) -> str:
+    """A parameter count in the unit that fits it: 52.0K, 3.3M, 1.24B."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
+    return f"{n / 1e3:.1f}K" if n >= 1e3 else str(n)
+
+
 def num_params(args: ModelArgs) -> int:
     """Parameter count from the shape alone; a tied embedding counts once."""
     d = args.dim

@@ -12,7 +12,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from compiletune.errors import UserError
+from compiletune.errors import UserError, closest
 
 from .args import ModelArgs, RopeScaling
 
@@ -749,8 +749,9 @@ PRESETS: dict[str, ModelArgs] = {
 def from_name(name: str) -> ModelArgs:
     """A copy of preset `name` (safe to modify)."""
     if name not in PRESETS:
+        near = closest(name, PRESETS)
+        hint = f"did you mean {near!r}?" if near else f"choose one of: {', '.join(PRESETS)}"
         raise UserError(
-            f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)} "
-            "(`compiletune models` lists them with sizes)"
+            f"unknown model preset {name!r}; {hint} (`compiletune models` lists them with sizes)"
         )
     return copy.deepcopy(PRESETS[name])

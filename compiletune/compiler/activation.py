@@ -9,7 +9,6 @@ selective policy function that saves the same ops the pass saves.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import (
@@ -18,37 +17,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from compiletune.choices import AcKind, choices
+from compiletune.compiler.ac_policy import ActivationPolicy
+from compiletune.compiler.ac_policy import parse_ac as parse_ac  # re-exported: its users' import
 from compiletune.errors import UserError
 from compiletune.passes.activation_policy import SAVE_OPS
-
-
-@dataclass(frozen=True)
-class ActivationPolicy:
-    kind: str = "none"  # none | full | selective | budget
-    budget: float | None = None  # for kind == "budget": 0 = recompute all, 1 = fastest
-    every: int = 1  # apply to every K-th block (blocks 0, K, 2K, ...)
-
-    def applies_to(self, index: int) -> bool:
-        return self.kind != "none" and index % self.every == 0
-
-
-def parse_ac(text: str, every: int = 1) -> ActivationPolicy:
-    """'none' | 'full' | 'selective' | 'budget=F' (0 <= F <= 1) -> ActivationPolicy."""
-    if every < 1:
-        raise UserError(f"--ac-every must be at least 1, got {every}")
-    if text in choices(AcKind):
-        return ActivationPolicy(text, None, every)
-    if text.startswith("budget="):
-        try:
-            budget = float(text.split("=", 1)[1])
-        except ValueError:
-            budget = -1.0
-        if not 0.0 <= budget <= 1.0:
-            raise UserError(f"--ac {text}: the budget must be a number in [0, 1], e.g. budget=0.5")
-        return ActivationPolicy("budget", budget, every)
-    named = ", ".join(choices(AcKind))
-    raise UserError(f"--ac must be {named} or budget=F, got {text!r}")
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

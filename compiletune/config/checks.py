@@ -10,7 +10,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
-from compiletune import recipes
+from compiletune import hub, recipes
+from compiletune.choices import Bf16Compensation, OptimizerKind, choices
+from compiletune.compiler.ac_policy import parse_ac
 from compiletune.config.schema import (
     SECTIONS,
     DataConfig,
@@ -27,7 +29,11 @@ from compiletune.config.schema import (
     key_of,
     unwrap,
 )
+from compiletune.data.sources import check_local_sources
 from compiletune.errors import UserError
+from compiletune.launch import launched_world_size
+from compiletune.models.lora_targets import parse_targets
+from compiletune.models.presets import from_name
 
 
 def _at_least_one(key: str, value: int) -> None:
@@ -36,6 +42,8 @@ def _at_least_one(key: str, value: int) -> None:
 
 
 def check_model(section: ModelConfig, cfg: TrainConfig) -> None:
+    if section.preset is not None:
+        from_name(section.preset)  # an unknown name is refused before anything loads
     if section.n_layers is not None and (section.model_dir is not None or section.n_layers < 1):
         raise UserError(
             "--n-layers (a positive depth) only applies to a random-init --model preset"
@@ -105,10 +113,6 @@ def check_optim(section: OptimConfig, cfg: TrainConfig) -> None:
             "--router-bias-update-rate changes the base model's router biases, which a LoRA "
             "run's adapter folders do not carry; use it in full fine-tuning, or leave it 0"
         )
-    from compiletune.optim import (
-        check_optimizer_flags,  # lazy: the CLI imports config before torch
-    )
-
     check_optimizer_flags(
         section.optimizer,
         section.optimizer_in_backward,
@@ -124,11 +128,38 @@ def check_optim(section: OptimConfig, cfg: TrainConfig) -> None:
         )
 
 
-def check_techniques(section: TechniquesConfig, cfg: TrainConfig) -> None:
+def check_optimizer_flags(
+    optimizer: str,
+    in_backward: bool,
+    grad_accum: int,
+    max_grad_norm: float,
+    bf16_compensation: str,
+) -> None:
+    """Raise `UserError` for an unknown optimizer or compensation, or a contradictory combination."""
+    if optimizer not in choices(OptimizerKind):
+        raise UserError(
+            f"--optimizer {optimizer} is not known; pass one of {', '.join(choices(OptimizerKind))}"
+        )
+    if bf16_compensation not in choices(Bf16Compensation):
+        raise UserError(
+            f"--bf16-compensation {bf16_compensation} is not known; "
+            f"pass one of {', '.join(choices(Bf16Compensation))}"
+        )
+    if in_backward and grad_accum > 1:
+        raise UserError(
+            f"--optimizer-in-backward steps each parameter as soon as its gradient is ready, so it "
+            f"cannot accumulate --grad-accum {grad_accum} micro-batches; pass --grad-accum 1 "
+            "(with a larger --batch-size) or drop --optimizer-in-backward"
+        )
+    if in_backward and max_grad_norm > 0:
+        raise UserError(
+            f"--optimizer-in-backward never holds all gradients at once, so it cannot clip them "
+            f"to a global norm (--max-grad-norm {max_grad_norm}); pass --max-grad-norm 0 or drop "
+            "--optimizer-in-backward"
+        )
 
-    from compiletune.compiler.activation import (
-        parse_ac,  # lazy: the CLI imports config before torch
-    )
+
+def check_techniques(section: TechniquesConfig, cfg: TrainConfig) -> None:
 
     policy = parse_ac(section.ac, section.ac_every)
     if policy.kind == "budget" and not section.compile:
@@ -150,10 +181,6 @@ def check_techniques(section: TechniquesConfig, cfg: TrainConfig) -> None:
 
 
 def check_parallel(section: ParallelConfig, cfg: TrainConfig) -> None:
-
-    from compiletune.distributed import (
-        launched_world_size,  # lazy: the CLI imports config before torch
-    )
 
     world = launched_world_size()
     if world > 1 and not section.fsdp:
@@ -210,10 +237,6 @@ def check_lora(section: LoRAConfig, cfg: TrainConfig) -> None:
     if not 0.0 <= section.dropout < 1.0:
         raise UserError(f"--lora-dropout must be in [0, 1), got {section.dropout}")
     try:
-        from compiletune.models.lora import (
-            parse_targets,  # lazy: the CLI imports config before torch
-        )
-
         parse_targets(section.targets)
     except ValueError as e:
         raise UserError(f"--lora-targets {section.targets}: {e}") from e
@@ -396,6 +419,25 @@ def _check_grpo(section: ObjectiveConfig, cfg: TrainConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be in (0, 1), got {value}")
     if section.precompute_ref:
         raise UserError("--precompute-ref applies to dpo/ipo; grpo scores its own completions")
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """What a training run reads is there, checked before anything loads: no recipe
+    placeholder is left, the model, tokenizer and teacher folders exist (or are Hub ids,
+    checked as they download), and the data's local files exist and are data. `train` alone
+    calls this: an estimate reads none of them."""
+    recipes.check_no_placeholders(cfg)
+    m = cfg.model
+    for flag, value in (
+        ("--model-dir", m.model_dir),
+        ("--tokenizer", m.tokenizer),
+        ("--teacher-dir", cfg.objective.teacher_dir),
+    ):
+        if value is not None and not Path(value).exists() and hub.parse(value) is None:
+            raise UserError(hub.no_model_folder(value, flag))
+    check_local_sources(cfg.data.source, cfg.data.data_split)
+    if cfg.data.eval_data is not None:
+        check_local_sources(cfg.data.eval_data, cfg.data.eval_split)
 
 
 # The checks of each section, in the order `resolve` runs them.

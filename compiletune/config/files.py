@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import yaml
 
 from compiletune import recipes
 from compiletune.config.schema import FIELD_NAMES, TrainConfig
-from compiletune.errors import UserError
+from compiletune.errors import UserError, closest
 
 SAVED_CONFIG = "config.yaml"
 
@@ -60,9 +59,9 @@ def load_yaml(path: str) -> dict[str, Any]:
 def unknown_option(key: Any) -> str:
     """'unknown option K; did you mean N?' with the nearest option name, or the known ones."""
     name = str(key).replace("-", "_")
-    near = difflib.get_close_matches(name, sorted(FIELD_NAMES), n=1, cutoff=0.6)
+    near = closest(name, sorted(FIELD_NAMES))
     if near:
-        return f"unknown option '{key}'; did you mean '{near[0]}'?"
+        return f"unknown option '{key}'; did you mean '{near}'?"
     return f"unknown option '{key}'; known options: {', '.join(sorted(FIELD_NAMES))}"
 
 

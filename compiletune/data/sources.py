@@ -627,6 +627,16 @@ def _resolve(source: str, split: str | None) -> _Files:
     )
 
 
+def check_local_sources(spec: str, split: str | None = None) -> None:
+    """Refuse, before anything loads, a `--data` (or `--eval-data`) whose local files are not
+    there or not data: each source of the mixture is resolved as training will resolve it,
+    except a Hub dataset, which is checked when it downloads."""
+    for source, _ in parse_sources(spec):
+        hub_id = hub.parse(source, dataset=True) is not None and _kind_of(Path(source)) is None
+        if source != "pydocs" and (Path(source).exists() or not hub_id):
+            _resolve(source, split)
+
+
 def source_files(source: str, split: str | None = None) -> list[Path]:
     """The data files `source` reads, in reading order (empty for pydocs)."""
     if source == "pydocs":

@@ -19,6 +19,7 @@ from compiletune.estimate.estimator import (
     keep,
 )
 from compiletune.estimate.tracker import CATEGORIES
+from compiletune.models.params import params_text
 from compiletune.train.build import resolve_model_args
 
 # What a GPU needs beyond the tensors of the step: CUDA context, cuBLAS/NCCL workspaces,
@@ -171,7 +172,7 @@ def longest_seq_len(
     def tried(n: int) -> bool:
         est = seen[n] = estimate_memory(cfg.replace(seq_len=n), gpus)
         ok = fits(est, capacity)
-        say(f"  --seq-len {n}: {est.peak_bytes / 2**30:.2f} GiB, {'fits' if ok else 'does not'}")
+        say(f"  --seq-len {n}: {_with_reserve(est, capacity)}, {'fits' if ok else 'does not fit'}")
         return ok
 
     good, bad = 0, top + step  # the longest that fits, the shortest that does not
@@ -544,7 +545,7 @@ def format_estimate(
     gib = 2**30
     s = est.setup
     lines = [
-        f"{s['model']} ({s['params'] / 1e9:.2f}B parameters), {est.gpus} GPU(s)"
+        f"{s['model']} ({params_text(s['params'])} parameters), {est.gpus} GPU(s)"
         + (f", FSDP2 {s['sharding']}" if s["fsdp"] else "")
         + (" + CPU offload" if s["cpu_offload"] else "")
         + f"; {s['dtype']}, seq {_seq(s)} x batch {s['batch_size']} per GPU, loss "
@@ -592,14 +593,37 @@ def format_ladder(rows: list[Rung], capacity: Capacity | None = None) -> str:
     return "\n".join(lines)
 
 
-def longest_line(longest: int, est: MemoryEstimate, positions: int) -> str:
+def _with_reserve(est: MemoryEstimate, capacity: Capacity) -> str:
+    """The step's peak beside the reserve and the GPU it is judged against."""
+    gib = 2**30
+    return (
+        f"{est.peak_bytes / gib:.2f} GiB + {RESERVE_BYTES / gib:.0f} GiB reserve against "
+        f"{capacity.device_bytes / gib:g} GiB"
+    )
+
+
+def longest_line(
+    longest: int, est: MemoryEstimate, positions: int, capacity: Capacity | None = None
+) -> str:
     """--max-seq-len's answer, and where memory would go past the model's positions."""
     line = f"longest --seq-len that fits: {min(longest, positions)}"
+    peak = _with_reserve(est, capacity) if capacity else f"{est.peak_bytes / 2**30:.2f} GiB"
     if longest <= positions:
-        return line + f" (peak {est.peak_bytes / 2**30:.2f} GiB)"
+        return line + f" (peak {peak})"
     return (
         line + f", the model's positions; memory would take {longest} (peak "
-        f"{est.peak_bytes / 2**30:.2f} GiB) with positions extended past the checkpoint's"
+        f"{peak}) with positions extended past the checkpoint's"
+    )
+
+
+def no_length_line(capacity: Capacity) -> str:
+    """--max-seq-len's answer when no length fits: what the reserve leaves for a step."""
+    gib = 2**30
+    room = max(0, capacity.device_bytes - RESERVE_BYTES) / gib
+    return (
+        f"no --seq-len of {SEQ_STEP} tokens or more fits: {capacity.device_bytes / gib:g} GiB per "
+        f"GPU less the {RESERVE_BYTES / gib:.0f} GiB reserve (the CUDA context, workspaces, "
+        f"fragmentation) leaves {room:.2f} GiB for the step; see the ladder (--ladder)"
     )
 
 
