@@ -9,9 +9,10 @@ import resource
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `plot` reads metrics without it
+    import torch
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -22,6 +23,8 @@ def peak_memory_gib(device: torch.device) -> float:
     libraries and the dataset, so it reads higher than the tensors alone.
     """
     if device.type == "cuda":
+        import torch  # here: `compiletune plot` reads metrics through this module without torch
+
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is in KiB on Linux and in bytes on macOS.

@@ -8,6 +8,11 @@ changes. Nested numbers are named by their path (`rewards.NAME.mean`); bookkeepi
 left out. An `eval_KEY` is drawn as points on KEY's panel. Several runs share the panels, one
 colour each, with a legend of their folder names.
 
+It reads what a trainer can leave: a line torn by a kill is skipped (with a count, on stderr), a
+number beyond +-LIMIT (or beyond a float) is a gap as a non-finite one is, and a log with
+thousands of keys (one per expert and layer) gets the known panels and MAX_OTHER_PANELS others,
+top-level keys first, the rest named as left out. The files are written whole or not at all.
+
 The grid has COLUMNS columns of PANEL_PX pixels each, so the PNG is COLUMNS * PANEL_PX[0] wide
 and ceil(panels / COLUMNS) * PANEL_PX[1] high. matplotlib (the `plot` extra) is imported only
 here, with the Agg canvas; a training run writes plot.png and plot.html at its end when it is
@@ -17,17 +22,21 @@ installed (`after_run`).
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import io
-import json
 import math
 import os
+import shutil
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compiletune import faults
 from compiletune.errors import UserError
+from compiletune.metrics import parse_metrics
 
 PLOT_FILES = ("plot.png", "plot.html")  # what a run folder gets (run_dir.py knows them)
 COLUMNS = 3
@@ -35,6 +44,9 @@ PANEL_PX = (400, 300)  # width, height of one panel
 DPI = 100
 _MARGINS = (64, 14, 26, 34)  # left, right, top, bottom of the axes inside a panel, in pixels
 INSTALL = 'pip install "compiletune[plot]"'
+# Beyond this an axis's span overflows a float (matplotlib: "arange: cannot compute length").
+LIMIT = 1e300
+MAX_OTHER_PANELS = 12  # panels for keys not in KNOWN
 
 # Drawn first, in this order, whenever present (even when constant).
 KNOWN = (
@@ -64,10 +76,12 @@ class Run:
 
     name: str
     series: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    beyond: int = 0  # finite numbers beyond +-LIMIT, drawn as gaps
 
 
-def read_run(folder: Path) -> list[dict[str, Any]]:
-    """The records of `folder`/metrics.jsonl; a torn last line (a crash mid-write) is dropped."""
+def read_run(folder: Path, say: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """The records of `folder`/metrics.jsonl. A line that is not a JSON object (torn by a crash
+    while it was written) is skipped, and `say` told how many."""
     path = folder / "metrics.jsonl"
     if not folder.is_dir():
         raise UserError(f"{folder}: no such run folder; pass the --output-dir of a training run")
@@ -75,46 +89,56 @@ def read_run(folder: Path) -> list[dict[str, Any]]:
         raise UserError(
             f"{folder} has no metrics.jsonl; pass the --output-dir of a `compiletune train` run"
         )
-    text = path.read_bytes().decode("utf-8", "replace")
-    lines = text.splitlines()
-    records = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as e:
-            if n == len(lines) and not text.endswith("\n"):
-                break  # torn by a crash while it was written
-            reason = str(e).split(":")[0]
-            raise UserError(
-                f"{path}:{n}: not a metrics line ({reason}); remove or repair that line"
-            ) from e
-        records.append(record)
+    records, torn = parse_metrics(path.read_bytes())
     if not records:
-        raise UserError(f"{path} holds no steps yet (a run writes a line after each step)")
+        bad = f" ({len(torn)} lines are not JSON objects)" if torn else ""
+        raise UserError(f"{path} holds no steps yet{bad} (a run writes a line after each step)")
+    if torn and say is not None:
+        first = ", ".join(map(str, torn[:3])) + (", ..." if len(torn) > 3 else "")
+        say(
+            f"{path}: skipped {len(torn)} line{'s that are' if len(torn) > 1 else ' that is'} "
+            f"not a JSON object (line {first}: torn by a kill while it was written)"
+        )
     return records
 
 
-def _numbers(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+def _numbers(
+    record: dict[str, Any], prefix: str = "", beyond: list[int] | None = None
+) -> dict[str, float]:
     """The record's numbers (nested dicts flattened to dotted keys); null is NaN, lists and
-    text are left out."""
+    text are left out. A number beyond +-LIMIT is inf (a gap when drawn), counted in
+    `beyond[0]`."""
     out: dict[str, float] = {}
     for key, value in record.items():
         name = prefix + str(key)
         if isinstance(value, dict):
-            out.update(_numbers(value, name + "."))
-        elif value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
-            out[name] = math.nan if value is None else float(value)
+            out.update(_numbers(value, name + ".", beyond))
+        elif value is None:
+            out[name] = math.nan
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = x = _float(value)
+            limited = isinstance(value, int) or math.isfinite(value)  # not an inf of the log
+            if beyond is not None and math.isinf(x) and limited:
+                beyond[0] += 1
     return out
 
 
+def _float(value: float) -> float:
+    """`value` as a float an axis can hold: inf when it is beyond +-LIMIT (an integer beyond
+    any float included)."""
+    try:
+        x = float(value)
+    except OverflowError:
+        return math.inf
+    return x if abs(x) <= LIMIT else (math.inf if math.isfinite(x) else x)  # inf, nan: as they are
+
+
 def to_run(name: str, records: list[dict[str, Any]]) -> Run:
+    """The records' numbers as series; a step beyond +-LIMIT becomes the record's position."""
     run = Run(name)
+    beyond = [0]
     for i, record in enumerate(records, 1):
-        values = _numbers(record)
+        values = _numbers(record, beyond=beyond)
         step = values.get("step", math.nan)
         x = step if math.isfinite(step) else float(i)
         for key, value in values.items():
@@ -122,12 +146,15 @@ def to_run(name: str, records: list[dict[str, Any]]) -> Run:
                 xs, ys = run.series.setdefault(key, ([], []))
                 xs.append(x)
                 ys.append(value)
+    run.beyond = beyond[0]
     return run
 
 
-def panels(runs: Sequence[Run]) -> list[str]:
-    """The keys to draw, in order: KNOWN ones present, then the others, sorted, leaving out an
-    `eval_KEY` drawn on KEY's panel and a key whose value never changes."""
+def panels(runs: Sequence[Run], left_out: list[str] | None = None) -> list[str]:
+    """The keys to draw, in order: KNOWN ones present, then up to MAX_OTHER_PANELS others,
+    sorted (chosen top-level keys first: a nested key is a detail of one), leaving out an `eval_KEY` drawn on KEY's panel and a
+    key whose value never changes. The other keys that change but are not drawn go into
+    `left_out`. Each series is read once."""
     keys = {k for r in runs for k in r.series}
     drawn = [k for k in KNOWN if k in keys]
 
@@ -135,13 +162,15 @@ def panels(runs: Sequence[Run]) -> list[str]:
         values = {v for r in runs for v in r.series.get(key, ((), ()))[1] if math.isfinite(v)}
         return len(values) > 1
 
-    for key in sorted(keys - set(KNOWN)):
-        if key.startswith("eval_") and key[5:] in keys:
-            continue  # points on its training key's panel
-        if not changes(key):
-            continue
-        drawn.append(key)
-    return drawn
+    others = [
+        key
+        for key in sorted(keys - set(KNOWN), key=lambda k: (k.count("."), k))
+        if not (key.startswith("eval_") and key[5:] in keys)  # points on its key's panel
+        and changes(key)
+    ]
+    if left_out is not None:
+        left_out.extend(others[MAX_OTHER_PANELS:])
+    return drawn + sorted(others[:MAX_OTHER_PANELS])
 
 
 def _matplotlib() -> Any:
@@ -230,10 +259,24 @@ def _page(runs: Sequence[Run], keys: Sequence[str], pixels: Any) -> str:
 
 
 def _write(path: Path, data: bytes) -> None:
-    """Whole or not at all: a temporary file beside `path`, renamed over it."""
+    """Whole or not at all: a temporary file beside `path`, renamed over it; on any error the
+    temporary file is removed, and a full disk is one line."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            faults.point("plot")  # the file exists and is empty: where a full disk strikes
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            free = shutil.disk_usage(path.parent).free
+            raise UserError(
+                f"{path} could not be written: the disk is full ({free / 2**20:.1f} MiB free, "
+                f"{len(data) / 2**20:.1f} MiB needed); free some space or pass -o a path on "
+                "another disk"
+            ) from e
+        raise
 
 
 def output_path(folders: Sequence[Path], output: str | Path | None) -> Path:
@@ -261,13 +304,31 @@ def _names(paths: Sequence[Path]) -> list[str]:
     return [str(p) for p in paths]  # the same folder twice
 
 
-def plot_runs(folders: Sequence[str | Path], output: str | Path | None = None) -> list[Path]:
-    """Draw the runs in `folders` into a PNG and an HTML page; returns [png, html]."""
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def plot_runs(
+    folders: Sequence[str | Path],
+    output: str | Path | None = None,
+    say: Callable[[str], None] = _to_stderr,
+) -> list[Path]:
+    """Draw the runs in `folders` into a PNG and an HTML page; returns [png, html]. What was
+    skipped or left out is told to `say`."""
     paths = [Path(f) for f in folders]
     png = output_path(paths, output)
-    records = [read_run(p) for p in paths]
+    records = [read_run(p, say) for p in paths]
     runs = [to_run(n, r) for n, r in zip(_names(paths), records, strict=True)]
-    keys = panels(runs)
+    if beyond := sum(run.beyond for run in runs):
+        say(f"plot: {beyond} numbers beyond +-{LIMIT:g} drawn as gaps (as non-finite ones are)")
+    left_out: list[str] = []
+    keys = panels(runs, left_out)
+    if left_out:
+        names = ", ".join(left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+        say(
+            f"plot: {len(left_out):,} other keys not drawn ({names}): the known panels and "
+            f"{MAX_OTHER_PANELS} others are; the numbers are in metrics.jsonl"
+        )
     pixels = render(runs, keys)
     page = _page(runs, keys, pixels)
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -289,7 +350,7 @@ def after_run(out: Path, say: Callable[[str], None]) -> None:
     try:
         if (out / "metrics.jsonl").stat().st_size == 0:
             return  # no step ran
-        plot_runs([out])
+        plot_runs([out], say=say)
     except Exception as e:  # a plot is a convenience; the run has finished
         message = " ".join(str(e).split())[:200]
         say(f"warning: {out / PLOT_FILES[0]} not written ({type(e).__name__}: {message})")

@@ -134,8 +134,7 @@ def test_a_torn_last_line_is_dropped(tmp_path):
         (lambda p: None, "no such run folder"),
         (lambda p: p.mkdir(), "has no metrics.jsonl; pass the --output-dir"),
         (lambda p: _write(p, []), "holds no steps yet"),
-        (lambda p: _write(p, _sft(2), tail='{"step": 3,\n{"step": 4}\n'), "metrics.jsonl:3: not"),
-        (lambda p: _write(p, [{"step": 1}, [1, 2]]), "metrics.jsonl:2: not a metrics line"),
+        (lambda p: _write(p, [[1, 2]], tail="{not json\n"), "holds no steps yet (2 lines are not"),
     ],
 )
 def test_bad_run_folders_are_one_line(tmp_path, capsys, setup, message):
@@ -181,3 +180,70 @@ def test_a_training_run_draws_its_plot(tmp_path, capsys, monkeypatch):
     records = plot.read_run(out)
     assert [r["step"] for r in records] == [1, 2, 3] and "eval_loss" in records[1]
     assert _check(out / "plot.png", 5) == BASIC
+
+
+def test_a_torn_line_followed_by_resumed_steps_is_skipped_with_a_count(tmp_path, capsys):
+    """A kill tore step 3's line; a run resumed by an older version appended after it."""
+    tail = '{"step": 3, "loss": 1.{"step": 3, "loss": 3.6}\n' + json.dumps(_sft(4)[3]) + "\n"
+    run = _write(tmp_path / "run", _sft(2), tail=tail)
+    assert main(["plot", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("wrote ")
+    assert f"{run / 'metrics.jsonl'}: skipped 1 line that is not a JSON object (line 3" in (
+        captured.err
+    )
+    assert _check(run / "plot.png", 5) == BASIC
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda r: r.update(loss=1e308 if r["step"] % 2 else -1e308),  # finite extremes
+        lambda r: r.update(grad_norm=10**400, step=r["step"] + 10**400),  # beyond a float
+        lambda r: r.update(step=1e308 if r["step"] == 2 else r["step"], lr=-1.7e308),
+    ],
+    ids=["1e308", "400 digits", "extreme step"],
+)
+def test_extreme_numbers_are_drawn_as_gaps(tmp_path, capsys, change):
+    records = _sft(6)
+    for r in records[2:4]:
+        change(r)
+    run = _write(tmp_path / "run", records)
+    assert main(["plot", str(run)]) == 0
+    assert "beyond" in capsys.readouterr().err  # said, once
+    assert _check(run / "plot.png", 5) == BASIC
+
+
+def test_a_log_with_1500_keys_draws_the_standard_panels_and_some_others(tmp_path, capsys):
+    """A wide MoE log: a key per expert and layer. The plot keeps to the standard panels and a
+    few others, says what it left out, and reads the file once (no per-key pass over it)."""
+    records = _sft(20)
+    for r in records:
+        r["expert_load"] = {f"l{i // 64}e{i % 64}": (i + r["step"]) % 7 for i in range(1500)}
+        r["router_aux_loss"] = 0.01 * r["step"]
+    run = _write(tmp_path / "run", records)
+    assert main(["plot", str(run)]) == 0
+    err = capsys.readouterr().err
+    drawn = re.findall(r'<figure id="([^"]+)"', (run / "plot.html").read_text())
+    assert drawn[:6] == [*BASIC, "router_aux_loss"]
+    assert len(drawn) == 6 + plot.MAX_OTHER_PANELS
+    left = 1500 - plot.MAX_OTHER_PANELS
+    assert f"{left:,} other keys not drawn" in err and "expert_load." in err
+
+
+def test_a_full_disk_under_plot_o_is_one_line_and_leaves_no_temporary_file(
+    tmp_path, capsys, monkeypatch
+):
+    from collections import Counter
+
+    from compiletune import faults
+
+    run = _write(tmp_path / "run", _sft(3))
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(faults, "_failed", Counter())
+    monkeypatch.setenv(faults.FAIL_ENV, "plot")
+    assert main(["plot", str(run), "-o", str(out / "p.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{out / 'p.png'} could not be written: the disk is full" in err[0]
+    assert list(out.iterdir()) == []  # no temporary file, no half PNG
