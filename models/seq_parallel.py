@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from compiletune.errors import UserError
 from compiletune.torch_internals import all_to_all_autograd
 
 from .args import ModelArgs
@@ -89,8 +90,13 @@ def unsplittable(args: ModelArgs, n: int, world: int) -> str | None:
         return f"must divide the {world} processes"
     if args.n_heads % n:
         return f"must divide the model's {args.n_heads} attention heads"
-    if "linear" in {args.layer_kind(i) for i in range(args.n_layers)}:
-        return "cannot split the linear-attention layers' recurrence (Qwen3.5, Qwen3-Next)"
+    linear = [i for i in range(args.n_layers) if args.layer_kind(i) == "linear"]
+    if linear:
+        return (
+            f"cannot split the recurrence of the model's {len(linear)} linear-attention layers "
+            f"(of {args.n_layers}; Gated DeltaNet, as in Qwen3.5 and Qwen3-Next), which runs "
+            "through each whole row; drop --cp (--fsdp alone shards the model, not the rows)"
+        )
     if any(rope_type(args, args.layer_kind(i)) == "longrope" for i in range(args.n_layers)):
         # longrope picks its factors from the longest position in view, which differs by piece
         return (
@@ -106,3 +112,14 @@ def split_sequence(model: torch.nn.Module, shards: SeqShards | None) -> None:
     for module in model.modules():
         if hasattr(module, "seq"):
             module.seq = shards
+
+
+def check_splittable(n: int, world: int, args: ModelArgs, teacher: ModelArgs | None) -> None:
+    """With --cp n > 1, refuse (one line) a model, or a KD teacher, whose rows cannot be split
+    over n of `world` ranks (a DPO reference is a copy of the model)."""
+    if n == 1:
+        return
+    if why := unsplittable(args, n, world):
+        raise UserError(f"--cp {n} {why}")
+    if teacher is not None and (why := unsplittable(teacher, n, n)):
+        raise UserError(f"--cp {n}: the teacher {why}")

@@ -59,7 +59,7 @@ from compiletune.models.lora import (
     nf4_unfit,
     parse_targets,
 )
-from compiletune.models.seq_parallel import SeqShards, split_sequence, unsplittable
+from compiletune.models.seq_parallel import SeqShards, check_splittable, split_sequence
 from compiletune.optim import ADAMW_BETAS, Optimizer
 from compiletune.train.inputs import build_data, build_pairs, build_prompts
 
@@ -528,6 +528,8 @@ def build_run(
     torch.manual_seed(cfg.run.seed)
     device, dtype = _device_and_dtype(cfg, env, probe)
     args = resolve_model_args(cfg)
+    teacher = teacher_args(cfg, args) if cfg.objective.objective == "kd" else None
+    check_splittable(cfg.parallel.cp, env.world if env else 1, args, teacher)  # before any load
     if probe is not None and probe.depth is not None:  # the first `depth` blocks only
         types = args.layer_types[: probe.depth] if args.layer_types else None
         args = dataclasses.replace(args, n_layers=probe.depth, layer_types=types)
@@ -555,7 +557,7 @@ def build_run(
         # one process's policy as it starts: the reference is a copy (not read again)
         start = model if resume_from is None and probe is None and env is None else None
         frozen = build_frozen(cfg, env, args, spec, lora_kw, device, probe is not None, start)
-    seq = split_sequences(cfg, env, args, fake, model, frozen)
+    seq = split_sequences(cfg, env, fake, model, frozen)
     # The head shares the model's output projection; with --compile both are compiled in place.
     compiled = cfg.techniques.compile and probe is None
     head = LossHead(
@@ -617,23 +619,18 @@ def build_run(
 def split_sequences(
     cfg: TrainConfig,
     env: dist_.DistEnv | None,
-    args: ModelArgs,
     simulated: bool,
     model: nn.Module,
     frozen: tuple[Any, Any],
 ) -> SeqShards | None:
     """--cp N: this rank's place among N consecutive ranks sharing each row (None without), the
     model and its frozen ones split to it. `simulated`: the estimate's rank 0, no group."""
-    n, world = cfg.parallel.cp, env.world if env is not None else 1
-    if n > 1 and (why := unsplittable(args, n, world)):
-        raise UserError(f"--cp {n} {why}")
+    n = cfg.parallel.cp  # what cannot split was refused by check_splittable
     if n == 1 or simulated or env is None:
         seq = None if n == 1 else SeqShards(n, 0)
     else:
         seq = SeqShards(n, env.rank % n, dist_.cp_group(n))
     for m in (model, *(f.model for f in frozen if f is not None)):
-        if seq is not None and m is not model and (why := unsplittable(m.args, seq.size, seq.size)):
-            raise UserError(f"--cp {seq.size}: the teacher {why}")  # (the reference is a copy)
         split_sequence(m, seq)
     return seq
 

@@ -204,6 +204,32 @@ def test_bad_cp_flags(flags: dict, message: str) -> None:
         resolve({}, flags)
 
 
+def test_linear_attention_under_cp_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """`torchrun --nproc-per-node 2 ... --fsdp --cp 2` on a Qwen3.5 folder: rank 0's build
+    refuses from config.json alone, naming the linear-attention layers (the folder has no
+    weights and no tokenizer, which the build would read first)."""
+    import transformers
+
+    from compiletune.distributed import DistEnv
+    from compiletune.train.build import build_run
+
+    folder = tmp_path / "qwen3_5"
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+    )  # fmt: skip
+    config.save_pretrained(folder)  # config.json alone
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
+    flags = {"model_dir": str(folder), "data": str(tmp_path / "none.txt"), "fsdp": True, "cp": 2}
+    cfg = resolve({}, {**flags, "seq_len": 32, "output_dir": str(tmp_path / "out")})
+    rank0 = DistEnv(0, 2, 0, 2, torch.device("cpu"), owns_group=False)
+    with pytest.raises(UserError) as e:
+        build_run(cfg, rank0)
+    assert str(e.value).startswith("--cp 2 cannot split the recurrence of the model's 3 "), e.value
+    assert "linear-attention layers (of 4" in str(e.value) and "drop --cp" in str(e.value)
+
+
 def test_models_that_cannot_split_their_rows_are_refused(tmp_path: Path, capsys) -> None:
     """Linear attention (a recurrence), longrope (each piece would pick its own factors), heads
     that --cp does not divide, a KD teacher that cannot split: one line each, before training."""
