@@ -82,6 +82,15 @@ def open_checkpoint(name: str) -> Checkpoint:
             f"(adapter_config.json){hint}; pass a checkpoint folder (e.g. OUTPUT_DIR/step_N) or "
             "an HF model folder"
         )
+    if not lora and is_sharded(folder) and not any(folder.glob("model*.safetensors")):
+        # a whole --fsdp checkpoint (the export is written at the run's end only): its weights
+        # are in torch.distributed.checkpoint's files, which `convert` turns into an HF folder
+        hf = folder.parent / f"{folder.name}_hf"
+        raise UserError(
+            f"CHECKPOINT {name} is a sharded (--fsdp) checkpoint: its weights are in "
+            f"{folder / 'sharded'}, which eval does not read; turn it into an HF folder with "
+            f"`compiletune convert {folder} {hf}` and evaluate {hf}"
+        )
     run = harness.run_folder(folder)
     saved = (read_saved_config(run) or {}) if run is not None else {}
     if not lora:

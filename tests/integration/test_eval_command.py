@@ -256,3 +256,22 @@ def test_train_eval_tasks_on_saved_checkpoints(tmp_path, monkeypatch):
     assert [r["step"] for r in lines] == [2, 4]
     assert all(0 <= r["lm_eval/tiny_mc/acc"] <= 1 for r in lines)
     assert "lm_eval/tiny_mc/acc" not in read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+
+
+def test_a_sharded_step_folder_is_named_with_the_convert_command(tmp_path, model_dir, capsys):
+    """An --fsdp run's step_N (config.json, tokenizer, sharded/, no safetensors) is whole: eval
+    says what it is and the `compiletune convert` command, not that the save was interrupted."""
+    import shutil
+
+    step = tmp_path / "run" / "step_2"
+    (step / "sharded").mkdir(parents=True)
+    (step / "sharded" / ".metadata").write_bytes(b"dcp")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, step / name)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
+    assert main(["eval", str(step), "--data", data]) == 2
+    err = [e for e in capsys.readouterr().err.splitlines() if e.startswith("compiletune: error")]
+    assert len(err) == 1 and "interrupted" not in err[0], err
+    assert "a sharded (--fsdp) checkpoint" in err[0]
+    assert f"compiletune convert {step} {step.parent / 'step_2_hf'}" in err[0]
