@@ -82,6 +82,10 @@ class ModelArgs:
     max_seq_len: int = 4096  # HF max_position_embeddings
     qkv_bias: bool = False  # Qwen2
     tie_embeddings: bool = False
+    # The checkpoint's pad_token_id: as transformers' padding_idx, lookups of it give its
+    # embedding row no gradient (a zero pad row used as bos would otherwise get ~1e27: a zero
+    # hidden state passes each RMSNorm with slope 1/sqrt(eps)). None: every row trains.
+    pad_id: int | None = None
     # Tokens a query sees in a sliding layer, itself included (None: no sliding layers).
     sliding_window: int | None = None
     # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else

@@ -508,7 +508,8 @@ class PerLayerInputs(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_layers, self.width, self.dim = args.n_layers, args.ple_dim, args.dim
-        self.embed = nn.Embedding(args.ple_vocab, args.n_layers * args.ple_dim)
+        pad = args.pad_id if args.pad_id is not None and args.pad_id < args.ple_vocab else None
+        self.embed = nn.Embedding(args.ple_vocab, args.n_layers * args.ple_dim, padding_idx=pad)
         self.projection = nn.Linear(args.dim, args.n_layers * args.ple_dim, bias=False)
         self.norm = norm_for(args, args.ple_dim)
 
@@ -524,7 +525,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_id)
         # Gemma 4: every block's per-layer input, made once from the tokens
         self.per_layer_inputs = PerLayerInputs(args) if args.ple_dim else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))

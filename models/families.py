@@ -65,6 +65,7 @@ _GEMMA_DEFAULTS: dict[str, Any] = {
     "head_dim": 256,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
+    "pad_token_id": 0,
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
     "hidden_activation": "gelu_pytorch_tanh",
@@ -180,6 +181,7 @@ FAMILIES: dict[str, Family] = {
             "Phi3ForCausalLM",
             {
                 "vocab_size": 32064,
+                "pad_token_id": 32000,
                 "rms_norm_eps": 1e-5,
                 "max_position_embeddings": 4096,
                 "tie_word_embeddings": False,
@@ -193,6 +195,7 @@ FAMILIES: dict[str, Family] = {
             "SmolLM3ForCausalLM",
             {
                 "vocab_size": 128256,
+                "pad_token_id": 128004,
                 "hidden_size": 2048,
                 "intermediate_size": 11008,
                 "num_hidden_layers": 36,
@@ -216,6 +219,7 @@ FAMILIES: dict[str, Family] = {
             "Olmo3ForCausalLM",
             {
                 "vocab_size": 50304,
+                "pad_token_id": 1,
                 "hidden_size": 4096,
                 "intermediate_size": 11008,
                 "num_hidden_layers": 32,

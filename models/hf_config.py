@@ -574,6 +574,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         norm_eps=float(get("rms_norm_eps")),
         qkv_bias=fam.qkv_bias or (fam.bias_flag and bool(get("attention_bias", False))),
         tie_embeddings=bool(get("tie_word_embeddings", False)),
+        pad_id=_pad_id(cfg, defaults, get("vocab_size", required=True)),
         sliding_window=int(window) if window else None,
         layer_types=layer_types,
         family=fam.model_type,
@@ -597,6 +598,17 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     fields.update(fam.read_moe(cfg, n_layers, get) if fam.read_moe else {})
     fields.update(fam.read_extra(cfg, n_layers, get) if fam.read_extra else {})
     return ModelArgs(**fields)
+
+
+def _pad_id(cfg: dict, defaults: dict[str, Any], vocab_size: int) -> int | None:
+    """The pad token transformers makes its embedding's padding_idx: config.json's
+    pad_token_id, the class default when the key is absent (Gemma's 0), none when it is null
+    or outside the vocabulary (transformers would refuse such a model; the ids are the
+    tokenizer's business then)."""
+    pad = cfg["pad_token_id"] if "pad_token_id" in cfg else defaults.get("pad_token_id")
+    if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab_size:
+        return pad
+    return None
 
 
 def _local_theta(cfg: dict, get: Callable[..., Any]) -> float:
@@ -714,8 +726,9 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
     _rope_config(args, fam, cfg, rope_scaling)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         # not transformers' per-class defaults (SmolLM3's pad 128004 is outside a small vocab):
-        # the tokenizer's ids go into generation_config.json (generation_config.py)
-        cfg.setdefault(key, None)
+        # the tokenizer's ids go into generation_config.json (generation_config.py); the pad id
+        # the model was read with stays, since transformers makes it the embedding's padding_idx
+        cfg.setdefault(key, args.pad_id if key == "pad_token_id" else None)
     if args.layer_types is not None or fam.layer_kinds or "layer_types" in cfg:
         cfg["layer_types"] = [f"{args.layer_kind(i)}_attention" for i in range(args.n_layers)]
     if "dtype" in cfg:
