@@ -18,6 +18,7 @@ the output's folder and renamed when complete, so an error or a full disk leaves
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -31,8 +32,6 @@ from tqdm import tqdm
 
 from compiletune import faults
 from compiletune.errors import UserError
-from compiletune.models.generation_config import end_of_turn_id, eos_ids, load_generation_config
-from compiletune.models.hf_config import read_json
 
 KINDS = ("f16", "q8_0")
 _Q8_BLOCK = 32  # values per Q8_0 block (one fp16 scale + 32 int8)
@@ -59,6 +58,13 @@ def _safetensors(folder: Path) -> list[Path]:
 
 def _end_ids(folder: Path, cfg: dict[str, Any], tokenizer: Any) -> list[int]:
     """The ids that end a reply: generation_config.json's, config.json's, the chat template's."""
+    # deferred: compiletune.models imports torch; the refusals before this need none of it
+    from compiletune.models.generation_config import (
+        end_of_turn_id,
+        eos_ids,
+        load_generation_config,
+    )
+
     settings = load_generation_config(folder) or {}
     ids = eos_ids(settings.get("eos_token_id")) + eos_ids(cfg.get("eos_token_id"))
     eot = end_of_turn_id(tokenizer)
@@ -231,7 +237,10 @@ def export_gguf(
             f"{folder} holds no config.json: pass an HF folder (a run's step_N or merged/); a "
             f"sharded --fsdp step becomes one with `compiletune convert {folder} HF_DIR`"
         )
-    cfg = read_json(folder / "config.json", "fix it")
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{folder / 'config.json'}: not valid JSON ({e}); fix it") from None
     # deferred: gguf_arch imports the optional gguf package at its top
     from compiletune import gguf_arch
 

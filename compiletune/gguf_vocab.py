@@ -187,7 +187,9 @@ def read_vocab(folder: Path, tokenizer: Any, n_rows: int, end_ids: list[int]) ->
         tokens=tokens,
         types=types,
         merges=merges,
-        scores=_spm_scores(tokens, merges) if spm else None,
+        # a byte-level BPE without merges (compiletune's byte tokenizer): zero scores, which
+        # readers that rebuild merges from scores (transformers) need when the file has none
+        scores=_spm_scores(tokens, merges) if spm else (None if merges else [0.0] * len(tokens)),
         special_ids=special,
         add_bos="bos" in special and bool(probe) and probe[0] == special["bos"],
         add_eos="eos" in special and bool(probe) and probe[-1] == special["eos"],

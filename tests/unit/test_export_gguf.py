@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_hf import save_tiny_llama
 from tokenizers import (
     Regex,
     Tokenizer,
@@ -353,3 +354,30 @@ def test_lora_step_is_merged_first(tmp_path):
         got = read_back(out)[0](ids).logits
     assert rel_max(got, want) <= TOLERANCE["f16"]
     assert rel_max(plain, want) > 10 * TOLERANCE["f16"]  # the adapters changed the model
+
+
+def test_the_byte_tokenizer_reads_back(tmp_path):
+    """compiletune's default tokenizer (bytes, no merges) through the CLI: same ids and template."""
+    folder = save_tiny_llama(tmp_path / "run" / "step_2", hidden_size=64)
+    assert main(["export", "--gguf", "f16", str(folder)]) == 0
+    out = tmp_path / "run" / "step_2-f16.gguf"  # the default: beside the folder
+    tok = transformers.AutoTokenizer.from_pretrained(out.parent, gguf_file=out.name)
+    ref_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    assert tok(TEXT)["input_ids"] == ref_tok(TEXT)["input_ids"]
+    assert tok.chat_template == ref_tok.chat_template and tok.eos_token == ref_tok.eos_token
+
+
+def test_refusals_come_before_torch_is_imported(tmp_path):
+    """A wrong family or folder is refused without importing torch (well under a second)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    code = (
+        "import sys; from compiletune.cli import main; "
+        f"rc = main(['export', '--gguf', 'f16', {str(tmp_path)!r}]); "
+        "print(rc, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert "'mixtral' is not exported to GGUF" in done.stderr
