@@ -383,7 +383,7 @@ def _written_by_a_run(folder: Path) -> bool:
     export = re.compile(
         r"config\.json|generation_config\.json|model.*\.safetensors(\.index\.json)?|"
         r"tokenizer.*|special_tokens_map\.json|chat_template\.j(inja|son)|vocab\..*|merges\.txt|"
-        r"added_tokens\.json"
+        r"added_tokens\.json|(video_)?(pre)?processor_config\.json"
     )
     return "config.json" in names and bool(weights) and all(export.fullmatch(n) for n in names)
 
@@ -487,6 +487,12 @@ def closing_line(s: dict[str, Any]) -> str:
     if resumed:
         span = f"steps {s['first_step']}-{s['step']}" if s["steps"] else "no step"
         steps = f"{span} ({s['steps']} this time, {s['step']} in all)"
+    if not s["steps"] and s["interrupted"]:  # stopped before its first step ended (a reward)
+        saved = f", checkpoint {s['checkpoint']}" if s["checkpoint"] else ""
+        return (
+            f"stopped early: no step completed (the run is at step {s['step']} of "
+            f"{s['max_steps']}){saved}"
+        )
     if not s["steps"]:  # a resume that only finished the merge
         parts = [f"no step to train (the run is at step {s['step']} of {s['max_steps']})"]
         if s["merged"]:
