@@ -244,10 +244,15 @@ def export_gguf(
     # deferred: gguf_arch imports the optional gguf package at its top
     from compiletune import gguf_arch
 
-    gguf_arch.metadata(cfg, gguf_arch.family_of(cfg, folder), folder)  # refuse before loading
-    # deferred: a tokenizer costs ~2 s of imports, after the checks above
+    fam = gguf_arch.family_of(cfg, folder)  # before any heavy import
+    # deferred: transformers (seconds of imports) after the checks above; its config class fills
+    # the fields a config.json may leave at their defaults (Phi-3's rms_norm_eps is not Llama's)
+    from transformers import AutoConfig
+
     from compiletune.data.tokenizer import load_tokenizer
 
+    cfg = AutoConfig.from_pretrained(folder).to_dict()
+    gguf_arch.metadata(cfg, fam, folder)  # refuse what llama.cpp would run differently
     tokenizer = load_tokenizer(folder)
     log(f"exporting {folder} ({cfg.get('model_type')}) as {kind} to {out}")
     tmp = out.parent / f".tmp-{out.name}"

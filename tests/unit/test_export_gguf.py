@@ -381,3 +381,14 @@ def test_refusals_come_before_torch_is_imported(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.split() == ["2", "False"], done.stderr
     assert "'mixtral' is not exported to GGUF" in done.stderr
+
+
+def test_fields_a_config_leaves_out_take_the_family_defaults(tmp_path):
+    """A config.json without rms_norm_eps: Phi-3's default (1e-5), not another family's."""
+    folder = save_family(tmp_path / "phi3", "phi3")
+    config = json.loads((folder / "config.json").read_text())
+    del config["rms_norm_eps"]
+    (folder / "config.json").write_text(json.dumps(config))
+    out = export_gguf(folder, "f16", tmp_path / "phi3.gguf", log=lambda m: None)
+    eps = field(gguf.GGUFReader(out), "phi3.attention.layer_norm_rms_epsilon")
+    assert eps == pytest.approx(transformers.Phi3Config().rms_norm_eps) and eps != 1e-6
