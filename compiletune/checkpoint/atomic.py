@@ -7,6 +7,7 @@ which readers (`--resume`, `checkpoint.list_checkpoints`) never take for a compl
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -68,14 +69,21 @@ def fsync_tree(folder: Path) -> None:
                 os.close(fd)
 
 
+# What a run folder's writers publish (checkpoints, --merge): only their leftovers are tidied.
+PUBLISHED = re.compile(r"step_\d+|merged")
+
+
 def recover(folder: Path) -> list[str]:
-    """Tidy what a killed writer left in `folder`: a `.old-<name>` whose `<name>` is missing is
-    the complete previous copy (killed mid-swap) and is renamed back; other `.old-*` and every
-    `.tmp-*` are removed. Returns what was done, for the user."""
+    """Tidy what a killed writer left in run folder `folder`: a `.old-<name>` whose `<name>` is
+    missing is the complete previous copy (killed mid-swap) and is renamed back; other `.old-*`
+    and every `.tmp-*` are removed. Only names a run publishes (PUBLISHED) are touched: a
+    user's `.tmp-notes` beside a run stays. Returns what was done, for the user."""
     done = []
     if not folder.is_dir():
         return done
     for child in sorted(folder.iterdir()):
+        if not PUBLISHED.fullmatch(child.name.removeprefix(".old-").removeprefix(".tmp-")):
+            continue
         if child.name.startswith(".old-"):
             final = folder / child.name.removeprefix(".old-")
             if final.exists():

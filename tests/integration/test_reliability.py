@@ -606,13 +606,14 @@ def test_overwrite_deletes_only_what_a_run_wrote(tmp_path, corpus, capsys):
     """--overwrite in a folder of a user's things named like a run's (eval/, merged/, a step_N/
     that is no checkpoint) replaces a run's files and leaves theirs."""
     mine = tmp_path / "mine"
-    for name in ("eval", "merged", "step_7"):
+    users = ("eval", "merged", "step_7", ".tmp-thesis", ".old-photos")
+    for name in users:
         (mine / name).mkdir(parents=True)
         (mine / name / "notes.txt").write_text(f"my {name} notes")
     (mine / "todo.txt").write_text("buy milk")
     assert _train(mine, corpus, "--max-steps", "1", "--overwrite") == 0
     assert _train(mine, corpus, "--max-steps", "1", "--overwrite") == 0  # over its own run
-    for name in ("eval", "merged", "step_7"):
+    for name in users:
         assert (mine / name / "notes.txt").read_text() == f"my {name} notes"
     assert (mine / "todo.txt").read_text() == "buy milk"
     assert [s for s, _ in ckpt.list_checkpoints(mine)] == [1]
