@@ -247,3 +247,28 @@ def test_a_full_disk_under_plot_o_is_one_line_and_leaves_no_temporary_file(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{out / 'p.png'} could not be written: the disk is full" in err[0]
     assert list(out.iterdir()) == []  # no temporary file, no half PNG
+
+
+def test_plot_o_onto_a_real_full_disk(tmp_path, capsys):
+    """The same on a full tmpfs, where one can be mounted (root)."""
+    import os
+    import shutil
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]
+    if os.geteuid() != 0 or shutil.which("mount") is None or subprocess.run(mount).returncode:
+        pytest.skip("needs root to mount a 1 MiB tmpfs")
+    try:
+        filler = disk / "filler"
+        with open(filler, "wb", buffering=0) as f, pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        run = _write(tmp_path / "run", _sft(3))
+        assert main(["plot", str(run), "-o", str(disk / "p.png")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "could not be written: the disk is full" in err[0], err
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
