@@ -36,15 +36,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from compiletune.ops.op_memory import declare_memory, holds_nothing
+
+try:  # torch's varlen flash attention (2.9 on); importing it registers torch_attn::_varlen_attn
+    from torch.nn.attention import varlen as _varlen
+except ImportError:
+    _varlen = None
 
 _CHUNK = 512  # queries per SDPA call on a windowed segment
 _TILE = 256  # queries and keys per block of the soft-capped kernel
@@ -326,6 +332,148 @@ declare_memory("compiletune::attention")(holds_nothing)
 declare_memory("compiletune::attention_backward")(holds_nothing)
 
 
+# --- varlen flash attention (CUDA, documents only) -----------------------------------------
+
+
+class VarlenDocs(NamedTuple):
+    """The documents of a packed batch as one varlen flash-attention call reads them: the
+    whole batch is one sequence of b * s tokens, document i is tokens cu_seqlens[i] ..
+    cu_seqlens[i + 1] - 1. Built on the host from the batch before it is copied (`cu_seqlens`),
+    so no step reads the device to find its documents. `doc_ids` [b, s] stays beside them for
+    a layer that cannot take the varlen kernel (it falls back to FlexAttention)."""
+
+    doc_ids: Tensor
+    cu_seqlens: Tensor  # int32 [n_docs + 1]: 0, the end of each document, ..., b * s
+    max_seqlen: int  # s: an upper bound on every document's length (see `cu_seqlens`)
+
+
+def cu_seqlens(doc_ids: Tensor) -> tuple[Tensor, int]:
+    """Host side: `doc_ids` [b, s] (a document starts wherever the id changes along a row, and
+    every row starts one) -> (int32 [n_docs + 1] cumulative lengths over the flattened batch,
+    max_seqlen). A row's padding is a document of its own (as data/ numbers it), a row that is
+    one document is one entry, and an empty batch gives [0].
+
+    max_seqlen is the row length s, not the longest document: flash attention only sizes its
+    grid from it (blocks past a document's end return at once), and a constant keeps the
+    compiled block to one graph (a new value under dynamic=False would compile a new one)."""
+    b, s = doc_ids.shape
+    if b * s == 0:
+        return torch.zeros(1, dtype=torch.int32), s
+    starts = torch.ones(b, s, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:].cpu() != doc_ids[:, :-1].cpu()
+    begins = starts.flatten().nonzero().squeeze(1)
+    return torch.cat([begins, begins.new_tensor([b * s])]).to(torch.int32), s
+
+
+VARLEN_KEY = "varlen"  # where `hidden_states` hands the batch's VarlenDocs to the layers' `mask`
+VARLEN_ENV = "COMPILETUNE_VARLEN"  # "off": never; "force": any device and dtype (CPU tests)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def find_varlen_api(module: Any) -> tuple[Any, str] | None:
+    """(varlen_attn, how it takes causality) of `module` (torch.nn.attention.varlen, or None
+    where this torch lacks it) when it takes a `scale`, else None. The signature moved between
+    releases: 2.9's documented one takes `is_causal=` and no scale (a model's own scale, e.g.
+    Gemma's, would be lost: not used); the later documented ones (main from late 2025, 2.12,
+    and this CPU's 2.13) take keyword-only `scale=` and `window_size=(-1, 0)` for causal.
+    2.11's page was not found: its form is decided here by the signature, both accepted, and
+    the GPU check's CUDA tests print which one ran (tests/gpu/test_cuda_varlen.py)."""
+    if module is None:
+        return None
+    varlen_attn = module.varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+    if "scale" not in params:
+        return None
+    if "window_size" in params:
+        return varlen_attn, "window"
+    if "is_causal" in params:
+        return varlen_attn, "is_causal"
+    return None
+
+
+VARLEN_API = find_varlen_api(_varlen)  # resolved once: the compiled blocks read a constant
+
+
+def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a forward on `device` in `dtype` can run documents through torch's varlen flash
+    attention: CUDA, fp16/bf16 (flash attention's dtypes) and a torch that has it (see
+    `find_varlen_api`). COMPILETUNE_VARLEN=off turns it off, =force on for any device and dtype
+    (tests that register a CPU kernel for torch's op)."""
+    mode = os.environ.get(VARLEN_ENV, "")
+    if mode not in ("", "off", "force"):
+        raise ValueError(f"{VARLEN_ENV}={mode!r}: expected off or force")
+    if mode == "off" or VARLEN_API is None:
+        return False
+    return mode == "force" or (device.type == "cuda" and dtype in _HALF)
+
+
+def shared_masks(
+    documents: tuple[Tensor, int] | None,
+    doc_ids: Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict:
+    """The masks every layer of a forward shares, to start with: the batch's VarlenDocs
+    (`documents`: `cu_seqlens` of its doc_ids, built on the host) where varlen attention can
+    run, so the layers' `mask` finds them; FlexAttention's block masks are added per window."""
+    if documents is None or doc_ids is None or not varlen_available(device, dtype):
+        return {}
+    cu, max_seqlen = documents
+    cu = cu.to(device, non_blocking=True)
+    if cu.shape[0] >= 2:
+        # one compiled graph for any number of documents (dynamo specialises sizes 0 and 1)
+        torch._dynamo.mark_dynamic(cu, 0)
+    return {VARLEN_KEY: VarlenDocs(doc_ids, cu, max_seqlen)}
+
+
+def varlen_documents(
+    shared: dict, window: int, softcap: float, sinks: bool, head_dim: int
+) -> VarlenDocs | None:
+    """The VarlenDocs a layer attends with, if it can: its mask is documents only (no window,
+    soft-cap or sinks: those stay with FlexAttention) and its head dim is one flash attention
+    takes (<= 256, a multiple of 8)."""
+    docs = shared.get(VARLEN_KEY)
+    fits = window <= 0 and softcap <= 0 and not sinks and head_dim <= 256 and head_dim % 8 == 0
+    return docs if fits else None
+
+
+def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, docs: VarlenDocs):
+    """q, k, v [b, h, s, hd] -> [b, h, s, hd]: causal attention within each document, as one
+    varlen flash-attention call over the batch's b * s tokens (torch's op
+    `torch_attn::_varlen_attn`, traced by dynamo as one node whatever the documents; its
+    backward is torch's). Keys and values come with q's heads (`Attention` repeats them)."""
+    api = VARLEN_API
+    if api is None:
+        raise RuntimeError("this torch has no torch.nn.attention.varlen with a scale argument")
+    fn, form = api
+    b, h, s, _ = q.shape
+
+    def tokens(t: Tensor) -> Tensor:  # [b, heads, s, d] -> [b * s, heads, d]
+        return t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[-1])
+
+    cu, n = docs.cu_seqlens, docs.max_seqlen
+    causal = {"window_size": (-1, 0)} if form == "window" else {"is_causal": True}
+    out = fn(tokens(q), tokens(k), tokens(v), cu, cu, n, n, scale=scale, **causal)
+    return out.view(b, s, h, v.shape[-1]).transpose(1, 2)
+
+
+@declare_memory("torch_attn::_varlen_attn")
+def _(a: dict[str, Any]) -> int:
+    """Flash attention's forward holds nothing beyond its outputs (out, lse [h, tokens])."""
+    return 0
+
+
+@declare_memory("torch_attn::_varlen_attn_backward")
+def _(a: dict[str, Any]) -> int:
+    """Flash attention's varlen backward: an fp32 dq accumulator [tokens + 128 * docs, h, hd
+    rounded up to 8] and the fp32 row sums of dO * O [docs, h, max_q rounded up to 128]."""
+    tokens, h, hd = a["query"].shape
+    docs = a["cu_seq_q"].shape[0] - 1
+    rounded_hd = -(-hd // 8) * 8
+    rounded_q = -(-int(a["max_q"]) // 128) * 128
+    return 4 * ((tokens + 128 * docs) * h * rounded_hd + docs * h * rounded_q)
+
+
 # --- FlexAttention (the GPU path) -----------------------------------------------------------
 
 BACKEND_ENV = "COMPILETUNE_ATTENTION"
@@ -469,10 +617,15 @@ def causal_attention(
     so unmasked runs keep their numerics. Otherwise `backend` ("flex" or "segments"; default:
     `attention_backend` of q's device) picks FlexAttention or the segment op. `doc_ids` may
     also be a prepared FlexAttention block mask (`flex_block_mask`, holding the documents and
-    the window), which FlexAttention then uses as it is.
+    the window), which FlexAttention then uses as it is, or the batch's `VarlenDocs` (a layer
+    whose mask is documents only, on CUDA in fp16/bf16), which runs one varlen flash call.
     """
     if sinks is not None:
         return _with_sinks(q, k, v, scale, doc_ids, window, softcap, sinks)
+    if isinstance(doc_ids, VarlenDocs):
+        if q.dtype in _HALF or os.environ.get(VARLEN_ENV) == "force":
+            return varlen_causal_attention(q, k, v, scale, doc_ids)
+        doc_ids = doc_ids.doc_ids  # fp32 on a GPU: flash attention has no kernel for it
     if is_block_mask(doc_ids):
         return flex_causal_attention(q, k, v, scale, softcap=softcap, block_mask=doc_ids)
     if doc_ids is None and window <= 0 and softcap <= 0:

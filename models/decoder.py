@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .args import ModelArgs
-from .attention import attention_backend, causal_attention, flex_block_mask
+from .attention import attention_backend, causal_attention, flex_block_mask, varlen_documents
+from .attention import shared_masks as shared_masks_for
 from .cache import KVCache
 from .linear_attention import GatedDeltaNet, GatedRMSNorm
 from .mla import LatentAttention
@@ -180,6 +181,12 @@ class Attention(nn.Module):
             return None
         if (self.backend or attention_backend(device)) != "flex":
             return doc_ids
+        # documents only, with the batch's host-built cumulative lengths: varlen flash attention
+        docs = varlen_documents(
+            shared, self.window, self.softcap, self.sinks is not None, self.head_dim
+        )
+        if docs is not None:
+            return docs
         if self.window not in shared:
             shared[self.window] = flex_block_mask(doc_ids, self.window, *shape, device)
         return shared[self.window]
@@ -601,6 +608,7 @@ class Transformer(nn.Module):
         positions: Tensor | None = None,
         doc_ids: Tensor | None = None,
         router_stats: list[Tensor] | None = None,
+        documents: tuple[Tensor, int] | None = None,
     ) -> Tensor:
         """tokens [b, s] (int) -> final-normed hidden states [b, s, d].
 
@@ -609,6 +617,8 @@ class Transformer(nn.Module):
         each document with them, and every document is computed exactly as if alone. Every
         block gets the same inputs (h, cos, sin, doc_ids), so one compiled graph serves all.
         MoE blocks' router statistics are appended to `router_stats` when it is given.
+        `documents`: doc_ids' `cu_seqlens`, built on the host before the batch was copied; on
+        CUDA the layers whose mask is documents only then run varlen flash attention.
 
         Under context parallelism (`seq`, see seq_parallel.py) tokens and positions are this
         rank's piece of each row and doc_ids the whole row's.
@@ -622,7 +632,8 @@ class Transformer(nn.Module):
                 positions = self.seq.positions(s, tokens.device)
         ropes = self.ropes(positions, h.dtype)
         shape = (b, s * (self.seq.size if self.seq is not None else 1))  # the whole rows
-        shared_masks: dict = {}  # FlexAttention block masks, one per window size
+        # FlexAttention block masks, one per window size, and the batch's varlen documents
+        shared_masks = shared_masks_for(documents, doc_ids, tokens.device, h.dtype)
         shared_kv: dict[str, tuple[Tensor, ...]] = {}  # a "store" layer's, per kind (Gemma 4)
         for i, layer in enumerate(self.layers):
             mask = layer.attention.mask(doc_ids, shape, tokens.device, shared_masks)

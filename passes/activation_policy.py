@@ -8,7 +8,8 @@ Matches every forward node of an AOTAutograd joint graph (a call that does not d
                state entering the block, rope tables, parameters) and reruns its forward inside
                the backward. Least memory, about one extra forward of compute.
     selective  outputs of matmuls (float8 ones too) and of attention (SDPA, the segment op,
-               FlexAttention: its output and log-sum-exp), and of whole-tensor maxima (--fp8's
+               FlexAttention and varlen flash attention: output and log-sum-exp), and of
+               whole-tensor maxima (--fp8's
                scales) MUST_SAVE; everything else (RMSNorm, rotary, SiLU, the
                SwiGLU product, residual adds, views) PREFER_RECOMPUTE.
 
@@ -79,6 +80,12 @@ SAVE_OPS = frozenset(op for op in map(_resolve, _SAVE_NAMES) if op is not None) 
 _FLEX = getattr(torch.ops.higher_order, "flex_attention", None)
 if _FLEX is not None:
     SAVE_OPS = SAVE_OPS | {_FLEX}
+# Varlen flash attention (documents-only masks on CUDA: torch's custom op, registered when
+# compiletune.models.attention imports torch.nn.attention.varlen): its output, log-sum-exp and
+# (empty) RNG state are what its backward reads.
+_VARLEN = getattr(getattr(torch.ops.torch_attn, "_varlen_attn", None), "default", None)
+if _VARLEN is not None:
+    SAVE_OPS = SAVE_OPS | {_VARLEN}
 
 
 def forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

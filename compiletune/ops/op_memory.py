@@ -76,11 +76,11 @@ def bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict[str, Any]) -> Args
 
 
 def internal_bytes(op: torch._ops.OpOverload, args: tuple, kwargs: dict[str, Any]) -> int:
-    """Bytes op holds inside itself beyond its outputs for this call (0 for ops outside the
-    compiletune namespace)."""
+    """Bytes op holds inside itself beyond its outputs for this call (0 for an op outside the
+    compiletune namespace that nobody declared: aten's are fake-tensor-exact)."""
     name = op._schema.name
-    if not name.startswith(NAMESPACE + "::"):
-        return 0
+    if name not in _DECLARED and not name.startswith(NAMESPACE + "::"):
+        return 0  # not ours, and nothing declared for it (torch's varlen attention is)
     if name not in _DECLARED:
         raise KeyError(
             f"{name} declares no memory: add a @declare_memory({name!r}) function beside its "

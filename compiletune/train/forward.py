@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from compiletune.models.attention import cu_seqlens
 from compiletune.models.seq_parallel import SeqShards
 
-Batch = dict[str, Tensor]
+Batch = dict[str, Any]  # tensors, and `documents` (cu_seqlens, max_seqlen)
 # what a --cp rank keeps only its piece of; the rest (documents, pairs, sequence ids) stays
 # whole: attention and the pairs' sums need the whole row
 PER_TOKEN = ("inputs", "targets", "positions")
@@ -17,6 +20,11 @@ def local_batch(batch: Batch, rows: slice, seq: SeqShards | None, device: torch.
     """This rank's part of a global batch on `device`: its rows, and under --cp its piece of
     each row's tokens."""
     out = {}
+    if "doc_ids" in batch and batch["doc_ids"].device.type == "cpu":
+        # the documents' cumulative lengths, from the host's copy of the rows: the step then
+        # never reads the device to find them (varlen attention, models/attention.py)
+        cu, max_seqlen = cu_seqlens(batch["doc_ids"][rows])
+        out["documents"] = (cu.to(device, non_blocking=True), max_seqlen)
     for k, v in batch.items():
         v = v[rows]
         if seq is not None and k in PER_TOKEN:
@@ -36,6 +44,10 @@ def forward_hidden(
     router statistics go to `router_stats` when given."""
     if doc_mask:
         return model.hidden_states(
-            batch["inputs"], batch["positions"], batch["doc_ids"], router_stats=router_stats
+            batch["inputs"],
+            batch["positions"],
+            batch["doc_ids"],
+            router_stats=router_stats,
+            documents=batch.get("documents"),
         )
     return model.hidden_states(batch["inputs"], router_stats=router_stats)

@@ -26,7 +26,10 @@ def test_every_op_declares_its_memory():
     assert len(ops) >= 13, ops  # the fused heads, attention, grouped mm, host copies
     missing = ops - op_memory.declared()
     assert not missing, f"ops without a @declare_memory: {sorted(missing)}"
-    assert op_memory.declared() <= ops  # and no declaration for an op that does not exist
+    # and no declaration for an op that does not exist (torch's varlen attention, which the
+    # model calls on CUDA, is declared too)
+    assert op_memory.declared() <= ops | set(torch._C._dispatch_get_all_op_names())
+    assert {"torch_attn::_varlen_attn", "torch_attn::_varlen_attn_backward"} <= op_memory.declared()
 
 
 def test_arguments_are_bound_by_name_with_defaults_and_keywords():
