@@ -51,8 +51,12 @@ class MetricsLog:
                 if record is not None and _step(record) <= resume_step
             ]
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)  # whole or not at all: a crash here keeps the old file
+            try:
+                tmp.write_text("".join(line + "\n" for line in kept))
+                os.replace(tmp, path)  # whole or not at all: a crash here keeps the old file
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk leaves no temporary file
+                raise
         # a new run starts the file afresh (a first attempt that died before its first
         # checkpoint may have left steps in it)
         self._f = path.open("w" if resume_step is None else "a", buffering=1)
