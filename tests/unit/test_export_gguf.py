@@ -392,3 +392,45 @@ def test_fields_a_config_leaves_out_take_the_family_defaults(tmp_path):
     out = export_gguf(folder, "f16", tmp_path / "phi3.gguf", log=lambda m: None)
     eps = field(gguf.GGUFReader(out), "phi3.attention.layer_norm_rms_epsilon")
     assert eps == pytest.approx(transformers.Phi3Config().rms_norm_eps) and eps != 1e-6
+
+
+def test_sentencepiece_scores_give_the_merge_order(tmp_path):
+    """llama.cpp merges a "llama" vocabulary by token score, not by the merges list: merges rebuilt
+    from the file's scores alone (transformers' rule: the best-scoring result first) encode alike."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import sentencepiece_tokenizer
+
+    folder = save_family(tmp_path / "gemma2", "gemma2")
+    reader = gguf.GGUFReader(export_gguf(folder, "f16", tmp_path / "g.gguf", log=lambda m: None))
+    tokens, scores = reader.fields["tokenizer.ggml.tokens"], reader.fields["tokenizer.ggml.scores"]
+    vocab = {
+        "tokens": [bytes(tokens.parts[i]).decode() for i in tokens.data],
+        "scores": [float(scores.parts[i][0]) for i in scores.data],
+    }
+    assert field(reader, "tokenizer.ggml.model") == "llama"
+    from_scores = sentencepiece_tokenizer(vocab, transformers.GemmaTokenizer).backend_tokenizer
+    ref = transformers.AutoTokenizer.from_pretrained(folder)
+    want = ref(TEXT, add_special_tokens=False)["input_ids"]
+    assert len(want) > 10 and from_scores.encode(TEXT, add_special_tokens=False).ids == want
+
+
+@pytest.mark.parametrize(
+    "family, change, message",
+    [
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+            "rope scaling 'yarn'",
+        ),
+        ("gemma2", {"query_pre_attn_scalar": 144}, "query_pre_attn_scalar 144"),
+        ("gemma3_text", {"sliding_window_pattern": 2}, "layer_types differs"),
+    ],
+)
+def test_configs_llama_cpp_would_run_differently_are_refused(tmp_path, family, change, message):
+    config_cls, fields, _, _ = FAMILIES[family]
+    config = config_cls(vocab_size=300, max_position_embeddings=256, **{**fields, **change})
+    if family == "llama":
+        config.rope_parameters["original_max_position_embeddings"] = 128
+    config.save_pretrained(tmp_path)
+    with pytest.raises(UserError, match=message):
+        export_gguf(tmp_path, "f16", tmp_path / "x.gguf")
+    assert not list(tmp_path.glob("*.gguf"))
