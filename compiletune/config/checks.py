@@ -374,6 +374,7 @@ _UNIT |= {"grpo": "prompt"}
 _GRPO_ONLY = (
     "reward",
     "reward_weights",
+    "reward_timeout",
     "num_generations",
     "max_new_tokens",
     "temperature",
@@ -413,6 +414,10 @@ def _check_grpo(section: ObjectiveConfig, cfg: TrainConfig) -> None:
         raise UserError(f"--top-p must be in (0, 1], got {section.top_p}")
     if section.grpo_iterations < 1:
         raise UserError(f"--grpo-iterations must be at least 1, got {section.grpo_iterations}")
+    if not (math.isfinite(section.reward_timeout) and section.reward_timeout > 0):
+        raise UserError(
+            f"--reward-timeout must be a positive number of seconds, got {section.reward_timeout}"
+        )
     for name in ("epsilon_low", "epsilon_high"):
         value = getattr(section, name)
         if not 0.0 < value < 1.0:

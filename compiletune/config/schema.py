@@ -510,6 +510,13 @@ class ObjectiveConfig:
     reward_weights: str | None = opt(
         None, "grpo: one weight per --reward, comma-separated (default 1 each)", estimate=False
     )
+    reward_timeout: float = opt(
+        60.0,
+        "grpo: seconds one call of a reward function may take; past it the run stops as on "
+        "Ctrl-C, naming the reward (raise it for a slow reward)",
+        estimate=False,
+        on_resume="free",
+    )
     num_generations: int = opt(4, "grpo: completions sampled per prompt (the group)", estimate=True)
     max_new_tokens: int = opt(128, "grpo: the longest completion, in tokens", estimate=True)
     temperature: float = opt(1.0, "grpo: sampling temperature", estimate=False)

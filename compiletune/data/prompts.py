@@ -28,6 +28,7 @@ class Prompt:
     ids: list[int]  # bos + the prompt's tokens
     text: str  # as rendered (what the reward functions see)
     columns: dict[str, Any]  # the row's other columns
+    where: str = ""  # FILE:LINE (or FILE:row N) of its row, for messages
 
 
 def _prompt_text(
@@ -83,7 +84,7 @@ def read_prompts(
         if len(ids) > max_prompt_tokens:
             long += 1
             continue
-        prompts.append(Prompt(ids, raw.pieces[0][0], cols))
+        prompts.append(Prompt(ids, raw.pieces[0][0], cols, raw.where))
     if not prompts:
         raise UserError(
             f"{source}: every prompt is longer than {max_prompt_tokens} tokens (--seq-len less "

@@ -68,6 +68,7 @@ from compiletune.estimate.tracker import (
 )
 from compiletune.loss.head import IGNORE_INDEX
 from compiletune.models import num_params
+from compiletune.models.cache import KVCache
 from compiletune.ops import op_memory
 from compiletune.optim import _local
 from compiletune.train import Probe, Run, StepBatch, build_run
@@ -253,17 +254,8 @@ def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
     state, the KV cache of --batch-size prompts' G completions each (decoded together) of
     --seq-len positions, their logits and one decode step's attention temporaries. The step's
     peak becomes the rollout's when that is larger."""
-    from compiletune.models.cache import KVCache
-
-    args = resolve_model_args(cfg)
     o = cfg.objective
-    size = 4 if (cfg.model.dtype or "bf16") == "fp32" else 2
-    dtype = torch.float32 if size == 4 else torch.bfloat16
-    rows = cfg.data.batch_size * o.num_generations
-    cache = KVCache(args, rows, cfg.data.seq_len, dtype, "meta")
-    kv = sum(t.numel() * t.element_size() for t, _ in cache.sized())
-    logits = 3 * rows * args.vocab_size * 4  # fp32 logits, probabilities, cdf
-    logits += _decode_attention_bytes(args, rows, cfg.data.seq_len, size)
+    kv, logits = rollout_bytes(cfg, resolve_model_args(cfg))
     weights = est.parts.get("parameters", 0) * (gpus if gpus > 1 else 1)
     parts = {
         "parameters": weights,
@@ -281,6 +273,22 @@ def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
     )
     if rollout > est.peak_bytes:
         est.peak_bytes, est.parts, est.peak_phase = rollout, parts, "rollout"
+
+
+def rollout_bytes(cfg: TrainConfig, args: Any) -> tuple[int, int]:
+    """(KV cache, temporaries) in bytes of GRPO's rollout of --batch-size prompts' G
+    completions each, decoded together over --seq-len positions: the cache (on the meta
+    device: nothing is allocated), the rows' fp32 logits, probabilities and cdf, and one decode
+    step's attention temporaries. The trainer checks them against the machine before its first
+    rollout (train/grpo.py)."""
+    size = 4 if (cfg.model.dtype or "bf16") == "fp32" else 2
+    dtype = torch.float32 if size == 4 else torch.bfloat16
+    rows = cfg.data.batch_size * cfg.objective.num_generations
+    cache = KVCache(args, rows, cfg.data.seq_len, dtype, "meta")
+    kv = sum(t.numel() * t.element_size() for t, _ in cache.sized())
+    temporaries = 3 * rows * args.vocab_size * 4  # fp32 logits, probabilities, cdf
+    temporaries += _decode_attention_bytes(args, rows, cfg.data.seq_len, size)
+    return kv, temporaries
 
 
 def _decode_attention_bytes(args: Any, rows: int, positions: int, size: int) -> int:

@@ -30,11 +30,13 @@ from torch import Tensor
 from compiletune import distributed as dist_
 from compiletune.data.prompts import Prompt
 from compiletune.errors import UserError
+from compiletune.estimate.estimator import rollout_bytes
+from compiletune.estimate.fit import machine_host_bytes
 from compiletune.loss.grpo import GrpoOptions, advantages, grpo_loss
 from compiletune.loss.head import IGNORE_INDEX
 from compiletune.metrics import peak_memory_gib
 from compiletune.models.generation_config import eos_ids
-from compiletune.rl.rewards import Reward, load_rewards, score
+from compiletune.rl.rewards import Reward, RewardStopped, check_columns, load_rewards, score
 from compiletune.rl.rollout import sample_prompts
 from compiletune.train.build import Run
 from compiletune.train.forward import forward_hidden
@@ -58,6 +60,10 @@ def stop_ids(run: Run) -> set[int]:
     return ids
 
 
+class _StoppedElsewhere(RewardStopped):
+    """Under FSDP: another rank's reward stopped the run (that rank prints its line)."""
+
+
 class Grpo:
     """What a GRPO run keeps from step to step: its rewards and stop ids."""
 
@@ -69,6 +75,17 @@ class Grpo:
             rewards = load_rewards(o.reward or "", o.reward_weights)
         self.rewards: list[Reward] = rewards
         self.stop = stop_ids(run)
+        self.timeout = o.reward_timeout
+        self.group = o.num_generations
+        # the line of a reward that stopped the run (RewardStopped), once one has
+        self.stopped: str | None = None
+        d = run.cfg.data
+        for prompts in run.data or []:  # the rows the built-ins read, before the first step
+            check_columns(self.rewards, prompts.prompts, f"--data {d.source}")
+        if run.eval_set is not None:
+            held = f"--eval-data {d.eval_data}" if d.eval_data else f"--data {d.source}"
+            check_columns(self.rewards, run.eval_set.prompts, held)
+        check_rollout_fits(run)
         # --compile: the rollout's decode step compiled once with the run's backend
         t = run.cfg.techniques
         self.decode_backend = t.compile_backend if t.compile else None
@@ -93,6 +110,7 @@ class Grpo:
         per_fn, total = self._score(run, prompts, completions)
         rewards = torch.tensor(total, dtype=torch.float32)
         adv = advantages(rewards, o.num_generations, scale=o.scale_rewards)
+        self._check_range(per_fn, rewards, adv)
         return {"completions": completions, "per_fn": per_fn, "rewards": rewards, "adv": adv}
 
     def evaluate(self, run: Run, held: list[Prompt]) -> dict[str, Any]:
@@ -112,17 +130,28 @@ class Grpo:
         padded = (mine or [0]) + [(mine or [0])[-1]] * (turns - len(mine))
         seeds = [(run.cfg.run.seed * 1_000_003 + i) % (1 << 63) + 7 for i in padded]
         completions = self._sample(run, [held[i] for i in padded], seeds)
-        per_fn, total = self._score(run, [held[i] for i in padded], completions)
+        try:
+            per_fn, total = self._score(run, [held[i] for i in padded], completions)
+        except RewardStopped as e:  # the step is done: the loop stops before the next one
+            self.halt(run, e, "the held-out evaluation")
+            return {}
         kept = len(mine) * run.cfg.objective.num_generations  # the real prompts' rows
         sums = [sum(total[:kept]), sum(len(c) for c in completions[:kept]), float(kept)]
-        sums += [sum(v[:kept]) for v in per_fn]
+        # each function's sum and count of scored values (None: it did not apply)
+        for v in per_fn:
+            sums += [
+                sum(x for x in v[:kept] if x is not None),
+                sum(x is not None for x in v[:kept]),
+            ]
         if world > 1:
             sums = dist_.all_reduce_sum(sums, run.device)
         n = sums[2]
+        pairs = zip(sums[3::2], sums[4::2], strict=True)
         return {
             "eval_reward": sums[0] / n,
             "eval_rewards": {
-                r.name: {"mean": v / n} for r, v in zip(self.rewards, sums[3:], strict=True)
+                r.name: {"mean": v / max(1, c)}
+                for r, (v, c) in zip(self.rewards, pairs, strict=True)
             },
             "eval_completion_len": sums[1] / n,
             "eval_prompts": len(held),
@@ -167,23 +196,70 @@ class Grpo:
 
     def _score(
         self, run: Run, prompts: list[Prompt], completions: list[list[int]]
-    ) -> tuple[list[list[float]], list[float]]:
+    ) -> tuple[list[list[float | None]], list[float]]:
         """(each reward function's values, the weighted sums) of the completions of `prompts`
-        (--num-generations each, in order), with the rows' extra columns."""
+        (--num-generations each, in order), with the rows' extra columns. A None (the function
+        does not apply to that completion) adds nothing to its sum. RewardStopped on every rank
+        when a reward stopped the run on any."""
         g = run.cfg.objective.num_generations
         rows = [p for p in prompts for _ in range(g)]
         texts = run.tokenizer.batch_decode(completions, skip_special_tokens=True)
         columns = {
             k: [p.columns.get(k) for p in rows] for k in {k for p in prompts for k in p.columns}
         }
-        per_fn = [
-            score(r, [p.text for p in rows], texts, completions, columns) for r in self.rewards
-        ]
+        stopped = None
+        try:
+            per_fn = [
+                score(r, [p.text for p in rows], texts, completions, columns, self.timeout)
+                for r in self.rewards
+            ]
+        except RewardStopped as e:
+            stopped = e
+        if run.env is not None and dist_.any_rank(stopped is not None, run.device):
+            raise stopped or _StoppedElsewhere("a reward stopped the run on another rank")
+        if stopped is not None:
+            raise stopped
         total = [
-            sum(r.weight * v[i] for r, v in zip(self.rewards, per_fn, strict=True))
+            sum(
+                r.weight * v[i]
+                for r, v in zip(self.rewards, per_fn, strict=True)
+                if v[i] is not None
+            )
             for i in range(len(rows))
         ]
         return per_fn, total
+
+    def _check_range(self, per_fn: list[list[float | None]], rewards: Tensor, adv: Tensor) -> None:
+        """Finite rewards so large that the step's fp32 rewards, their group's variance or the
+        advantages overflow would train on inf or NaN (or, divided by an infinite std, on
+        nothing): refused before any update, naming the reward with the largest values and
+        their range."""
+        spread = rewards.view(-1, self.group).var(dim=1)
+        if all(bool(torch.isfinite(t).all()) for t in (rewards, spread, adv)):
+            return
+        weighted = [
+            (abs(r.weight) * max((abs(x) for x in v if x is not None), default=0.0), r, v)
+            for r, v in zip(self.rewards, per_fn, strict=True)
+        ]
+        _, reward, values = max(weighted, key=lambda t: t[0])
+        scored = [x for x in values if x is not None]
+        raise UserError(
+            f"reward {reward.name!r} returned values from {min(scored):.3g} to {max(scored):.3g}"
+            f" (weight {reward.weight:g}): too large for the step's fp32 rewards and advantages, "
+            "which overflow; scale that reward down (to within +-1e6, say)"
+        )
+
+    def halt(self, run: Run, e: RewardStopped, where: str) -> None:
+        """A reward stopped the run during `where`: one line (on the rank whose reward it was,
+        and rank 0), kept in `stopped` for the loop, which then stops as on Ctrl-C."""
+        self.stopped = f"{where}: {e}"
+        main = run.env is None or run.env.is_main
+        if main or not isinstance(e, _StoppedElsewhere):
+            print(
+                f"compiletune: {self.stopped}; the run stops as on Ctrl-C (a checkpoint of the "
+                "last step completed, exit status 130)",
+                flush=True,
+            )
 
     # ---------------------------------------------------------------------------- rows
 
@@ -278,7 +354,7 @@ class Grpo:
             "reward": float(roll["rewards"].mean()),
             "reward_std": float(roll["rewards"].std()) if len(lengths) > 1 else 0.0,
             "rewards": {
-                r.name: {"mean": _mean(v), "std": _std(v)}
+                r.name: _reward_summary(v)
                 for r, v in zip(self.rewards, roll["per_fn"], strict=True)
             },
             "advantage_std": float(roll["adv"].std()) if len(lengths) > 1 else 0.0,
@@ -371,6 +447,39 @@ def _all_ranks(run: Run, roll: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _reward_summary(values: list[float | None]) -> dict[str, float]:
+    """One function's values over a step: mean and std of those scored, and how many were None
+    (the function did not apply)."""
+    scored = [v for v in values if v is not None]
+    return {"mean": _mean(scored), "std": _std(scored), "none": len(values) - len(scored)}
+
+
+def check_rollout_fits(run: Run) -> None:
+    """The rollout's --batch-size x --num-generations rows, decoded at once, fit the machine:
+    their KV cache and logits (estimate/estimator.py's count of them, on the meta device) and
+    the weights against the GPU's memory, or this machine's on a CPU. Refused before the first
+    rollout allocates them, rather than an allocator's traceback (on a GPU the pre-flight
+    estimate usually refused first)."""
+    cfg, o = run.cfg, run.cfg.objective
+    kv, temporaries = rollout_bytes(cfg, run.args)
+    weights = sum(p.numel() * p.element_size() for p in run.model.parameters())
+    if run.device.type == "cuda":
+        have, where = torch.cuda.mem_get_info(run.device)[1], "the GPU's"
+    else:
+        have, where = machine_host_bytes(), "this machine's"
+    if kv + temporaries + weights <= have:
+        return
+    gib, rows = 2**30, cfg.data.batch_size * o.num_generations
+    raise UserError(
+        f"--num-generations {o.num_generations}: the rollout decodes --batch-size "
+        f"{cfg.data.batch_size} x {o.num_generations} = {rows:,} completions at once, whose KV "
+        f"cache and logits need about {(kv + temporaries) / gib:,.1f} GiB beside "
+        f"{weights / gib:.1f} GiB of weights, more than {where} {have / gib:.1f} GiB; lower "
+        "--num-generations or --batch-size (`compiletune estimate-memory --objective grpo` "
+        "counts the rollout)"
+    )
+
+
 def _mean(values: list[float] | list[int]) -> float:
     return statistics.fmean(values) if values else 0.0
 
@@ -379,13 +488,18 @@ def _std(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def one_step(trainer: Any, stop: Any, grpo: Grpo) -> dict[str, Any]:
-    """`Trainer.one_step` for --objective grpo: the metrics line of one step."""
+def one_step(trainer: Any, stop: Any, grpo: Grpo) -> dict[str, Any] | None:
+    """`Trainer.one_step` for --objective grpo: the metrics line of one step; None when a
+    reward stopped the run (RewardStopped: the step is abandoned, `stop` set)."""
     run, cfg = trainer.run, trainer.cfg
     t0 = time.perf_counter()
     # every rank draws the same global batches (world x --batch-size prompts each) and takes
     # its slice of each, as in any run
+    if grpo.stopped is not None:  # a reward stopped the run during the last evaluation
+        stop.requested = stop.agreed = True
+        return None
     b = cfg.data.batch_size
+    position = run.batches.state_dict()
     prompts: list[Prompt] = []
     indices: list[int] = []
     for k in range(cfg.data.grad_accum):
@@ -394,7 +508,15 @@ def one_step(trainer: Any, stop: Any, grpo: Grpo) -> dict[str, Any]:
         prompts += [drawn[i] for i in mine]
         indices += [k * b * run.world + i for i in mine]
     lr = cfg.optim.lr * lr_factor(trainer.step, cfg)
-    values = grpo.step(run, prompts, trainer.step, lr, indices)
+    try:
+        values = grpo.step(run, prompts, trainer.step, lr, indices)
+    except RewardStopped as e:
+        # the rewards come before any update: the weights are the last step's, and the prompts
+        # go back, so that a resume draws them again and runs what this run would have
+        run.batches.load_state_dict(position)
+        grpo.halt(run, e, f"step {trainer.step + 1}")
+        stop.requested = stop.agreed = True
+        return None
     trainer.step += 1
     dt = time.perf_counter() - t0
     nonfinite = values.pop("nonfinite")

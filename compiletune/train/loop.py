@@ -248,6 +248,8 @@ class Trainer:
                 while self.step < cfg.run.max_steps and not stop.should_stop():
                     compile_t0 = self.announce_compile()
                     record = self.one_step(stop)
+                    if record is None:  # a reward stopped the run (train/grpo.py): saved below
+                        break
                     self.compiled(compile_t0)
                     at_end = self.step == cfg.run.max_steps or stop.should_stop()
                     # a signal's grace period goes to the save: grpo's evaluation decodes
@@ -286,9 +288,10 @@ class Trainer:
                 )
         return summary
 
-    def one_step(self, stop: run_dir.StopSignal) -> dict[str, Any]:
+    def one_step(self, stop: run_dir.StopSignal) -> dict[str, Any] | None:
         """Draw the step's micro-batches, run `train_step`, and return its metrics line. A step
-        whose loss or gradient norm is not finite is not applied (`nonfinite` in its line)."""
+        whose loss or gradient norm is not finite is not applied (`nonfinite` in its line). None:
+        grpo's step was abandoned, a reward having stopped the run (`stop` is set)."""
         cfg, run = self.cfg, self.run
         if self.grpo is not None:
             return grpo.one_step(self, stop, self.grpo)
@@ -421,7 +424,7 @@ class Trainer:
             "tok_s": f"{record['tokens_per_s']:.0f}",
             "mem": f"{record['peak_mem_gib']:.2f}G",
         }
-        if self.last_eval is not None:
+        if self.last_eval:  # ({}: grpo's evaluation was cut by a reward's stop)
             postfix["eval"] = (
                 f"{self.last_eval.get('eval_loss', self.last_eval.get('eval_reward')):.3f}"
             )
@@ -686,7 +689,9 @@ class Trainer:
             "first_step": run.start_step + 1,
             "step": self.step,  # the run's last step
             "max_steps": cfg.run.max_steps,
-            "interrupted": self.step < cfg.run.max_steps,
+            # a reward's stop (grpo) after the last step, in its held-out evaluation, too
+            "interrupted": self.step < cfg.run.max_steps
+            or (self.grpo is not None and self.grpo.stopped is not None),
             "first_loss": self.first_loss,
             "final_loss": self.last_loss,
             "tokens": self.tokens_done,

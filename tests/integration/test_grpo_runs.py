@@ -5,6 +5,7 @@ resume."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,158 @@ def test_val_split_holds_prompts_out_for_the_reward_evaluation(tmp_path, monkeyp
         with pytest.raises(UserError, match="--rollout-cuda-graphs replays CUDA graphs"):
             tiny_run(tmp_path, data, name="graphs", **flags, max_steps=1)
         assert not (tmp_path / "graphs" / "metrics.jsonl").exists()
+
+
+FOOLING = """
+import os, signal, sys, threading, time
+calls = []
+def text(completions, **_):
+    return ["1" if i % 2 else "0" for i in range(len(completions))]
+def by_index(completions, **_):
+    return {i: float(i % 2) for i in range(len(completions))}
+def all_none(completions, **_):
+    return [None] * len(completions)
+def extreme(completions, **_):
+    return [1e308 if i % 2 else -1e308 for i in range(len(completions))]
+def some_none(completions, **_):
+    return [None if i % 4 == 0 else 1.0 for i in range(len(completions))]
+def _second(completions, then):
+    calls.append(1)
+    return [1.0] * len(completions) if len(calls) == 1 else then()
+def exits0(completions, **_):
+    return _second(completions, lambda: sys.exit(0))
+def exits3(completions, **_):
+    return _second(completions, lambda: sys.exit(3))
+def interrupts(completions, **_):
+    def stop():
+        raise KeyboardInterrupt
+    return _second(completions, stop)
+def _hang(completions):
+    end = time.monotonic() + 20  # bounded: a guard that failed fails the test, not hangs it
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    return [1.0] * len(completions)
+def hangs(completions, **_):
+    return _second(completions, lambda: _hang(completions))
+def ctrl_c(completions, **_):
+    def press():
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return _hang(completions)
+    return _second(completions, press)
+"""
+
+
+def fooling_flags(tmp_path: Path, monkeypatch, reward: str) -> dict:
+    import sys
+
+    (tmp_path / "fooling.py").write_text(FOOLING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("fooling", None)  # a fresh call count per run
+    return grpo_flags(tmp_path, monkeypatch) | {
+        "reward": f"fooling:{reward}",
+        "reward_weights": None,
+        "num_generations": 4,
+        "batch_size": 2,
+        "max_steps": 3,
+    }
+
+
+@pytest.mark.parametrize(
+    "reward, match",
+    [
+        ("text", r"returned str '0' for completion 0 of 8 \(text: convert it with float\(\)\)"),
+        ("by_index", "returned a dict of 8 entries for 8 completions; return a list"),
+        ("all_none", "returned None for all 8 completions of the step"),
+        ("extreme", r"returned values from -1e\+308 to 1e\+308 .*too large .*scale that reward"),
+    ],
+)
+def test_a_reward_that_would_fool_the_trainer_stops_it_naming_the_reward(
+    tmp_path, monkeypatch, reward, match
+):
+    """Before: text and a dict's keys trained with loss 0.0 and exit 0; +-1e308 stopped the
+    run advising a lower learning rate without naming the reward."""
+    data = sums(tmp_path, "train.jsonl", [(a, b) for a in range(5) for b in range(3)])
+    flags = fooling_flags(tmp_path, monkeypatch, reward)
+    with pytest.raises(UserError, match=f"^reward 'fooling:{reward}' {match}"):
+        tiny_run(tmp_path, data, **flags)
+
+
+def test_none_is_a_reward_that_does_not_apply_and_is_counted(tmp_path, monkeypatch):
+    data = sums(tmp_path, "train.jsonl", [(a, b) for a in range(5) for b in range(3)])
+    flags = fooling_flags(tmp_path, monkeypatch, "some_none") | {"max_steps": 1}
+    tiny_run(tmp_path, data, **flags)
+    (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert record["rewards"]["fooling:some_none"] == {"mean": 1.0, "std": 0.0, "none": 2}
+    assert record["reward"] == 6 / 8  # a None adds nothing to its completion's reward
+    assert record["advantage_std"] > 0
+
+
+@pytest.mark.parametrize(
+    "reward, match",
+    [
+        ("exits0", r"called sys.exit\(0\)"),
+        ("exits3", r"called sys.exit\(3\)"),
+        ("interrupts", "raised KeyboardInterrupt"),
+        ("hangs", "ran past --reward-timeout 0.5s"),
+        ("ctrl_c", "was interrupted by SIGINT"),
+    ],
+)
+def test_a_reward_that_stops_ends_the_run_as_ctrl_c_does(
+    tmp_path, monkeypatch, capsys, reward, match
+):
+    """A reward's sys.exit (0 or 3) or KeyboardInterrupt at step 2, a reward past
+    --reward-timeout, and one Ctrl-C while a reward runs: the step is abandoned, step_1 is
+    written, one line names the reward, the command exits 130 (before: exit 0 or 3 with no
+    checkpoint and no line; the hang outlived a Ctrl-C)."""
+    from compiletune import cli
+
+    data = sums(tmp_path, "train.jsonl", [(a, b) for a in range(5) for b in range(3)])
+    flags = fooling_flags(tmp_path, monkeypatch, reward) | {"reward_timeout": 0.5}
+    if reward == "ctrl_c":
+        flags["reward_timeout"] = 60.0
+    argv = ["train", "--data", data, "--output-dir", str(tmp_path / "run")]
+    for key, value in flags.items():
+        if value is not None:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    assert cli.main(argv) == 130
+    out = capsys.readouterr().out
+    assert f"step 2: reward 'fooling:{reward}' " in out and re.search(match, out), out
+    assert "stopped early" in out
+    assert (tmp_path / "run" / "step_1").is_dir() and not (tmp_path / "run" / "step_2").exists()
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+def test_rewards_and_sizes_that_cannot_work_are_refused_before_the_first_step(
+    tmp_path, monkeypatch
+):
+    """An empty regex: (before: it matched everything) refused before the model loads;
+    exact:answer on a row whose answer is null (before: compared with the text "None") refused
+    naming the row; --num-generations 1000000 (before: an allocator's traceback) refused by
+    the rollout's size before it is allocated; --reward-timeout must be positive."""
+    import compiletune.train.loop as loop
+
+    data = sums(tmp_path, "train.jsonl", [(a, b) for a in range(5) for b in range(3)])
+    flags = grpo_flags(tmp_path, monkeypatch) | {"reward_weights": None, "max_steps": 1}
+    build = loop.build_run
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loop, "build_run", no_model)
+    with pytest.raises(UserError, match=r"^--reward 'regex:': regex: needs its PATTERN"):
+        tiny_run(tmp_path, data, name="regex", **flags | {"reward": "regex:"})
+    monkeypatch.setattr(loop, "build_run", build)
+    nulls = tmp_path / "nulls.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+2=", "answer": None}]
+    nulls.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(UserError, match=rf"1 of 2 rows of --data {nulls} have no 'answer' "
+                       rf"\(null or missing\), the first at {nulls}:2"):  # fmt: skip
+        tiny_run(tmp_path, str(nulls), name="nulls", **flags | {"reward": "exact:answer"})
+    many = flags | {"num_generations": 1_000_000, "seq_len": 32, "max_new_tokens": 16}
+    with pytest.raises(UserError, match=r"^--num-generations 1000000: the rollout decodes "
+                       r"--batch-size 8 x 1000000 = 8,000,000 completions at once, .* GiB"):  # fmt: skip
+        tiny_run(tmp_path, data, name="many", **many)
+    for name in ("regex", "nulls", "many"):
+        assert not (tmp_path / name / "metrics.jsonl").exists()
+    with pytest.raises(UserError, match="--reward-timeout must be a positive number"):
+        resolve({}, {**flags, "data": data, "reward_timeout": 0})

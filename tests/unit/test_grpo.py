@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -114,7 +115,7 @@ def test_builtin_rewards_and_their_errors(tmp_path, monkeypatch):
     for name, match in (
         ("boom", "raised KeyError"),
         ("short", "returned 1 values for 2"),
-        ("nan", "returned nan"),
+        ("nan", "returned float nan"),
     ):
         (fn,) = rw.load_rewards(f"my_rewards:{name}")
         with pytest.raises(UserError, match=f"my_rewards:{name}.*{match}"):
@@ -246,3 +247,156 @@ def test_the_estimate_counts_an_updates_completions():
     assert large.phase_peaks["rollout"] == (
         kv + logits + repeated + large.parts["parameters"] + large.parts["optimizer_state"]
     )
+
+
+BAD_REWARDS = """
+import numpy as np, torch
+def text(completions, **_):
+    return ["1" if i % 2 else "0" for i in range(len(completions))]
+def by_index(completions, **_):
+    return {i: 1.0 for i in range(len(completions))}
+def nothing(completions, **_):
+    return None
+def all_none(completions, **_):
+    return [None] * len(completions)
+def one(completions, **_):
+    return 1.0
+def one_tensor(completions, **_):
+    return torch.tensor(1.0)
+def short(completions, **_):
+    return [1.0] * (len(completions) - 1)
+def huge_int(completions, **_):
+    return [10**400] * len(completions)
+def scalars(completions, **_):
+    return [True, 2, np.float32(0.5), np.int64(3), torch.tensor(0.25), None][: len(completions)]
+def array(completions, **_):
+    return np.arange(len(completions), dtype=np.float64)
+"""
+
+
+def test_reward_values_are_checked_one_finite_number_or_none_each(tmp_path, monkeypatch):
+    """Text, a dict {index: value}, None, None for every completion, one number, the wrong
+    length, a number too large for a float: one line naming the reward and what it returned
+    (before: "0"/"1" and a dict's keys were trained on). numpy and torch scalars and arrays
+    are numbers; None is a completion the reward does not apply to."""
+    (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("bad_rewards", None)
+    comps = ["a", "b", "c", "d", "e", "f"]
+    ids = [[1]] * 6
+    for name, match in (
+        ("text", r"returned str '0' for completion 0 of 6 \(text"),
+        ("by_index", "returned a dict of 6 entries for 6 completions; return a list"),
+        ("nothing", "returned NoneType None for 6 completions"),
+        ("all_none", "returned None for all 6 completions of the step"),
+        ("one", "returned float 1.0 for 6 completions"),
+        ("one_tensor", "returned float 1.0 for 6 completions"),
+        ("short", "returned 5 values for 6 completions"),
+        ("huge_int", "returned int 1000.* for completion 0 of 6; rewards must be finite"),
+    ):
+        (fn,) = rw.load_rewards(f"bad_rewards:{name}")
+        with pytest.raises(UserError, match=f"^reward 'bad_rewards:{name}' {match}"):
+            rw.score(fn, ["p"] * 6, comps, ids, {})
+    (fn,) = rw.load_rewards("bad_rewards:scalars")
+    assert rw.score(fn, ["p"] * 6, comps, ids, {}) == [1.0, 2.0, 0.5, 3.0, 0.25, None]
+    (fn,) = rw.load_rewards("bad_rewards:array")
+    assert rw.score(fn, ["p"] * 6, comps, ids, {}) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_reward_specs_that_reward_everything_are_refused_when_parsed():
+    """An empty regex: (before: it matched every completion, silently) and any pattern that
+    matches every text; a built-in without its argument."""
+    for spec, match in (
+        ("regex:", "regex: needs its PATTERN"),
+        ("regex:.*", "matches any text"),
+        ("regex:(answer)?", "matches any text"),
+        ("exact:", "exact: needs its COLUMN"),
+        ("contains:", "contains: needs its COLUMN"),
+        ("length:", "length: needs its N"),
+    ):
+        with pytest.raises(UserError, match=f"^--reward '?{re.escape(spec)}'?: .*{match}"):
+            rw.load_rewards(spec)
+    (fn,) = rw.load_rewards("regex:^$")  # only an empty completion: a pattern that selects
+    assert rw.score(fn, ["p", "p"], ["", "x"], [[1], [2]], {}) == [1.0, 0.0]
+
+
+def test_a_null_answer_is_refused_naming_its_row():
+    """exact:/contains: on a row whose column is null (JSON null) or missing: refused before
+    training, naming the first such row and how many (before: compared with the text
+    "None")."""
+    from compiletune.data.prompts import Prompt
+
+    rows = [Prompt([1], "1+1=", {"answer": "2"}, "d.jsonl:1")]
+    rows += [Prompt([1], "2+2=", {"answer": None}, "d.jsonl:2")]
+    rows += [Prompt([1], "3+3=", {}, "d.jsonl:3")]
+    (exact,) = rw.load_rewards("exact:answer")
+    with pytest.raises(UserError, match=r"'exact:answer': 2 of 3 rows of --data d.jsonl have no "
+                       r"'answer' \(null or missing\), the first at d.jsonl:2"):  # fmt: skip
+        rw.check_columns([exact], rows, "--data d.jsonl")
+    (contains,) = rw.load_rewards("contains:label")
+    with pytest.raises(UserError, match="has no column 'label' .*answer"):
+        rw.check_columns([contains], rows, "--data d.jsonl")
+    rw.check_columns([exact, *rw.load_rewards("regex:^\\d")], rows[:1], "--data d.jsonl")
+    with pytest.raises(UserError, match="'exact:answer': a row's 'answer' is null"):
+        rw.score(exact, ["p"], ["2"], [[1]], {"answer": [None]})  # a caller that skipped it
+
+
+STOPPING = """
+import os, signal, sys, threading, time
+calls = []
+def exits0(completions, **_):
+    sys.exit(0)
+def exits3(completions, **_):
+    sys.exit(3)
+def interrupts(completions, **_):
+    raise KeyboardInterrupt
+def hangs(completions, **_):
+    end = time.monotonic() + 20  # bounded, so that a guard that failed fails the test
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    return [1.0] * len(completions)
+def swallows(completions, **_):
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.01)
+        except BaseException:
+            break  # a reward that catches everything and returns anyway
+    return [1.0] * len(completions)
+def ctrl_c(completions, **_):
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    return hangs(completions)
+"""
+
+
+def test_a_rewards_exit_interrupt_time_limit_and_ctrl_c_are_the_runs_stop(tmp_path, monkeypatch):
+    """sys.exit(0), sys.exit(3) and KeyboardInterrupt from a reward, a reward past
+    --reward-timeout (also one that swallows the cut), and Ctrl-C while a reward runs under
+    the loop's own SIGINT handler (which only notes the signal, so that before one Ctrl-C did
+    not stop it): RewardStopped naming the reward; the handlers and timer come back."""
+    import signal
+
+    (tmp_path / "stopping.py").write_text(STOPPING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("stopping", None)
+    noted = []
+    previous = signal.signal(signal.SIGINT, lambda *_: noted.append(1))  # as StopSignal does
+    try:
+        for name, timeout, match in (
+            ("exits0", None, r"called sys.exit\(0\)"),
+            ("exits3", None, r"called sys.exit\(3\)"),
+            ("interrupts", None, "raised KeyboardInterrupt"),
+            ("hangs", 0.2, "ran past --reward-timeout 0.2s"),
+            ("swallows", 0.2, "ran past --reward-timeout 0.2s"),
+            ("ctrl_c", 60.0, "was interrupted by SIGINT"),
+        ):
+            (fn,) = rw.load_rewards(f"stopping:{name}")
+            with pytest.raises(rw.RewardStopped, match=f"^reward 'stopping:{name}' {match}"):
+                rw.score(fn, ["p"], ["a"], [[1]], {}, timeout)
+            assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+            assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+        handler = signal.getsignal(signal.SIGINT)
+        assert not noted and handler is not previous and handler(signal.SIGINT, None) is None
+        assert noted == [1]  # the loop's handler is back
+    finally:
+        signal.signal(signal.SIGINT, previous)
