@@ -16,7 +16,7 @@ from pathlib import Path
 
 from compiletune import __version__
 from compiletune.choices import BaseDtype, choices
-from compiletune.config import TrainConfig, add_flags, check_inputs
+from compiletune.config import TrainConfig, add_flags, check_inputs, check_model_folder
 from compiletune.errors import UserError, closest, show
 from compiletune.interrupt import EXIT_INTERRUPTED
 
@@ -254,6 +254,7 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(ns).items() if k not in _EVAL_OWN}
+    check_model_folder(ns.checkpoint, "CHECKPOINT")  # before the evaluator's imports
     from compiletune.evaluation import run_eval  # lazy: a subcommand's cost
 
     run_eval(
@@ -272,13 +273,15 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from compiletune.sampling import Sampling, checked_text
+    from compiletune.sampling import Sampling, check_prompt
 
     # what the user typed, checked before the heavy imports
     sampling = Sampling(ns.temperature, ns.top_p, ns.seed)
     sampling.check(ns.max_new_tokens)
-    if ns.prompt is not None:
-        checked_text(ns.prompt, "--prompt")
+    check_prompt(ns.prompt, ns.chat)
+    check_model_folder(ns.model_dir, "--model-dir")
+    if ns.tokenizer is not None:
+        check_model_folder(ns.tokenizer, "--tokenizer")
     from compiletune.generate import run_generate  # lazy: a subcommand's cost
 
     run_generate(

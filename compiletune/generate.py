@@ -27,7 +27,7 @@ from compiletune.models import PRESETS, Transformer, build_model, from_hf, resol
 from compiletune.models.cache import KVCache
 from compiletune.models.generation_config import eos_ids, load_generation_config
 from compiletune.models.lora import apply_lora, block_adapter
-from compiletune.sampling import Sampling, checked_text, text_lines
+from compiletune.sampling import Sampling, check_prompt, text_lines
 from compiletune.train.build import pick_device, pick_dtype, resolve_model_args
 
 
@@ -249,10 +249,7 @@ def run_generate(
     out = out or sys.stdout
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     sampling.check(max_new_tokens)
-    if prompt is None and not chat:
-        raise UserError("pass --prompt TEXT, or --chat for a conversation")
-    if prompt is not None:
-        checked_text(prompt, "--prompt")
+    check_prompt(prompt, chat)
 
     folder = resolve_model_path(model_dir)
     lora = adapter_io.is_adapter_folder(folder) and not (folder / "config.json").is_file()

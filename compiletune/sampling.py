@@ -55,6 +55,14 @@ def checked_text(text: str, where: str) -> str:
     return text
 
 
+def check_prompt(prompt: str | None, chat: bool) -> None:
+    """`generate` has a prompt (UTF-8), or a chat, whose turns may come from stdin."""
+    if prompt is None and not chat:
+        raise UserError("pass --prompt TEXT, or --chat for a conversation")
+    if prompt is not None:
+        checked_text(prompt, "--prompt")
+
+
 def text_lines(stream: Iterable, where: str = "stdin") -> Iterator[str]:
     """The lines of a text stream (or of its bytes, where it has them), each checked as UTF-8
     and named by its number when it is not."""

@@ -13,7 +13,7 @@ default that depends on other choices (some of them on facts known only once the
 config and the data are read, which the build passes in as `RunFacts`).
 """
 
-from compiletune.config.checks import check_inputs, check_types
+from compiletune.config.checks import check_inputs, check_model_folder, check_types
 from compiletune.config.files import (
     SAVED_CONFIG,
     load_yaml,
@@ -80,6 +80,7 @@ __all__ = [
     "TrainConfig",
     "add_flags",
     "check_inputs",
+    "check_model_folder",
     "check_types",
     "fill_defaults",
     "flag_of",

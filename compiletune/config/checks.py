@@ -426,6 +426,13 @@ def _check_grpo(section: ObjectiveConfig, cfg: TrainConfig) -> None:
         raise UserError("--precompute-ref applies to dpo/ipo; grpo scores its own completions")
 
 
+def check_model_folder(name: str, flag: str) -> None:
+    """A model folder given as `flag` is a local path or a Hub id (fetched later): nothing
+    else is, so a typo is refused before anything loads."""
+    if not Path(name).exists() and hub.parse(name) is None:
+        raise UserError(hub.no_model_folder(name, flag))
+
+
 def check_inputs(cfg: TrainConfig) -> None:
     """What a training run reads is there, checked before anything loads: no recipe
     placeholder is left, the model, tokenizer and teacher folders exist (or are Hub ids,
@@ -438,8 +445,8 @@ def check_inputs(cfg: TrainConfig) -> None:
         ("--tokenizer", m.tokenizer),
         ("--teacher-dir", cfg.objective.teacher_dir),
     ):
-        if value is not None and not Path(value).exists() and hub.parse(value) is None:
-            raise UserError(hub.no_model_folder(value, flag))
+        if value is not None:
+            check_model_folder(value, flag)
     check_local_sources(cfg.data.source, cfg.data.data_split)
     if cfg.data.eval_data is not None:
         check_local_sources(cfg.data.eval_data, cfg.data.eval_split)
