@@ -306,3 +306,18 @@ def test_rewards_and_sizes_that_cannot_work_are_refused_before_the_first_step(
         assert not (tmp_path / name / "metrics.jsonl").exists()
     with pytest.raises(UserError, match="--reward-timeout must be a positive number"):
         resolve({}, {**flags, "data": data, "reward_timeout": 0})
+
+
+def test_a_reward_that_stops_in_the_held_out_evaluation_stops_the_run(
+    tmp_path, monkeypatch, capsys
+):
+    """sys.exit(0) from a reward scoring the held-out prompts after the last step: the step
+    is saved, one line names the reward and the evaluation, and the run counts as stopped early
+    (exit 130), not as done."""
+    data = sums(tmp_path, "train.jsonl", [(a, b) for a in range(5) for b in range(3)])
+    flags = fooling_flags(tmp_path, monkeypatch, "exits0") | {"val_split": 0.25, "max_steps": 1}
+    summary = tiny_run(tmp_path, data, **flags)
+    out = capsys.readouterr().out
+    assert "the held-out evaluation: reward 'fooling:exits0' called sys.exit(0)" in out, out
+    assert summary["interrupted"] and summary["checkpoint"].endswith("step_1")
+    assert summary["eval_reward"] is None and "stopped early" in out
