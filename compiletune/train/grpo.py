@@ -38,12 +38,19 @@ from compiletune.metrics import peak_memory_gib
 from compiletune.models.generation_config import eos_ids
 from compiletune.rl.rewards import Reward, RewardStopped, check_columns, load_rewards, score
 from compiletune.rl.rollout import sample_prompts
+from compiletune.train import nonfinite
 from compiletune.train.build import Run
 from compiletune.train.forward import forward_hidden
 from compiletune.train.objective import frozen_eager, logprobs, reference_model
 from compiletune.train.step import lr_factor
 
 Batch = dict[str, Tensor]
+# The largest advantage a step may train on. A completion token's gradient is about its
+# advantage over the completions, and the gradient norm squares and sums every parameter's in
+# fp32 (max 3.4e38): past 1e12, some 1e11 parameters overflow it. Scaled advantages (the
+# default) stay below sqrt(--num-generations); only --no-scale-rewards with rewards that spread
+# past this reaches it.
+ADVANTAGE_LIMIT = 1e12
 
 
 def stop_ids(run: Run) -> set[int]:
@@ -232,10 +239,12 @@ class Grpo:
     def _check_range(self, per_fn: list[list[float | None]], rewards: Tensor, adv: Tensor) -> None:
         """Finite rewards so large that the step's fp32 rewards, their group's variance or the
         advantages overflow would train on inf or NaN (or, divided by an infinite std, on
-        nothing): refused before any update, naming the reward with the largest values and
-        their range."""
+        nothing), and advantages past ADVANTAGE_LIMIT overflow the gradient norm: refused before
+        any update, naming the reward with the largest values and their range (rather than a
+        divergence blamed on the learning rate or the model)."""
         spread = rewards.view(-1, self.group).var(dim=1)
-        if all(bool(torch.isfinite(t).all()) for t in (rewards, spread, adv)):
+        finite = all(bool(torch.isfinite(t).all()) for t in (rewards, spread, adv))
+        if finite and float(adv.abs().max()) <= ADVANTAGE_LIMIT:
             return
         weighted = [
             (abs(r.weight) * max((abs(x) for x in v if x is not None), default=0.0), r, v)
@@ -245,8 +254,8 @@ class Grpo:
         scored = [x for x in values if x is not None]
         raise UserError(
             f"reward {reward.name!r} returned values from {min(scored):.3g} to {max(scored):.3g}"
-            f" (weight {reward.weight:g}): too large for the step's fp32 rewards and advantages, "
-            "which overflow; scale that reward down (to within +-1e6, say)"
+            f" (weight {reward.weight:g}): too large for the step's fp32 rewards, advantages and "
+            "gradients, which overflow; scale that reward down (to within +-1e6, say)"
         )
 
     def halt(self, run: Run, e: RewardStopped, where: str) -> None:
@@ -315,6 +324,7 @@ class Grpo:
             ref = [self._reference_logp(run, mb) for mb in micro]
         run.optimizer.set_lr(lr)
         losses, clipped, kl, norms = [], 0.0, 0.0, []
+        bad: str | None = None  # what was not finite (train/nonfinite.py)
         t1 = time.perf_counter()
         for _ in range(o.grpo_iterations):
             total = torch.zeros((), device=run.device)
@@ -335,12 +345,14 @@ class Grpo:
                 total += loss.detach()
                 clipped += float(sums["clipped"])
                 kl += float(sums.get("kl", 0.0))
-            norm = self._update(run)
             loss_value = float(total) / run.world
             if run.env is not None:
                 loss_value = dist_.all_reduce_sum([loss_value], run.device)[0]
+            norm, bad = self._update(run, loss_value)
             losses.append(loss_value)
             norms.append(norm)
+            if bad is not None:  # not applied: the loop stops the run (or skips the step)
+                break
         t_train = time.perf_counter() - t1
         if run.env is not None:  # every rank's completions, rewards and counts
             roll = _all_ranks(run, roll)
@@ -371,7 +383,7 @@ class Grpo:
             "train_tokens_per_s": n_updates * batch["inputs"].numel() / max(t_train, 1e-9),
             "tokens": int(batch["inputs"].numel()) * run.world,
             "targets": n_tokens,
-            "nonfinite": None if all(map(math.isfinite, losses)) else "the loss is not finite",
+            "nonfinite": bad,
         }
         if self.opts.beta:
             record["kl"] = kl / max(1, n_tokens * n_updates)
@@ -397,9 +409,10 @@ class Grpo:
             return self._logp(model, mb)
 
     @staticmethod
-    def _update(run: Run) -> float:
-        """Clip, step, zero: one optimizer update; the gradient norm (nan when not finite:
-        the update is then skipped)."""
+    def _update(run: Run, loss: float) -> tuple[float, str | None]:
+        """Clip, step, zero: one optimizer update. Returns the gradient norm and, when it or the
+        `loss` is not finite, what was (SFT's check, train/nonfinite.py): the update is then
+        not applied."""
         max_norm = run.cfg.optim.max_grad_norm or 0.0
         grads = [p.grad for p in run.params if p.grad is not None]
         if max_norm > 0:
@@ -407,10 +420,13 @@ class Grpo:
         else:
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if math.isfinite(value):
+        bad = None
+        if nonfinite.finite(loss, value):
             run.optimizer.step()
+        else:  # named before the gradients are zeroed (a collective under FSDP)
+            bad = nonfinite.cause(run.model, loss, value, None, run.env)
         run.optimizer.zero_grad()
-        return value
+        return value, bad
 
 
 @contextlib.contextmanager

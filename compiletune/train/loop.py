@@ -24,7 +24,7 @@ from compiletune import distributed as dist_
 from compiletune import faults, harness, plot, recipes, torch_internals
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
-from compiletune.config import TrainConfig, default_lr
+from compiletune.config import TrainConfig
 from compiletune.errors import UserError, show
 from compiletune.estimate import fit
 from compiletune.loggers import check_available, open_loggers, parse_loggers
@@ -34,6 +34,7 @@ from compiletune.models.hf_config import brief
 from compiletune.rl.rewards import load_rewards
 from compiletune.train import grpo, objective, run_dir
 from compiletune.train.build import Run, build_run, pick_device
+from compiletune.train.nonfinite import Facts, advice, cause, finite
 from compiletune.train.objective import evaluate_pairs
 from compiletune.train.step import (
     RouterStep,
@@ -317,24 +318,18 @@ class Trainer:
                 host.update(zip(extra, summed[2:], strict=True))
                 stop.agreed = votes > 0
             seen.update(host)
-            norms = [host.get("grad_norm"), host.get("weights_norm")]
-            return math.isfinite(host["loss_sum"]) and all(
-                n is None or math.isfinite(n) for n in norms
-            )
+            values = host["loss_sum"], host.get("grad_norm"), host.get("weights_norm")
+            ok = finite(*values)
+            if not ok:  # named now: the gradients are zeroed when the step is refused
+                seen["cause"] = cause(run.model, *values, self.env)
+            return ok
 
         result: StepResult = train_step(run, batch, lr, accept)
         faults.point("step")
         self.step += 1
         loss = seen["loss_sum"] / result.n_targets
         grad_norm = seen.get("grad_norm")
-        nonfinite = None
-        if not result.stepped:
-            bad = {"loss": loss, "gradient norm": grad_norm}
-            nonfinite = " and ".join(
-                f"the {k} is {v}" for k, v in bad.items() if v is not None and not math.isfinite(v)
-            )
-        elif not math.isfinite(seen.get("weights_norm", 0.0)):
-            nonfinite = "the weights became non-finite"
+        nonfinite = seen.get("cause")
         dt = time.perf_counter() - t0
         # the data's tokens, padding aside (whole-example packing and pairs pad their rows)
         n_tokens = run.batches.served_inputs - served
@@ -366,7 +361,8 @@ class Trainer:
         record.update({k: seen[f"extra.{k}"] / n for k in result.extras})
         if nonfinite is not None:
             record["nonfinite"] = nonfinite
-            record["applied"] = bool(result.stepped)
+            # --optimizer-in-backward updated during backward, before the check could refuse
+            record["applied"] = bool(result.stepped or cfg.optim.optimizer_in_backward)
         return record
 
     def handle_nonfinite(self, record: dict[str, Any]) -> None:
@@ -381,10 +377,12 @@ class Trainer:
                 else "its update was not applied"
             )
             skipped = f" after skipping {allowed} such steps" if allowed else ""
+            # updates this invocation applied before this step (the skipped ones were not)
+            before = record["step"] - 1 - self.run.start_step - (self.skipped_steps - 1)
+            updated = before > 0 or bool(record["applied"])
             raise UserError(
                 f"step {record['step']}: {record['nonfinite']}; {what}. Stopped{skipped}: "
-                f"{self.restart_advice()} (or --skip-nonfinite N to step over up to N such "
-                "batches)"
+                f"{self.restart_advice(updated, skip_hint=not record['applied'])}"
             )
         self.say(
             f"step {record['step']}: {record['nonfinite']}; the step was skipped "
@@ -536,21 +534,11 @@ class Trainer:
         whose model is not the run's; on a CPU the peak RSS includes it)."""
         return max(self.peak_floor, peak_memory_gib(self.run.device))
 
-    def restart_advice(self) -> str:
-        """Where to go on from after a divergence: the last good checkpoint, with a tenth of the
-        learning rate (the command to run), or a new start when there is none."""
-        usual = default_lr(self.cfg)  # the lr a run of this kind gets by default
-        lr = f"{min(self.cfg.optim.lr / 10, usual):.3g}"
-        if self.last_good is None:
-            return (
-                "no good checkpoint was written before it; start again with a lower "
-                f"learning rate (--lr {lr} --overwrite), --max-grad-norm, or --dtype fp32"
-            )
-        return (
-            f"the last good checkpoint is {self.last_good}; continue from it with a lower "
-            f"learning rate: --resume --resume-from {self.last_good.name} --lr {lr} "
-            "--accept-changes"
-        )
+    def restart_advice(self, updated: bool = True, skip_hint: bool = False) -> str:
+        """Where to go on from after a divergence (train/nonfinite.py): the last good checkpoint
+        with a lower lr, a new start, or, when no update preceded it, not the lr at all."""
+        facts = Facts(self.cfg, self.run.dtype, self.last_good, self.run.resume_from, updated)
+        return advice(facts, skip_hint)
 
     def _save_error(self, e: BaseException) -> str:
         """One line for a checkpoint that could not be written (the line every rank prints)."""

@@ -4,6 +4,7 @@ that is not finite stops the run (SFT and GRPO) with a line that names what it f
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,19 +12,23 @@ import torch
 import transformers
 from tiny_run import tiny_run
 
+from compiletune.cli import main
 from compiletune.config import resolve
 from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.metrics import read_metrics
 from compiletune.train.build import build_run
+from compiletune.train.nonfinite import cause
 from compiletune.train.step import next_batch
 
 SEQ = 64
 
 
-def save_tiny_gemma3(folder: Path) -> Path:
+def save_tiny_gemma3(folder: Path, pad: bool = True) -> Path:
     """The shape of the Gemma 3 that stopped at step 1 (issue 62): hidden 96, 6 layers, window 48,
     linear rope 8 on the full layers, tied embeddings, and a pad token (the byte tokenizer's bos,
-    so every row starts with it) whose embedding row is zero, as transformers initialises it."""
+    so every row starts with it) whose embedding row is zero, as transformers initialises it.
+    `pad=False`: the same weights with no pad token in config.json, so the zero row trains (in
+    transformers too) and the first step's gradient norm overflows."""
     tok = byte_tokenizer()
     config = transformers.Gemma3TextConfig(
         vocab_size=300,
@@ -42,7 +47,7 @@ def save_tiny_gemma3(folder: Path) -> Path:
         },
         max_position_embeddings=256,
         tie_word_embeddings=True,
-        pad_token_id=tok.bos_token_id,
+        pad_token_id=tok.bos_token_id if pad else None,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
@@ -94,3 +99,100 @@ def test_zero_pad_row_first_step_has_transformers_gradient_norm(tmp_path):
     expected = _reference_grad_norm(folder, batch["inputs"], batch["targets"])
     assert "nonfinite" not in record, record
     assert record["grad_norm"] == pytest.approx(expected, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- the stop line
+
+
+def test_cause_names_the_parameters_whose_gradients_are_not_finite():
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    model[1].weight.grad[0, 2] = float("inf")
+    model[3].bias.grad[1] = float("nan")
+    model[4].weight.grad[2, 2] = float("nan")
+    model[4].bias.grad[3] = float("-inf")
+    line = cause(model, 1.5, float("nan"))
+    assert line == (
+        "the gradient norm is nan: the gradients of 4 of 10 parameters are not finite "
+        "(1.weight, 3.bias, 4.weight, ...)"
+    )
+    for p in model.parameters():  # finite gradients whose norm overflows: the largest named
+        p.grad = torch.randn_like(p)
+    model[2].weight.grad[1, 1] = 3e30
+    line = cause(model, 1.5, float("inf"))
+    assert line.endswith(
+        "every gradient is finite but their norm overflows (the largest, 3e+30, is in 2.weight)"
+    )
+    with torch.no_grad():
+        model[0].bias[0] = float("inf")
+    assert cause(model, float("nan"), None) == (
+        "the loss is nan: the weights of 1 of 10 parameters (0.bias) are not finite"
+    )
+
+
+def _one_error_line(capsys: pytest.CaptureFixture) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("compiletune: error: "), err
+    return err[0]
+
+
+def test_a_first_step_that_overflows_names_the_parameter_and_blames_the_model(tmp_path, capsys):
+    """Step 1 of an fp32 run: no update was applied, so neither a lower lr nor --dtype fp32 is
+    the advice; the line names the parameter, and its command steps over the batch."""
+    folder = save_tiny_gemma3(tmp_path / "gemma3", pad=False)
+    capsys.readouterr()  # transformers' own bars
+    out = tmp_path / "run"
+    flags = ["--seq-len", str(SEQ), "--batch-size", "2", "--dtype", "fp32", "--max-steps", "2"]
+    argv = ["train", "--model-dir", str(folder), "--data", _documents(tmp_path), *flags]
+    assert main([*argv, "--output-dir", str(out)]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(
+        "compiletune: error: step 1: the gradient norm is inf: every gradient is finite but "
+        "their norm overflows (the largest, "
+    ), line
+    assert "is in tok_embeddings.weight)" in line
+    assert f"the weights are the ones the run started from ({folder})" in line
+    assert "the learning rate is not the cause: the model or this batch is" in line
+    assert "--dtype fp32" not in line and "--lr" not in line
+    assert line.endswith("step over the batch: --skip-nonfinite 1 --overwrite")
+
+
+def test_a_diverged_fp32_run_is_not_told_to_use_fp32(tmp_path, capsys):
+    """Updates were applied before the bad step: a lower lr is the advice, and the line says
+    what was not finite; fp32 already, so no --dtype fp32."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"Line {i}: a fox counts to {i * 7 % 13}." for i in range(300)))
+    argv = ["train", "--data", str(corpus), "--seq-len", "32", "--batch-size", "2"]
+    out = tmp_path / "run"
+    assert main([*argv, "--lr", "1e10", "--max-steps", "8", "--output-dir", str(out)]) == 2
+    line = _one_error_line(capsys)
+    assert "start again with a lower learning rate (--lr 0.001 --overwrite)" in line
+    assert "--dtype fp32" not in line
+    # the cause, after the value: which parameters, or the forward pass
+    assert re.search(
+        r"step \d+: the (loss|gradient norm) is (nan|inf)( with finite weights)?: ", line
+    )
+
+
+def test_grpo_stops_at_a_nonfinite_gradient_norm_with_one_line(tmp_path, capsys, monkeypatch):
+    """Before: every step recorded a non-finite norm, skipped its update, and the run exited 0
+    with the weights unchanged. Now the check SFT runs stops it the same way."""
+    folder = save_tiny_gemma3(tmp_path / "gemma3", pad=False)
+    (tmp_path / "length_reward.py").write_text(
+        "def length(completions, **_):\n    return [float(len(c)) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{a}="}) + "\n" for a in range(8)))
+    capsys.readouterr()
+    out = tmp_path / "run"
+    argv = ["train", "--model-dir", str(folder), "--data", str(prompts), "--objective", "grpo"]
+    argv += ["--reward", "length_reward:length", "--num-generations", "4"]
+    argv += ["--max-new-tokens", "4", "--seq-len", "32", "--batch-size", "1", "--dtype", "fp32"]
+    assert main([*argv, "--max-steps", "3", "--output-dir", str(out)]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("compiletune: error: step 1: the gradient norm is inf: "), line
+    assert "the learning rate is not the cause" in line
+    (record,) = read_metrics(out / "metrics.jsonl")
+    assert record["applied"] is False and record["nonfinite"].startswith("the gradient norm is")

@@ -106,6 +106,50 @@ def test_last_good_checkpoint_is_one_to_continue_from(tmp_path, corpus, capsys, 
     assert all(math.isfinite(r["loss"]) for r in records)
 
 
+def test_advice_after_a_real_divergence_followed_trains_to_the_end(tmp_path, corpus, capsys):
+    """Issue 67: the stop line's command, parsed and run as written, ends finite."""
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--max-steps", "1", "--save-every", "1") == 0
+    capsys.readouterr()
+    resume = ["--resume", "--max-steps", "5", "--lr", "1e10", "--accept-changes"]
+    assert main(["train", "--output-dir", str(out), *resume]) == 2
+    line = _one_error_line(capsys)
+    advice = line.split("continue from it with a lower learning rate: ")[1].split(" (or")[0]
+    assert advice == "--resume --resume-from step_1 --lr 0.001 --accept-changes"
+    assert main(["train", "--output-dir", str(out), *advice.split()]) == 0
+    records = _strict(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(math.isfinite(r["loss"]) and "nonfinite" not in r for r in records)
+
+
+def test_a_resumed_run_failing_at_its_first_step_is_not_sent_back_to_it(
+    tmp_path, corpus, capsys, monkeypatch
+):
+    """Issue 67: a resumed run whose first step is not finite whatever the lr (its batch is
+    bad) was told to resume from the same checkpoint with a lower lr, which replays that step:
+    it failed again at the same step, with the same advice. No update preceded it, so the lr is
+    not the cause: the advice steps over the batch, and followed (the batch still bad), the run
+    ends with every applied step finite."""
+    out = tmp_path / "run"
+    assert _train(out, corpus, "--max-steps", "2", "--save-every", "1") == 0
+    _nan_on_calls(monkeypatch, {1})
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", "5"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("compiletune: error: step 3: the loss is nan"), line
+    assert "the learning rate is not the cause" in line and "--lr" not in line
+    advice = line.split("step over the batch: ")[1]
+    assert advice == "--resume --resume-from step_2 --skip-nonfinite 1 --accept-changes"
+    monkeypatch.undo()
+    _nan_on_calls(monkeypatch, {1})  # the same batch is as bad the second time
+    assert main(["train", "--output-dir", str(out), *advice.split()]) == 0
+    records = _strict(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r.get("applied", True) for r in records] == [True, True, False, True, True]
+    assert all(math.isfinite(r["loss"]) for r in records if r.get("applied", True))
+    assert _all_finite(out / "step_5")
+
+
 def _nan_on_calls(monkeypatch: pytest.MonkeyPatch, calls: set[int]) -> None:
     """The trainer's step sees a NaN loss on these (1-based) calls."""
     real, seen = loop.train_step, [0]
