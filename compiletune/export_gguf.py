@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,10 @@ def _plan(gguf: Any, folder: Path, names: Any, kind: str) -> list[tuple[str, str
     return [(t, h, file, (shape, _file_type(gguf, shape, kind))) for t, h, file, shape in plan]
 
 
+def _files(plan: list[tuple[str, str, Path, Any]]) -> list[Path]:
+    return list(dict.fromkeys(file for _, _, file, _ in plan))
+
+
 def _declare(gguf: Any, writer: Any, name: str, shape: tuple[int, ...], qtype: Any) -> None:
     """Add a tensor's entry (name, shape, type, size) to the writer's table before any data."""
     T = gguf.GGMLQuantizationType
@@ -174,12 +179,12 @@ def _write(
         writer.write_ti_data_to_file()
         for value in extra.values():
             writer.write_tensor_data(value)
-        bar = tqdm(plan, desc="export", unit="tensor", leave=False)
-        for target, hf_name, file, (_, qtype) in bar:
-            with safe_open(file, framework="pt") as f:
-                value = f.get_tensor(hf_name).float().numpy()
-            writer.write_tensor_data(_encode(gguf, names.convert(target, value), qtype))
-            faults.point("gguf_tensor")
+        with ExitStack() as files:
+            opened = {f: files.enter_context(safe_open(f, framework="pt")) for f in _files(plan)}
+            for target, hf_name, file, (_, qtype) in tqdm(plan, desc="export", unit="tensor"):
+                value = opened[file].get_tensor(hf_name).float().numpy()  # one tensor at a time
+                writer.write_tensor_data(_encode(gguf, names.convert(target, value), qtype))
+                faults.point("gguf_tensor")
         writer.flush()
         for out in writer.fout or []:
             os.fsync(out.fileno())
@@ -271,14 +276,3 @@ def export_gguf(
     size = out.stat().st_size / 2**30
     log(f"wrote {out} ({size:.2f} GiB, {count} tensors) in {time.perf_counter() - t0:.1f}s")
     return out
-
-
-def describe(path: str | os.PathLike) -> dict[str, Any]:
-    """A written file's architecture and tensor types (for tests and `--json`-style checks)."""
-    gguf = _require_gguf()
-    reader = gguf.GGUFReader(str(path))
-    arch = reader.fields["general.architecture"]
-    return {
-        "architecture": bytes(arch.parts[arch.data[0]]).decode(),
-        "types": {t.name: t.tensor_type.name for t in reader.tensors},
-    }
