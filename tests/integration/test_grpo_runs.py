@@ -164,6 +164,8 @@ def all_none(completions, **_):
     return [None] * len(completions)
 def extreme(completions, **_):
     return [1e308 if i % 2 else -1e308 for i in range(len(completions))]
+def unscaled(completions, **_):  # with --no-scale-rewards: advantages of 1e13
+    return [1e13 if i % 2 else -1e13 for i in range(len(completions))]
 def some_none(completions, **_):
     return [None if i % 4 == 0 else 1.0 for i in range(len(completions))]
 def _second(completions, then):
@@ -214,15 +216,19 @@ def fooling_flags(tmp_path: Path, monkeypatch, reward: str) -> dict:
         ("by_index", "returned a dict of 8 entries for 8 completions; return a list"),
         ("all_none", "returned None for all 8 completions of the step"),
         ("extreme", r"returned values from -1e\+308 to 1e\+308 .*too large .*scale that reward"),
+        ("unscaled", r"returned values from -1e\+13 to 1e\+13 .*too large .*scale that reward"),
     ],
 )
 def test_a_reward_that_would_fool_the_trainer_stops_it_naming_the_reward(
     tmp_path, monkeypatch, reward, match
 ):
     """Before: text and a dict's keys trained with loss 0.0 and exit 0; +-1e308 stopped the
-    run advising a lower learning rate without naming the reward."""
+    run advising a lower learning rate without naming the reward; unscaled advantages past
+    1e12 trained on (or, larger, overflowed the gradient norm, blamed on the model)."""
     data = sums(tmp_path, "train.jsonl", [(a, b) for a in range(5) for b in range(3)])
     flags = fooling_flags(tmp_path, monkeypatch, reward)
+    if reward == "unscaled":
+        flags["scale_rewards"] = False
     with pytest.raises(UserError, match=f"^reward 'fooling:{reward}' {match}"):
         tiny_run(tmp_path, data, **flags)
 
