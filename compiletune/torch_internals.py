@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx.node import _get_qualified_name
@@ -35,6 +36,7 @@ __all__ = [
     "is_fake",
     "functorch_patch",
     "get_hash_for_files",
+    "host_array",
     "load_cpp_kernel",
     "min_cut_partition",
     "native_grouped_mm",
@@ -234,6 +236,14 @@ def fake_call(op: Any, *args: Any) -> Any:
     fake_mode = next(a.fake_mode for a in args if hasattr(a, "fake_mode"))
     with fake_mode:
         return op(*args)
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A real CPU tensor's values as numpy, also while a dispatch mode is active (the memory
+    estimate's FakeTensorMode, whose step reads real batches): `numpy()` would otherwise pass
+    through the mode and read a fake tensor's (absent) data."""
+    with torch._C._DisableTorchDispatch():
+        return t.numpy()
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -41,6 +41,7 @@ import math
 import os
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -347,22 +348,22 @@ class VarlenDocs(NamedTuple):
     max_seqlen: int  # s: an upper bound on every document's length (see `cu_seqlens`)
 
 
-def cu_seqlens(doc_ids: Tensor) -> tuple[Tensor, int]:
+def cu_seqlens(doc_ids: Tensor | np.ndarray) -> tuple[Tensor, int]:
     """Host side: `doc_ids` [b, s] (a document starts wherever the id changes along a row, and
     every row starts one) -> (int32 [n_docs + 1] cumulative lengths over the flattened batch,
     max_seqlen). A row's padding is a document of its own (as data/ numbers it), a row that is
-    one document is one entry, and an empty batch gives [0].
+    one document is one entry, and an empty batch gives [0]. Computed in numpy: no torch op
+    runs, so neither a device nor the memory estimate's fake-tensor mode sees it.
 
     max_seqlen is the row length s, not the longest document: flash attention only sizes its
     grid from it (blocks past a document's end return at once), and a constant keeps the
     compiled block to one graph (a new value under dynamic=False would compile a new one)."""
-    b, s = doc_ids.shape
-    if b * s == 0:
-        return torch.zeros(1, dtype=torch.int32), s
-    starts = torch.ones(b, s, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:].cpu() != doc_ids[:, :-1].cpu()
-    begins = starts.flatten().nonzero().squeeze(1)
-    return torch.cat([begins, begins.new_tensor([b * s])]).to(torch.int32), s
+    ids = doc_ids.numpy() if isinstance(doc_ids, Tensor) else np.asarray(doc_ids)
+    b, s = ids.shape
+    starts = np.ones((b, s), dtype=bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    cu = np.append(np.flatnonzero(starts), b * s).astype(np.int32)
+    return torch.from_numpy(cu), s
 
 
 VARLEN_KEY = "varlen"  # where `hidden_states` hands the batch's VarlenDocs to the layers' `mask`

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from compiletune.models.attention import cu_seqlens
 from compiletune.models.seq_parallel import SeqShards
+from compiletune.torch_internals import host_array, is_fake
 
 Batch = dict[str, Any]  # tensors, and `documents` (cu_seqlens, max_seqlen)
 # what a --cp rank keeps only its piece of; the rest (documents, pairs, sequence ids) stays
@@ -20,10 +21,11 @@ def local_batch(batch: Batch, rows: slice, seq: SeqShards | None, device: torch.
     """This rank's part of a global batch on `device`: its rows, and under --cp its piece of
     each row's tokens."""
     out = {}
-    if "doc_ids" in batch and batch["doc_ids"].device.type == "cpu":
+    ids = batch.get("doc_ids")
+    if ids is not None and ids.device.type == "cpu" and not is_fake(ids):
         # the documents' cumulative lengths, from the host's copy of the rows: the step then
         # never reads the device to find them (varlen attention, models/attention.py)
-        cu, max_seqlen = cu_seqlens(batch["doc_ids"][rows])
+        cu, max_seqlen = cu_seqlens(host_array(ids)[rows])
         out["documents"] = (cu.to(device, non_blocking=True), max_seqlen)
     for k, v in batch.items():
         v = v[rows]

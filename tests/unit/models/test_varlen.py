@@ -75,6 +75,19 @@ def test_local_batch_carries_the_host_built_documents():
     assert "documents" not in local_batch({"inputs": batch["inputs"]}, slice(None), None, "cpu")
 
 
+def test_local_batch_under_the_estimates_fake_mode():
+    """The memory estimate runs the step under FakeTensorMode with real batches (a DPO batch
+    has doc_ids): the lengths come from the real rows, no torch op (a fake nonzero raised)."""
+    from compiletune.estimate import memory_internals as mi
+
+    batch = {"inputs": torch.zeros(2, 8, dtype=torch.long), "doc_ids": rows([3, 5], [8])}
+    with mi.fake_mode():
+        mine = local_batch(batch, slice(None), None, torch.device("cpu"))
+        fake_ids = torch.zeros(2, 8, dtype=torch.int32)  # a batch made inside the mode
+        assert "documents" not in local_batch({"doc_ids": fake_ids}, slice(None), None, "cpu")
+    assert mine["documents"][1] == 8 and mine["documents"][0].shape == (4,)
+
+
 def test_which_layers_take_varlen():
     docs = attn.VarlenDocs(torch.zeros(1, 4), torch.tensor([0, 4]), 4)
     shared = {attn.VARLEN_KEY: docs}
