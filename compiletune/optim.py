@@ -50,14 +50,16 @@ at lr 2e-5 plain bf16 makes 20% of the fp32 run's progress (tests/unit/test_opti
                 added to the next update: 99% of the progress, weights    a few elementwise
                 3.5x closer to fp32 than plain bf16                       ops per step
     stochastic  round up with probability (dropped bits) / 2**16: the     no memory kept; one
-                expected weight is the fp32 one (99.9% of the progress)   int32 draw per value
+                expected weight is the fp32 one (99.9% of the progress)   16-bit hash per value
                 but each weight carries up to an ulp of noise, so over    per step (a transient
-                few steps at a tiny lr its distance to fp32 is no better  4 bytes/value of the
-                than plain bf16; the noise averages out over many steps   parameter stepped)
+                few steps at a tiny lr its distance to fp32 is no better  4 bytes/value in the
+                than plain bf16; the noise averages out over many steps   torch step; none in
+                                                                          the C++ CPU step)
 
 Either makes `adamw` take our own compiled step instead of torch's fused kernel, which cannot
-round the update our way. Stochastic draws are seeded from (torch.initial_seed(), parameter
-name, step), so they do not depend on the order parameters are stepped in and resume exactly.
+round the update our way. Stochastic draws are a hash of (torch.initial_seed(), parameter
+name, step, value index) (`rounding_noise`), so they do not depend on the order parameters are
+stepped in, resume exactly, and are the same in the torch step and the C++ CPU step.
 
 `state_dict()` keys every tensor by parameter name and is the same in both modes and for both
 step engines of `adamw`, so a run may resume with or without `--optimizer-in-backward`. Under
@@ -158,6 +160,29 @@ def dequantize_exp_avg_sq(codes: Tensor, scale: Tensor) -> Tensor:
     c = codes.float() * (1 / 255)
     s = c * c * scale[:, None]  # sqrt(v)
     return s * s
+
+
+# ----------------------------------------------------------------------------- rounding noise
+
+
+def mix32(x: Tensor | int) -> Tensor | int:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of x in [0, 2**32), for an int or an
+    int64 tensor. Each product stays below 2**59, so int64 tensors never overflow; the C++
+    kernel (`cpu_kernels`) computes the same in uint32 arithmetic."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def rounding_noise(key: Tensor, start: Tensor, n: int) -> Tensor:
+    """int32 [n] in [0, 2**16): the stochastic-rounding draws of values start..start+n of a
+    parameter, a hash of (key, value index); key and start are int64 [] tensors on the
+    parameter's device (new values never recompile the compiled form). A counter-based draw
+    rather than a generator's stream: torch.randint with a CPU generator is one serial pass
+    (~40% of the host optimizer step of an 8B model), and the C++ step draws the same values
+    inline, in its one pass over the parameter."""
+    index = torch.arange(n, dtype=torch.int64, device=key.device) + start
+    return (mix32(mix32(index) ^ key) & 0xFFFF).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- update math
@@ -406,9 +431,8 @@ class Optimizer:
         self.bf16_compensation = bf16_compensation
         self.device = torch.device(device)
         self._in_backward = in_backward
-        # Stochastic rounding draws from a stream seeded by (seed, parameter name, step).
+        # Stochastic rounding draws are a hash of (seed, parameter name, step, index).
         self.seed = int(torch.initial_seed()) % (1 << 62)
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._lr_tensors: dict[torch.device, Tensor] = {}
         self._counts = [0] * len(self._params)  # host copy of each step count (no device sync)
         self._hooks: list[Any] = []
@@ -424,6 +448,7 @@ class Optimizer:
         )
         fn = adamw8bit_update_ if kind == "adamw8bit" else adamw_update_
         self._update = _MaybeCompiled(fn, compile_step)
+        self._draw = _MaybeCompiled(rounding_noise, compile_step)
         # CPU parameters of an 8-bit run step in one hand-written C++ kernel (cpu_kernels), built
         # like the compiled step; tests that pass compile_step=False keep the torch function.
         self._cpu_kernel = kind == "adamw8bit" and compile_step and cpu_kernels.enabled()
@@ -506,16 +531,21 @@ class Optimizer:
             t = self._lr_tensors[device] = torch.tensor(self.lr, dtype=torch.float32, device=device)
         return t
 
-    def _noise(self, i: int, start: int, n: int, device: torch.device) -> Tensor:
-        """int32 [n] uniform in [0, 2**16): stochastic rounding of values start..start+n of
-        parameter i at its current step, the same whatever order parameters step in."""
-        g = self._generators.get(device)
-        if g is None:
-            g = self._generators[device] = torch.Generator(device=device)
+    def _noise_key(self, i: int) -> int:
+        """The stochastic-rounding key of parameter i at its current step: a 32-bit hash of
+        (seed, parameter name, step), so draws do not depend on the order parameters step in."""
         key = zlib.crc32(self._names[i].encode())
-        seed = ((self.seed * 1_000_003 + key) * 1_000_003 + self._counts[i]) * 1_000_003 + start
-        g.manual_seed(seed % (1 << 63))
-        return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, device=device, generator=g)
+        mixed = (self.seed * 1_000_003 + key) * 1_000_003 + self._counts[i]
+        return mix32((mixed ^ (mixed >> 32)) & 0xFFFFFFFF)
+
+    def _noise(self, i: int, start: int, n: int, device: torch.device) -> Tensor:
+        """int32 [n] in [0, 2**16): stochastic rounding of values start..start+n of parameter i
+        at its current step (`rounding_noise`, compiled with the step: one pass, no int64
+        temporaries). The key and offset go in as device tensors made by a fill, not a copy:
+        no host sync."""
+        key = torch.full((), self._noise_key(i), dtype=torch.int64, device=device)
+        offset = torch.full((), start, dtype=torch.int64, device=device)
+        return self._draw(key, offset, n)
 
     def _own_step(self, i: int) -> None:
         if self._params[i].grad is None:
@@ -544,14 +574,10 @@ class Optimizer:
         stochastic = self.bf16_compensation == "stochastic" and p.dtype == torch.bfloat16
         lr = self._lr_tensor(local.device)
         hyper = (*self.betas, self.eps, self.weight_decay)
-        if (
-            self._cpu_kernel
-            and comp is None
-            and not stochastic
-            and cpu_kernels.supports(local, grad)
-        ):
+        if self._cpu_kernel and comp is None and cpu_kernels.supports(local, grad):
+            key = self._noise_key(i) if stochastic else None
             cpu_kernels.adamw8bit_step_(
-                local, grad, *(st[k] for k in _CODE_KEYS), st["step"], lr, *hyper
+                local, grad, *(st[k] for k in _CODE_KEYS), st["step"], lr, *hyper, noise_key=key
             )
             return
         chunk = _CHUNK_BLOCKS * BLOCK

@@ -18,8 +18,9 @@ multiply-add on AVX2/AVX-512; the tests hold the kernel to the function with tho
 rounded once. Built on first use with Inductor's C++ toolchain
 (`torch_internals.load_cpp_kernel`: -O3 -march=native, OpenMP, at::vec for the vector ISA) and
 cached on disk; a machine where that fails keeps the compiled torch step (a warning says so).
-COMPILETUNE_CPU_KERNELS=0 turns it off. Kahan and stochastic bf16 rounding are not implemented
-here: those runs use the compiled torch step.
+COMPILETUNE_CPU_KERNELS=0 turns it off. Stochastic bf16 rounding is done here too (`noise_key`:
+the same hashed draws as `optim.rounding_noise`, computed inline, no [n] noise tensor); Kahan
+compensation is not: those runs use the compiled torch step.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 typedef PARAM_T P;
 using Vec = at::vec::Vectorized<float>;
@@ -49,6 +52,14 @@ constexpr int64_t L = Vec::size();
 
 // Lanes j.. of a block with `count` real values: a full vector, a partial one (zero-filled), or
 // none (padding of the parameter's last block: gradient and weight read as 0, nothing written).
+// optim.mix32 in uint32 arithmetic: the stochastic-rounding draw of a value is
+// mix32(mix32(index) ^ key) & 0xffff (optim.rounding_noise).
+static inline uint32_t mix32(uint32_t x) {
+  x = ((x >> 16) ^ x) * 0x45d9f3bu;
+  x = ((x >> 16) ^ x) * 0x45d9f3bu;
+  return (x >> 16) ^ x;
+}
+
 static inline Vec load_values(const P* src, int64_t j, int64_t count) {
   const int64_t k = count - j;
   if (k >= L) return at::vec::convert<float>(at::vec::Vectorized<P>::loadu(src + j, L));
@@ -59,7 +70,7 @@ static inline Vec load_values(const P* src, int64_t j, int64_t count) {
 extern "C" void kernel(P* p, const P* g, int8_t* m_codes, float* m_scales, uint8_t* v_codes,
                        float* v_scales, const float* step_t, const float* lr_t, int64_t n,
                        float beta1, float beta2, float one_minus_beta1, float one_minus_beta2,
-                       float eps, float weight_decay) {
+                       float eps, float weight_decay, int64_t noise_key) {
   const float step = *step_t, lr = *lr_t;
   const float bc1 = 1.0f - std::pow(beta1, step);
   const float bc2 = 1.0f - std::pow(beta2, step);
@@ -110,7 +121,24 @@ extern "C" void kernel(P* p, const P* g, int8_t* m_codes, float* m_scales, uint8
       const Vec p32 = load_values(p + base, j, count);
       const Vec denom = s * rsqrt_bc2 + Vec(eps);
       const Vec delta = decay * p32 - step_size * m / denom;
-      at::vec::convert<P>(p32 + delta).store(p + base + j, std::min(k, L));
+      if (noise_key < 0) {
+        at::vec::convert<P>(p32 + delta).store(p + base + j, std::min(k, L));
+        continue;
+      }
+      // Stochastic rounding to bf16 (optim._write_update): a 16-bit draw added below the
+      // mantissa, then truncation, which the conversion of the cleared value does exactly.
+      alignas(64) float out[L];
+      (p32 + delta).store(out);
+      for (int64_t t = 0; t < std::min(k, L); ++t) {
+        const uint32_t index = static_cast<uint32_t>(base + j + t);
+        const uint32_t draw = mix32(mix32(index) ^ static_cast<uint32_t>(noise_key)) & 0xffffu;
+        uint32_t bits;
+        std::memcpy(&bits, out + t, sizeof bits);
+        bits = (bits + draw) & 0xffff0000u;
+        float rounded;
+        std::memcpy(&rounded, &bits, sizeof rounded);
+        p[base + j + t] = static_cast<P>(rounded);
+      }
     }
     m_scales[b] = m_scale;
     v_scales[b] = v_scale;
@@ -129,6 +157,7 @@ _ARGTYPES = [
     "const float*",
     "int64_t",
     *["float"] * 6,
+    "int64_t",
 ]
 
 _kernels: dict[torch.dtype, Callable[..., None] | None] = {}
@@ -190,12 +219,15 @@ def adamw8bit_step_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    noise_key: int | None = None,
 ) -> None:
     """One 8-bit AdamW step in place on a whole parameter p [n] with gradient g [n] (check
     `supports` first): codes [ceil(n / 256), 256], scales [ceil(n / 256)], the padding of the
     last block kept at zero; step (the count after this step) and lr fp32 [] tensors.
     The same arithmetic as `optim.adamw8bit_update_` compiled by Inductor (eager CPU torch's
-    sqrt and lerp round differently, so eager can differ in the last bit of m and sqrt(v))."""
+    sqrt and lerp round differently, so eager can differ in the last bit of m and sqrt(v)).
+    noise_key: round the new bf16 weights stochastically with `optim.rounding_noise(noise_key,
+    0, n)`'s draws (a key in [0, 2**32)); None rounds to nearest."""
     nb = -(-p.numel() // BLOCK)
     for t, dtype in ((m_codes, torch.int8), (v_codes, torch.uint8)):
         if t.dtype != dtype or t.shape != (nb, BLOCK) or not t.is_contiguous():
@@ -223,6 +255,7 @@ def adamw8bit_step_(
         1.0 - beta2,
         eps,
         weight_decay,
+        -1 if noise_key is None else noise_key,
     )
     # Written through a raw pointer: tell autograd the weight changed, as an in-place op would,
     # so a graph that saved it fails loudly instead of using the new values.

@@ -401,6 +401,7 @@ def step_8bit_runs(
     settings: dict[str, tuple[bool, str]],
     seed: int = 0,
     modes: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+    compensation: str = "none",
 ) -> dict[str, tuple[torch.nn.Parameter, Optimizer]]:
     """One 8-bit optimizer per entry of settings (name: (compile_step, COMPILETUNE_CPU_KERNELS)),
     each on its own copy of one random [n] weight, stepped on the same gradients (the env var
@@ -419,6 +420,7 @@ def step_8bit_runs(
             weight_decay=0.1,
             device=CPU,
             compile_step=compile_step,
+            bf16_compensation=compensation,
         )
         runs[name] = p, opt
     for step in range(steps):
@@ -478,7 +480,9 @@ def test_cpu_kernel_matches_the_torch_step(
 
     calls = []
     real = cpu_kernels.adamw8bit_step_
-    monkeypatch.setattr(cpu_kernels, "adamw8bit_step_", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        cpu_kernels, "adamw8bit_step_", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     settings = {"kernel": (True, "1"), "eager": (False, "1"), "rounded_once": (False, "1")}
     runs = step_8bit_runs(
         monkeypatch, n, dtype, beta1, 4, settings, modes={"rounded_once": RoundedOncePerOp}
@@ -520,6 +524,57 @@ def test_cpu_kernel_equals_the_compiled_step(
     assert torch.equal(p, q)
     for k, t in fast._state[0].items():
         assert torch.equal(t, ref._state[0][k]), k
+
+
+@pytest.mark.slow
+def test_cpu_kernel_rounds_stochastically_as_the_compiled_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stochastic bf16 rounding in the C++ kernel draws what the compiled torch step draws
+    (`rounding_noise`, a hash of the key and the value's index): weights and states bit for
+    bit over 3 steps, and the kernel is what stepped (no fallback to the torch step)."""
+    from compiletune.ops import cpu_kernels
+
+    calls = []
+    real = cpu_kernels.adamw8bit_step_
+    monkeypatch.setattr(
+        cpu_kernels, "adamw8bit_step_", lambda *a, **k: calls.append(k) or real(*a, **k)
+    )
+    settings = {"kernel": (True, "1"), "compiled": (True, "0")}
+    runs = step_8bit_runs(
+        monkeypatch, 3 * BLOCK + 37, torch.bfloat16, 0.9, 3, settings, compensation="stochastic"
+    )
+    assert len(calls) == 3 and all(k["noise_key"] is not None for k in calls)
+    (p, fast), (q, ref) = runs["kernel"], runs["compiled"]
+    assert torch.equal(p, q)
+    for k, t in fast._state[0].items():
+        assert torch.equal(t, ref._state[0][k]), k
+    # and the draws did round: nearest rounding gives other weights
+    nearest = step_8bit_runs(monkeypatch, 3 * BLOCK + 37, torch.bfloat16, 0.9, 3, settings)
+    assert not torch.equal(p, nearest["kernel"][0])
+
+
+def test_rounding_noise_is_uniform_and_keyed() -> None:
+    """The hashed draws: 16 bits each, every bit set about half the time, the mean where a
+    uniform draw puts it, independent of neighbours, and a different sequence for another key
+    (step, parameter) or offset; the same for the same key and index, however the parameter
+    is cut into chunks."""
+    from compiletune.optim import rounding_noise
+
+    def draws(key: int, start: int, n: int) -> torch.Tensor:
+        return rounding_noise(torch.tensor(key), torch.tensor(start), n).long()
+
+    n = 1 << 16
+    a = draws(12345, 0, n)
+    assert a.min() >= 0 and a.max() < 1 << 16
+    bits = torch.stack([(a >> b) & 1 for b in range(16)]).float().mean(dim=1)
+    assert ((bits - 0.5).abs() < 0.01).all(), bits
+    assert abs(a.float().mean().item() / (1 << 16) - 0.5) < 0.005
+    lag = torch.corrcoef(torch.stack([a[:-1].float(), a[1:].float()]))[0, 1]
+    assert abs(lag) < 0.02
+    b = draws(12346, 0, n)
+    assert (a == b).float().mean() < 0.001
+    assert torch.equal(draws(12345, 100, 50), a[100:150])
 
 
 @pytest.mark.slow
