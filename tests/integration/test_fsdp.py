@@ -492,3 +492,17 @@ def test_kill_9_during_the_fsdp_final_export_then_resume(tmp_path: Path) -> None
     assert not [p.name for p in out.iterdir() if p.name.startswith((".tmp", ".old"))]
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
     transformers.AutoModelForCausalLM.from_pretrained(out / "step_4")
+
+
+@pytest.mark.slow
+def test_a_diverged_fsdp_run_names_its_cause_on_every_rank(tmp_path: Path) -> None:
+    """The cause of a non-finite step is read over every rank's shards (a collective that every
+    rank joins, since all take the same decision): both ranks stop with the same line."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    done = _torchrun(tmp_path / "run", corpus, {}, "--lr", "1e10", "--max-steps", "4")
+    assert done.returncode != 0
+    lines = [x for x in done.stderr.splitlines() if x.startswith("compiletune: error:")]
+    assert len(lines) == 2 and lines[0] == lines[1], done.stderr[-3000:]
+    assert "is nan" in lines[0] or "is inf" in lines[0], lines[0]
+    assert "a lower learning rate" in lines[0] and "--dtype fp32" not in lines[0]
