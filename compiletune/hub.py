@@ -2,8 +2,12 @@
 
 `ORG/NAME[@REVISION]` (a model, a tokenizer, a teacher) and `ORG/NAME[/CONFIG][@REVISION]` (a
 dataset) name a Hub repository. `download` fetches only the files compiletune reads into the
-standard HF cache (`HF_HOME`, `HF_HUB_CACHE`) through huggingface_hub, with its progress bar;
-files fetched before an interruption are not fetched again. Later runs find the files there. The environment is read at each call, not when this module is imported:
+standard HF cache (`HF_HOME`, `HF_HUB_CACHE`) through huggingface_hub: one line saying what it
+asks and what it fetches (files, total size), one progress bar over the bytes (none for a small
+total; huggingface_hub's own per-file bars are silenced); files fetched before an interruption
+are not fetched again. Every request has a timeout (`HF_HUB_ETAG_TIMEOUT` for metadata,
+`HF_HUB_DOWNLOAD_TIMEOUT` for a file's transfer, 10 s by default, read at each call): a Hub
+that accepts connections and never answers ends in one line, never in a hang. Later runs find the files there. The environment is read at each call, not when this module is imported:
 `HF_ENDPOINT` (a mirror), `HF_HUB_OFFLINE=1` (the cache alone), `HF_TOKEN` or `hf auth login`.
 
 Each failure is one UserError line that says what to do (`explain`). `pin` turns a spec into
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compiletune.errors import UserError
+from compiletune.progress import Progress
 
 # A repository id as the Hub spells it, then an optional dataset config, then a revision.
 _SPEC = re.compile(
@@ -89,9 +94,113 @@ def cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
+DEFAULT_TIMEOUT = 10.0  # seconds: huggingface_hub's own default for metadata and transfers
+_BAR_BYTES = 16 << 20  # a download smaller than this finishes before a bar says anything
+
+
+def _timeout(name: str) -> float:
+    """Seconds from the environment variable `name` now, else DEFAULT_TIMEOUT."""
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return DEFAULT_TIMEOUT
+    return value if 0 < value < float("inf") else DEFAULT_TIMEOUT
+
+
+def _fill_timeouts(request) -> None:
+    """A request hook of huggingface_hub's HTTP client: a request sent without a timeout (its
+    listings pass None, its client has none) gets the metadata one; a timeout a call set (a
+    file's transfer, an etag check) is kept."""
+    seconds = _timeout("HF_HUB_ETAG_TIMEOUT")
+    limits = request.extensions.get("timeout") or {}
+    request.extensions["timeout"] = {
+        k: seconds if limits.get(k) is None else limits[k]
+        for k in ("connect", "read", "write", "pool")
+    }
+
+
+def _with_timeouts(hub) -> float:
+    """Give every request huggingface_hub makes a timeout, from the environment now; returns
+    the metadata one. Without it an API call (the repository's info, a file listing) to a
+    server that accepts the connection and never answers waits forever. A file's transfer
+    reads HF_HUB_DOWNLOAD_TIMEOUT from its constants at each request, which the library
+    otherwise fixes when it is imported."""
+    hub.constants.HF_HUB_DOWNLOAD_TIMEOUT = _timeout("HF_HUB_DOWNLOAD_TIMEOUT")
+    session = hub.get_session()
+    hooks = session.event_hooks
+    if _fill_timeouts not in hooks.get("request", []):
+        session.event_hooks = {**hooks, "request": [*hooks.get("request", []), _fill_timeouts]}
+    return _timeout("HF_HUB_ETAG_TIMEOUT")
+
+
+def _size_text(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+class _Bar:
+    """What huggingface_hub sees as one of its progress bars: silent, and, for the bar of the
+    bytes written (`progress` given), feeding ours."""
+
+    def __init__(self, progress: Progress | None, total: object = None) -> None:
+        self.progress, self.total, self.n = progress, total, 0
+
+    def update(self, n: float | None = 1) -> None:
+        self.n += n or 0
+        if self.progress is not None:
+            self.progress.update(int(n or 0))
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def __getattr__(self, name: str):  # refresh, close, set_description, set_postfix_str, ...
+        return lambda *args, **kwargs: None
+
+
+class _Bars:
+    """`tqdm_class` for snapshot_download: it asks for a bar of the files, one of the bytes
+    transferred and one of the bytes written (its `desc` "Reconstructing ..."); all are silent
+    but the last, which feeds `progress` (None: no bar)."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+
+    def __call__(self, *args: object, **kwargs: object) -> _Bar:
+        written = str(kwargs.get("desc", "")).startswith("Reconstructing")
+        return _Bar(self.progress if written else None, kwargs.get("total"))
+
+
+def _snapshot(cache: Path, kind: str, repo: str, commit: str) -> Path:
+    """Where the HF cache keeps a commit's files."""
+    return cache / f"{kind}s--{repo.replace('/', '--')}" / "snapshots" / commit
+
+
+def _plan(hub, ref: HubRef, kind: str, allow: list[str], ignore: list[str] | None, timeout: float):
+    """(commit, [(file, size or None)] not yet in the cache) from one request: the repository's
+    info with each file's size."""
+    api = hub.HfApi(endpoint=endpoint())
+    info = api.repo_info(
+        ref.repo, repo_type=kind, revision=ref.revision, files_metadata=True, timeout=timeout
+    )
+    chosen = hub.utils.filter_repo_objects(
+        info.siblings or [], allow_patterns=allow, ignore_patterns=ignore, key=lambda s: s.rfilename
+    )
+    have = _snapshot(cache_dir(), kind, ref.repo, info.sha)
+    return info.sha, [(s.rfilename, s.size) for s in chosen if not (have / s.rfilename).is_file()]
+
+
 def _hub():
     try:
         import huggingface_hub
+        import huggingface_hub.constants  # (submodules this module reads as attributes)
+        import huggingface_hub.errors
+        import huggingface_hub.utils
     except ImportError as e:  # transformers depends on it; only a broken install lacks it
         raise UserError(
             f"Hub downloads need huggingface_hub ({e}); pip install huggingface_hub"
@@ -109,7 +218,7 @@ def download(
     """The snapshot folder of `ref` in the HF cache, holding the files that match `patterns`
     (top-level only for models), downloaded now if they are not there. `kind` is "model" or
     "dataset"; `flag` names the option in messages; `quiet` skips the line that says the Hub
-    is asked (huggingface_hub's progress bars show what is fetched)."""
+    is asked. A line names what is fetched (files and total size) and one bar counts its bytes."""
     hub = _hub()
     kwargs = dict(
         repo_type=kind,
@@ -123,9 +232,46 @@ def download(
     try:
         if offline():
             return Path(hub.snapshot_download(ref.repo, local_files_only=True, **kwargs))
-        if not quiet and not pinned:  # a commit whose files are cached needs no request
-            print(f"{flag} {ref}: asking {endpoint()} (cache {cache_dir()})", file=sys.stderr)
-        return Path(hub.snapshot_download(ref.repo, **kwargs))
+        timeout = _with_timeouts(hub)
+        if pinned:  # a commit whose files are all cached needs no request
+            try:
+                return Path(hub.snapshot_download(ref.repo, local_files_only=True, **kwargs))
+            except Exception:  # some are not: asked for below
+                pass
+        if not quiet:  # said before the first request: it may wait up to `timeout`
+            print(
+                f"{flag} {ref}: asking {endpoint()} for its files (timeout {timeout:g}s, "
+                f"HF_HUB_ETAG_TIMEOUT; cache {cache_dir()})",
+                file=sys.stderr,
+                flush=True,
+            )
+        allow, ignore = kwargs["allow_patterns"], kwargs["ignore_patterns"]
+        try:
+            commit, missing = _plan(hub, ref, kind, allow, ignore, timeout)
+        except Exception as e:  # no answer: the cache's copy, as huggingface_hub would fall back
+            try:
+                return Path(hub.snapshot_download(ref.repo, local_files_only=True, **kwargs))
+            except Exception:
+                raise e from None
+        sizes = [size for _, size in missing]
+        total = sum(sizes) if None not in sizes else None
+        if missing:
+            size = f", {_size_text(total)}" if total is not None else ""
+            many = "s" if len(missing) > 1 else ""
+            at = "" if ref.revision == commit else f" (commit {commit[:12]})"
+            print(
+                f"{flag} {ref}: fetching {len(missing)} file{many}{size}{at} into {cache_dir()}",
+                file=sys.stderr,
+                flush=True,
+            )
+        progress = None
+        if total is not None and total >= _BAR_BYTES:
+            progress = Progress(f"{flag} {ref}", total, "B", unit_scale=True)
+        try:
+            return Path(hub.snapshot_download(ref.repo, tqdm_class=_Bars(progress), **kwargs))
+        finally:
+            if progress is not None:
+                progress.close()
     except Exception as e:
         raise explain(e, ref, kind, flag) from e
 
@@ -163,6 +309,13 @@ def explain(error: BaseException, ref: HubRef, kind: str, flag: str) -> BaseExce
             "HF_HUB_OFFLINE set; run once with network (or unset HF_HUB_OFFLINE), or point "
             "HF_HOME at a cache that holds it"
         )
+    if _timed_out(error):
+        return UserError(
+            f"{what}: {site} did not answer within {_timeout('HF_HUB_ETAG_TIMEOUT'):g}s; with "
+            "the files in the HF cache set HF_HUB_OFFLINE=1 to use them, or pass a local folder "
+            "(or set HF_ENDPOINT to a mirror, or raise HF_HUB_ETAG_TIMEOUT and "
+            "HF_HUB_DOWNLOAD_TIMEOUT for a slow network)"
+        )
     if isinstance(error, (errors.LocalEntryNotFoundError, ConnectionError)) or _network(error):
         return UserError(
             f"{what}: no such local path, and {site} cannot be reached with the {kind} not in "
@@ -191,6 +344,17 @@ def _network(error: BaseException) -> bool:
     return bool(
         modules & {"httpx", "httpx2", "httpcore", "requests", "urllib3"}
     ) and not isinstance(error, _hub().errors.HfHubHTTPError)
+
+
+def _timed_out(error: BaseException | None) -> bool:
+    """A request's timeout, in `error` or what caused it (huggingface_hub falls back to the
+    cache on a timeout and raises its own error from it)."""
+    seen = 0
+    while error is not None and seen < 8:  # (a chain, never a loop)
+        if isinstance(error, TimeoutError) or "Timeout" in type(error).__name__:
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _page(ref: HubRef, kind: str) -> str:
@@ -276,6 +440,13 @@ def dataset_files(ref: HubRef, flag: str = "--data") -> list[str]:
                     return [
                         p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
                     ]
+        timeout = _with_timeouts(hub)
+        print(
+            f"{flag} {ref}: asking {endpoint()} for the dataset's file list (timeout "
+            f"{timeout:g}s, HF_HUB_ETAG_TIMEOUT)",
+            file=sys.stderr,
+            flush=True,
+        )
         api = hub.HfApi(endpoint=endpoint())
         return list(api.list_repo_files(ref.repo, repo_type="dataset", revision=ref.revision))
     except Exception as e:

@@ -4,7 +4,7 @@ It speaks the part of the Hub's protocol that huggingface_hub's downloads use: r
 info (`/api/{models,datasets}/ORG/NAME/revision/REV`), the recursive file listing
 (`/api/.../tree/REV`), and file resolution (`HEAD`/`GET /[datasets/]ORG/NAME/resolve/REV/PATH`
 with `X-Repo-Commit`, `ETag`, `Content-Length` and byte ranges for resumed downloads;
-`drop_once` cuts a file's first transfer short). Errors
+`drop_once` cuts a file's first transfer short; `silent` answers nothing at all). Errors
 carry the Hub's `X-Error-Code` header (RepoNotFound, GatedRepo, RevisionNotFound,
 EntryNotFound). Every request is recorded in `requests` as (method, path, Range header).
 Point `HF_ENDPOINT` at `url`.
@@ -55,6 +55,10 @@ class HubServer:
         self.requests: list[tuple[str, str, str | None]] = []
         # file path -> bytes sent before the connection drops, once (a network failure)
         self.drop_once: dict[str, int] = {}
+        # silent: every request is read and never answered (until `release` is set at close)
+        self.silent = False
+        self.silent_requests = threading.Event()
+        self.release = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -77,6 +81,7 @@ class HubServer:
         return repo
 
     def close(self) -> None:
+        self.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -89,10 +94,15 @@ class HubServer:
     def _serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
         path = unquote(urlsplit(h.path).path)
         self.requests.append((h.command, path, h.headers.get("Range")))
+        if self.silent:  # accepts the connection, reads the request, never answers
+            self.silent_requests.set()
+            self.release.wait()
+            return
         parts = path.strip("/").split("/")
-        if parts[0] == "api":  # /api/models/ORG/NAME/(revision|tree)/REV[/...]
+        if parts[0] == "api":  # /api/models/ORG/NAME[/(revision|tree)/REV[/...]]
             kind = parts[1][:-1]
-            name, action, rest = "/".join(parts[2:4]), parts[4], parts[5:]
+            # (the info of the default branch has no /revision/REV part)
+            name, action, rest = "/".join(parts[2:4]), (parts[4:5] or ["revision"])[0], parts[5:]
         else:  # [datasets/]ORG/NAME/resolve/REV/PATH
             kind = "dataset" if parts[0] == "datasets" else "model"
             parts = parts[1:] if kind == "dataset" else parts
@@ -109,7 +119,7 @@ class HubServer:
         if commit is None:
             return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
         if action == "revision":
-            siblings = [{"rfilename": f} for f in sorted(repo.files)]
+            siblings = [{"rfilename": f, "size": len(d)} for f, d in sorted(repo.files.items())]
             return self._json(h, {"id": name, "sha": commit, "siblings": siblings}, body)
         if action == "tree":
             entries = [

@@ -175,6 +175,7 @@ def test_no_network_and_a_full_disk(server, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", full)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)  # the files listed, the disk fills in the fetch
     with pytest.raises(UserError, match=r"the disk filled .*HF_HOME to a larger disk"):
         resolve_model_path("org/tiny")
 

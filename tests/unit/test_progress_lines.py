@@ -5,11 +5,14 @@ a measured time."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+import threading
 from pathlib import Path
 
 import torch
+from hub_server import HubServer, Repo, folder_files
 from tiny_hf import save_tiny_llama
 from tiny_run import tiny_run
 
@@ -17,11 +20,12 @@ from compiletune import evaluation
 from compiletune.cli import main
 from compiletune.compiler.backend import CompiletuneBackend
 from compiletune.compiler.regions import CompileOptions, compile_regions
-from compiletune.data import token_cache
+from compiletune.data import sources, token_cache
 from compiletune.data.token_cache import cached_store
 from compiletune.data.tokenizer import byte_tokenizer
+from compiletune.errors import UserError
 from compiletune.loss.head import LossHead
-from compiletune.models import build_model, from_name
+from compiletune.models import build_model, from_name, resolve_model_path
 from compiletune.progress import Progress
 
 
@@ -168,3 +172,87 @@ def test_eval_says_what_it_evaluates_at_once_and_counts_its_batches(tmp_path, mo
     tenth = -(-batches // 10)
     assert len(progress) == len(range(tenth, batches + 1, tenth)) + (batches % tenth > 0) > 3
     assert progress[-1] == f"eval: {batches}/{batches} batches (100%)"
+
+
+def _hub_env(monkeypatch, tmp_path, url: str) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    # conftest makes every test offline; huggingface_hub read that when it was imported
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    # its own bars on even without a terminal: what it would show a user is what is checked
+    monkeypatch.setenv("TQDM_POSITION", "-1")
+
+
+def test_a_hub_download_is_one_line_and_no_per_file_bars(tmp_path, monkeypatch, capsys):
+    server = HubServer()
+    model = save_tiny_llama(tmp_path / "model")
+    files = folder_files(model)
+    server.add("model", "org/tiny", Repo(files))
+    _hub_env(monkeypatch, tmp_path, server.url)
+    try:
+        folder = resolve_model_path("org/tiny")
+    finally:
+        server.close()
+    assert (folder / "model.safetensors").is_file()
+    err = [e for e in capsys.readouterr().err.splitlines() if e.strip()]
+    ours = [e for e in err if e.startswith("--model-dir org/tiny")]
+    assert ours[0].startswith(f"--model-dir org/tiny: asking {server.url} for its files")
+    weights = len(files["model.safetensors"])
+    small = sum(len(v) for k, v in files.items() if k != "model.safetensors")
+    assert ours[1] == (
+        f"--model-dir org/tiny: fetching {len(files) - 1} files, {small / 1000:.1f} kB (commit "
+        f"{folder.name[:12]}) into {tmp_path / 'hf' / 'hub'}"
+    )
+    assert ours[2].startswith(f"--model-dir org/tiny@{folder.name}: fetching 1 file, ")
+    assert f"{weights / 1000:.1f} kB" in ours[2]
+    # huggingface_hub's "Fetching N files" / "Download complete" bars are gone
+    assert not [e for e in err if "Fetching" in e or "Download complete" in e], err
+
+
+def test_a_hub_that_never_answers_ends_in_one_line(tmp_path, monkeypatch):
+    """A server that accepts the connection and never answers: the line saying what is asked
+    comes before the wait, and the timeout (0.5 s here) ends in one line naming the endpoint
+    and the way out."""
+    server = HubServer()
+    server.silent = True
+    _hub_env(monkeypatch, tmp_path, server.url)
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "0.5")
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "0.5")
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda s: None)  # retry waits
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    said_when_asked: list[str] = []
+
+    def watch() -> None:  # what stderr held when the server got the request
+        if server.silent_requests.wait(60):
+            said_when_asked.append(stream.getvalue())
+
+    errors: dict[str, BaseException] = {}
+
+    def ask() -> None:  # in a thread: a regression hangs, and the test says so instead
+        for flag, call in (("--model-dir", resolve_model_path), ("--data", sources.source_files)):
+            try:
+                call("org/tiny" if flag == "--model-dir" else "org/set")
+            except BaseException as e:
+                errors[flag] = e
+
+    watcher, asker = threading.Thread(target=watch), threading.Thread(target=ask, daemon=True)
+    watcher.start()
+    asker.start()
+    asker.join(300)  # a guard against a hang, not a measurement: 0.5 s timeouts end it at once
+    hung = asker.is_alive()
+    server.close()
+    watcher.join()
+    assert not hung, "a request to a server that never answers hung"
+    assert said_when_asked and (
+        f"--model-dir org/tiny: asking {server.url} for its files (timeout 0.5s"
+        in said_when_asked[0]
+    )
+    for flag, spec in (("--model-dir", "org/tiny"), ("--data", "org/set")):
+        assert isinstance(errors.get(flag), UserError), errors
+        text, flag = str(errors[flag]), f"{flag} {spec}"
+        assert text.startswith(f"{flag}: {server.url} did not answer within 0.5s"), text
+        assert "HF_HUB_OFFLINE=1" in text and "local folder" in text
+    assert f"--data org/set: asking {server.url} for the dataset's file list" in stream.getvalue()
