@@ -54,6 +54,16 @@ def offload_activations(
     if len(bw_inputs) != len(saved):  # not the layout this pass understands: leave it alone
         return fw, bw, {"matched": 0, "skipped": "saved values and backward inputs differ"}
     last_placeholder = bw_inputs[-1] if bw_inputs else None
+    # Saved symbolic sizes (a dynamic dimension: varlen attention's number of documents) are
+    # the forward's last outputs but the backward's first inputs: pair each with its own.
+    sym = [
+        isinstance(n, torch.fx.Node) and isinstance(_value(n), (torch.SymInt, int)) for n in saved
+    ]
+    n_sym = sum(sym)
+    if n_sym:
+        if any(sym[: len(saved) - n_sym]):  # sizes not at the end: a layout not understood
+            return fw, bw, {"matched": 0, "skipped": "saved sizes are not the forward's last"}
+        bw_inputs = bw_inputs[n_sym:] + bw_inputs[:n_sym]
     first_out = _value(outs[0]) if outs and isinstance(outs[0], torch.fx.Node) else None
     hidden_shape = first_out.shape if isinstance(first_out, torch.Tensor) else None
     moved, moved_bytes, inputs_moved, input_bytes = 0, 0, 0, 0

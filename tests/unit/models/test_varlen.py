@@ -157,7 +157,8 @@ def _run(model, tokens, positions, doc_ids, documents):
 
 @needs_varlen
 @pytest.mark.parametrize(
-    "compiled, ac", [(False, "none"), (True, "none"), (True, "selective"), (True, "full")]
+    "compiled, ac",
+    [(False, "none"), (True, "none"), (True, "selective"), (True, "full"), (True, "offload")],
 )
 def test_model_through_varlen_equals_the_segment_op(monkeypatch, compiled, ac):
     """A tiny model's hidden states and every gradient through varlen attention (the tests' CPU
@@ -185,7 +186,12 @@ def test_model_through_varlen_equals_the_segment_op(monkeypatch, compiled, ac):
     monkeypatch.setenv(attn.VARLEN_ENV, "force")
     regions = None
     if compiled:
-        opts = CompileOptions(backend="aot_eager", loss="plain", ac=parse_ac(ac), dump=True)
+        # offload: selective, with what it saves moved to the host (the number of documents, a
+        # symbolic size, is saved too)
+        policy = parse_ac("selective" if ac == "offload" else ac)
+        opts = CompileOptions(
+            backend="aot_eager", loss="plain", ac=policy, dump=True, offload=ac == "offload"
+        )
         regions = compile_regions(other, LossHead(other.output), opts)
     for lengths in LENGTHS:
         tokens, positions, doc_ids = _batch(lengths, args.vocab_size)
@@ -202,3 +208,5 @@ def test_model_through_varlen_equals_the_segment_op(monkeypatch, compiled, ac):
         name = "torch_attn._varlen_attn.default"
         assert counts["forward"][name] == 1
         assert counts["backward"].get(name, 0) == (ac == "full")
+        if ac == "offload":
+            assert counts["backward.offload_activations"]["compiletune.reload_from_host.default"]
