@@ -1,4 +1,19 @@
-"""Everything the first GPU half-hour must measure, as one prepared command.
+"""Everything a GPU session must measure, as prepared commands.
+
+The next session's plan (issue 63; 15 minutes of device time): two `run` calls of at most 6.5
+minutes each, set-up included, `timeout_s` 390 and `carry: [".whl"]` each, prepared as
+docs/development.md says (`.whl/` holds the peers' wheels and COMMIT):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-build-isolation -e . &&
+    BENCH_COMMIT=$(cat .whl/COMMIT) python3 bench/gpu_check.py --part 7 --deadline 320 --copy-to "$OUT"
+
+and the same with `--part 8`. Part 7: the CUDA tests of every path never run on a GPU, then
+the 1B compiled baseline and the ladder. Part 8: the loss head beside its peers, FP8, the 8B
+rows and the 24 GB recipe, the MoE blocks, the rollout, fla (what the deadline skips is
+recorded as skipped).
+
+Earlier parts:
 
     python bench/gpu_check.py --part 1          # correctness: the CUDA tests (pytest -m cuda)
     python bench/gpu_check.py --part 2          # speed: attention, loss head (and its profile),
@@ -15,13 +30,13 @@ On a bare GPU machine: `pip install --no-deps -e .` first (torch, triton, transf
 are already there). Each step runs in its own process with a time limit; a step that fails or
 times out is recorded (exit code, seconds, the end of its output) and the next one runs.
 `--deadline` bounds the whole invocation: a step is started only with its `min_s` left, and its
-limit is cut to what remains. After every step the part's result is rewritten, so a run killed
-from outside still leaves what it measured:
+limit is cut to what remains. After every step the part's result and the report are rewritten, so a
+run killed from outside still leaves what it measured:
 
     bench/results/gpu-check-part<N>-<device>.json   the steps, plus each bench's own JSON
     bench/results/<bench>-cuda-<device>.json        what the benches write
-    bench/reports/<date>-gpu-check-<device>.md      appended: one table per part and each
-                                                    step's output tail
+    bench/reports/<date>-gpu-check-<device>.md      this run's sections after earlier runs':
+                                                    one table per part, each step's output tail
 
 `--copy-to DIR` also writes DIR/gpu-check-<device>.tar (the result JSONs) after each step, and
 the report at the end (for the device tool's $OUT, which brings back few files).
@@ -118,13 +133,13 @@ def _pytest(name: str, *targets: str) -> list[str]:
     ]
 
 
-def _xdist() -> list[str]:
+def _xdist(workers: int = 4) -> list[str]:
     """Several pytest workers where pytest-xdist is installed (compiles are CPU-bound)."""
     try:
         import xdist  # noqa: F401
     except ImportError:
         return []
-    return ["-n", "4"]
+    return ["-n", str(workers)]
 
 
 LADDER_1B = ["--models", "llama3_2_1b", "--seq-len", "2048", "--no-plot"]
@@ -408,6 +423,123 @@ STEPS += [
 ]
 
 
+# Parts 7 and 8: the plan for 15 minutes of device time (issue 63), two calls of at most 6.5
+# minutes each, set-up included (the commands: the module's docstring). Call 1 (part 7) runs
+# first the CUDA tests of every path that has never run on a GPU, then the 1B compiled baseline
+# with the ladder's rungs; call 2 (part 8) the speed rows in this order: the loss head beside
+# Liger and cut-cross-entropy, FP8 (at 8B shapes, beside the bf16 row), the 8B LoRA / QLoRA rows
+# and the 24 GB recipe, the MoE blocks, the rollout, flash-linear-attention. Each step's limit
+# and `min_s` come from the seconds the 2026-11-26/27 H200 calls took (bench/results/
+# gpu-check-part*-h200.json); `--deadline` skips (and records) what does not fit, and a step
+# cut at its limit keeps the rows its bench wrote.
+FIRST_GPU_TESTS = [
+    "tests/gpu/test_cuda_varlen.py",  # varlen flash attention (documents-only masks)
+    "tests/unit/ops/test_gated_delta.py",  # fla's kernels on packed rows
+    "tests/gpu/test_cuda.py",  # sinks through FlexAttention; the CUDA-graph rollout
+    "tests/unit/test_fp8.py",  # FP8 training (torchao's float8 linears)
+    "tests/unit/models/test_quantized.py",  # MXFP4 / fp8 checkpoints loaded on the device
+]
+# -k: the never-run tests of those files (the FP8 and checkpoint files run whole: on a GPU
+# their device cases run for the first time)
+FIRST_GPU_K = "varlen or fla or sinks or rollout or fp8 or mxfp4 or quantized or dequantize"
+_LADDER_PLAN = ["+ compile", "+ fused loss", "+ selective AC", "full AC"]
+_LADDER_PLAN += ["+ offload activations"]
+_8B = ["bench/ladder.py", "--models", "llama3_1_8b", "--rows", "8b", "--estimate", "--no-plot"]
+_8B += ["--seq-len", "2048", "--batch-size", "2"]
+_8B_DRY = ["bench/ladder.py", *LADDER_DRY, "--rows", "8b", "--rungs", "8B LoRA r16"]
+
+
+def _first_gpu_tests(name: str) -> list[str]:
+    """pytest over FIRST_GPU_TESTS, -k FIRST_GPU_K, without the `-m cuda` filter (the FP8 and
+    checkpoint tests are not marked: they run on every device)."""
+    return [PY, "-m", "pytest", "-q", *FIRST_GPU_TESTS, "-k", FIRST_GPU_K] + [
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        "{work}/junit-" + name + ".xml",
+    ]
+
+
+STEPS += [
+    Step(7, "env-7", [PY, "-c", ENV_SNIPPET], [PY, "-c", ENV_SNIPPET], 60, 10),
+    Step(
+        7,
+        "first-gpu-tests",
+        [*_first_gpu_tests("first-gpu-tests"), *_xdist(8)],
+        [*_first_gpu_tests("first-gpu-tests"), "-m", "cuda"],  # CPU: collected, skipped
+        125,
+        60,
+        junit=True,
+    ),
+    Step(
+        7,
+        "ladder-1b-plan",
+        # the compiled baseline and the rungs whose ratios it sets, in one process each, one call
+        [PY, "bench/ladder.py", *LADDER_1B, "--batch-size", "4", "--steps", "6"]
+        + ["--rungs", *_LADDER_PLAN, "--out", "{results}/ladder-plan-cuda-{dev}.json"],
+        [PY, "bench/ladder.py", *LADDER_DRY, "--rungs", "+ compile"]
+        + ["--out", "{results}/ladder-plan-cuda-{dev}.json"],
+        240,
+        120,
+        result="ladder-plan-cuda-{dev}.json",
+    ),
+    Step(8, "env-8", [PY, "-c", ENV_SNIPPET], [PY, "-c", ENV_SNIPPET], 60, 10),
+    Step(
+        8,
+        "loss-peers-plan",
+        [PY, "bench/loss.py", "--tokens", "4096", "16384", "--iters", "3"]
+        + ["--out", "{results}/loss-plan-cuda-{dev}.json"],
+        [PY, "bench/loss.py", "--tokens", "128", "--hidden", "32", "--vocab", "500"]
+        + ["--iters", "1", "--out", "{results}/loss-plan-cuda-{dev}.json"],
+        80,
+        45,
+        result="loss-plan-cuda-{dev}.json",
+    ),
+    Step(
+        8,
+        "fp8-8b",
+        [PY, *_8B, "--steps", "5", "--out", "{results}/fp8-8b-cuda-{dev}.json", "--rungs"]
+        + ["8B full: fused + selective AC + 8-bit AdamW in backward", "8B full + fp8 rowwise"],
+        [PY, *_8B_DRY, "--out", "{results}/fp8-8b-cuda-{dev}.json"],
+        130,
+        90,
+        result="fp8-8b-cuda-{dev}.json",
+    ),
+    Step(
+        8,
+        "lora-8b",
+        [PY, *_8B, "--steps", "5", "--out", "{results}/lora-8b-cuda-{dev}.json", "--rungs"]
+        + ["8B LoRA r16", "8B QLoRA r16 (nf4)"],
+        [PY, *_8B_DRY, "--out", "{results}/lora-8b-cuda-{dev}.json"],
+        110,
+        80,
+        result="lora-8b-cuda-{dev}.json",
+    ),
+    Step(
+        8,
+        "recipe-8b-plan",
+        [PY, *_8B, "--steps", "3", "--rungs", "8B recipe llama3_1_8b_full_24gb"]
+        + ["--out", "{results}/recipe-8b-plan-cuda-{dev}.json"],
+        [PY, *_8B_DRY, "--out", "{results}/recipe-8b-plan-cuda-{dev}.json"],
+        300,
+        150,
+        result="recipe-8b-plan-cuda-{dev}.json",
+    ),
+    *(
+        Step(8, f"{s.name}-plan", s.argv, s.dry_argv, 60, 40, s.result)
+        for s in STEPS
+        if s.name in ("moe-gpt-oss", "moe-deepseek-v3")
+    ),
+    *(
+        Step(8, f"{s.name}-plan", s.argv, s.dry_argv, t, m, s.result)
+        for name, t, m in (("rollout-1b", 120, 60), ("linear-attention", 60, 40))
+        for s in STEPS
+        if s.name == name
+    ),
+]
+PLAN_PARTS = (7, 8)
+
+
 def junit_counts(path: Path) -> dict[str, Any]:
     """passed / failed / errors / skipped of a pytest junit file, and the failures' messages."""
     if not path.exists():
@@ -522,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--part", type=int, nargs="+", choices=[1, 2, 3, 4, 5, 6], default=[])
+    ap.add_argument("--part", type=int, nargs="+", choices=range(1, 9), default=[])
     ap.add_argument("--all", action="store_true", help="parts 1, 2, 3 in turn (part 4: --part 4)")
     ap.add_argument("--steps", nargs="+", help="these steps, in this order (names: see STEPS)")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: the plumbing")
@@ -564,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
             f"# GPU check on {dev}\n\nWritten by `python bench/gpu_check.py` "
             "(see its docstring); one section per part and run.\n"
         )
+    before = report.read_text()  # earlier runs' sections; this run's are rewritten per step
     start = time.perf_counter()
     done: dict[int, list[dict[str, Any]]] = {}
     failed = 0
@@ -584,14 +717,12 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(
             json.dumps({**header, "dry_run": a.dry_run, "steps": done[step.part]}, indent=1) + "\n"
         )
+        # the report too after every step: a call cut short from outside keeps its rows
+        sections = [report_section(part, records, header) for part, records in done.items()]
+        report.write_text(before + "".join(sections))
         if a.copy_to:
+            shutil.copy(report, a.copy_to)
             _bundle(results, dev, Path(a.copy_to))
-    with report.open("a") as fh:
-        for part, records in done.items():
-            fh.write(report_section(part, records, header))
-    if a.copy_to:
-        shutil.copy(report, a.copy_to)
-        _bundle(results, dev, Path(a.copy_to))
     print(f"\n{len(steps) - failed}/{len(steps)} steps passed; report: {report}")
     return 1 if failed else 0
 

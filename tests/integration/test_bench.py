@@ -373,3 +373,74 @@ def test_gpu_check_deadline_skips_and_refuses_cpu(tmp_path, capsys):
     assert step["status"] == "skipped" and "deadline" in step["reason"]
     with pytest.raises(SystemExit):
         gpu_check.main(["--steps", "nope", "--dry-run"])
+
+
+def test_gpu_check_plan_runs_in_the_issues_order_within_two_calls():
+    """The 15-minute plan: call 1 (part 7) the never-run CUDA tests, then the 1B compiled
+    baseline and ladder; call 2 (part 8) the speed rows in the issue's order. Every step it
+    must start fits its call's --deadline (320 s, 6.5 minutes less the set-up)."""
+    part = {p: [s for s in gpu_check.STEPS if s.part == p] for p in gpu_check.PLAN_PARTS}
+    assert [s.name for s in part[7]] == ["env-7", "first-gpu-tests", "ladder-1b-plan"]
+    assert [s.name for s in part[8]] == [
+        "env-8",
+        "loss-peers-plan",
+        "fp8-8b",
+        "lora-8b",
+        "recipe-8b-plan",
+        "moe-gpt-oss-plan",
+        "moe-deepseek-v3-plan",
+        "rollout-1b-plan",
+        "linear-attention-plan",
+    ]
+    assert sum(s.min_s for s in part[7]) <= 320  # call 1 reaches every step
+    assert all(s.min_s <= 320 for s in part[8])
+    tests = " ".join(gpu_check.FIRST_GPU_TESTS)
+    for path in ("test_cuda_varlen", "test_gated_delta", "test_fp8", "test_quantized"):
+        assert path in tests
+    for word in ("varlen", "fla", "sinks", "rollout", "fp8", "mxfp4"):
+        assert word in gpu_check.FIRST_GPU_K.split(" or ")
+    # the commands a later session copies: in the module's docstring, parts 7 and 8
+    assert "--part 7 --deadline 320" in gpu_check.__doc__ and "`--part 8`" in gpu_check.__doc__
+
+
+def test_gpu_check_report_is_on_disk_after_each_step(tmp_path, monkeypatch):
+    """A call killed from outside (the device tool's limit) keeps the report of the steps that
+    finished, not only their JSON."""
+    calls = []
+
+    def fake_step(step, fill, dry, limit):
+        if calls:
+            raise KeyboardInterrupt  # killed while the second step runs
+        calls.append(step.name)
+        record = {"name": step.name, "part": step.part, "status": "passed", "seconds": 1.0}
+        return record | {"stdout_tail": "ok", "stderr_tail": ""}
+
+    monkeypatch.setattr(gpu_check, "run_step", fake_step)
+    argv = ["--steps", "env-7", "env-8", "--dry-run"]
+    argv += ["--results", str(tmp_path), "--reports", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(argv)
+    text = next(tmp_path.glob("*-gpu-check-cpu.md")).read_text()
+    assert "## Part 7" in text and "| env-7 | passed |" in text
+
+
+@pytest.mark.slow
+def test_gpu_check_plan_dry_run(tmp_path):
+    """Both calls of the plan at toy sizes on CPU: every step starts, passes and leaves its
+    JSON (the CUDA tests collected and skipped)."""
+    import json
+
+    results, reports = tmp_path / "results", tmp_path / "reports"
+    argv = ["--dry-run", "--part", "7", "8", "--results", str(results), "--reports", str(reports)]
+    assert gpu_check.main(argv) == 0
+    steps = {}
+    for part in gpu_check.PLAN_PARTS:
+        data = json.loads((results / f"gpu-check-part{part}-cpu.json").read_text())
+        steps |= {s["name"]: s for s in data["steps"]}
+    assert set(steps) == {s.name for s in gpu_check.STEPS if s.part in gpu_check.PLAN_PARTS}
+    assert all(s["status"] == "passed" for s in steps.values()), steps
+    assert steps["first-gpu-tests"]["tests"]["skipped"] > 0
+    for name in ("ladder-1b-plan", "fp8-8b", "lora-8b", "recipe-8b-plan", "rollout-1b-plan"):
+        assert steps[name]["result"]["device"] == "cpu", name
+    text = next(reports.glob("*-gpu-check-cpu.md")).read_text()
+    assert "## Part 7" in text and "## Part 8" in text
