@@ -37,12 +37,18 @@ def _scan(tensors: list[Tensor], device: torch.device, distributed: bool) -> tup
     """Per tensor: how many elements are not finite, and the largest finite magnitude; over
     every rank's shards (a collective under FSDP: every rank calls it)."""
     bad, top = [], []
-    for t in tensors:
+    for t in tensors:  # (a shard may sit on the host under --cpu-offload, or be empty)
         local = _local(t).detach()
-        bad.append((~torch.isfinite(local)).sum().double())
-        finite_part = local.float().abs().nan_to_num(nan=0.0, posinf=0.0)
-        top.append(finite_part.amax().double() if local.numel() else torch.zeros((), device=device))
-    counts, peaks = torch.stack(bad).to(device), torch.stack(top).to(device)
+        bad.append((~torch.isfinite(local)).sum().double().to(device))
+        peak = local.abs().nan_to_num(nan=0.0, posinf=0.0).amax() if local.numel() else None
+        top.append(
+            peak.double().to(device)
+            if peak is not None
+            else torch.zeros((), device=device, dtype=torch.float64)
+        )
+    if not tensors:
+        return torch.zeros(0, device=device), torch.zeros(0, device=device)
+    counts, peaks = torch.stack(bad), torch.stack(top)
     if distributed:
         torch.distributed.all_reduce(counts)
         torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
@@ -72,7 +78,9 @@ def cause(
     and `weights_norm` are the values the step's check read, `model`'s trained parameters are
     searched. Under FSDP every rank calls it (its counts are summed over the ranks)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    device = params[0][1].device if params else torch.device("cpu")
+    # the collectives' device (NCCL's, even when --cpu-offload keeps the shards on the host)
+    device = env.device if env is not None else params[0][1].device if params else None
+    device = device or torch.device("cpu")
     distributed = env is not None
     if not math.isfinite(loss):
         weights = _bad_tensors(params, device, distributed)
