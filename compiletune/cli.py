@@ -348,23 +348,45 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     if ns.max_seq_len:
         if capacity is None:
             raise UserError("--max-seq-len searches for what fits --device-memory; pass it")
+        gib = f"{capacity.device_bytes / 2**30:g} GiB"
         if ns.ladder:
+            _to_stderr(
+                f"searching the longest --seq-len that fits {gib} as configured and with each "
+                f"rung (at most {fit.LADDER_ESTIMATES} estimates)..."
+            )
             rows = fit.length_ladder(cfg, ns.gpus, capacity, _to_stderr)
             if ns.json:
-                out = [{"rung": r.name, "flags": r.flags, "max_seq_len": r.longest} for r in rows]
+                out = [
+                    {"rung": r.name, "flags": r.flags, "max_seq_len": r.longest}
+                    | ({"why": r.why} if r.why else {})
+                    for r in rows
+                ]
                 print(json.dumps(out, indent=2))
             else:
                 print(fit.format_length_ladder(rows, fit.positions(cfg)))
             return 0
-        longest, est = fit.longest_seq_len(cfg, ns.gpus, capacity, _to_stderr, fit.MEMORY_LIMIT)
+        bound = fit.Bound(fit.SEARCH_ESTIMATES)
+        _to_stderr(
+            f"searching the longest --seq-len that fits {gib} (at most {bound.limit} estimates)..."
+        )
+        longest, est = fit.longest_seq_len(
+            cfg, ns.gpus, capacity, _to_stderr, fit.MEMORY_LIMIT, bound=bound
+        )
         positions = fit.positions(cfg)
+        cut = (
+            f"the search stopped at its bound of {bound.limit} estimates: a longer --seq-len "
+            "may fit"
+        )
         if ns.json:
             out = {"max_seq_len": min(longest, positions), "memory_max_seq_len": longest}
+            out |= {"search_cut": cut} if bound.cut else {}
             print(json.dumps({**out, **(est.to_dict() if est is not None else {})}, indent=2))
         elif est is None:
             print(fit.no_length_line(capacity))
         else:
             print(fit.longest_line(longest, est, positions, capacity))
+        if bound.cut and not ns.json:
+            print(cut)
         return 0
     if ns.ladder:
         rows = fit.ladder(cfg, ns.gpus, _to_stderr)
@@ -379,6 +401,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         return 0
     # With a capacity the advice may follow: its first rungs come from this step.
     also = fit.search_optimizers(cfg) if capacity is not None else ()
+    _to_stderr("estimating one training step on fake tensors...")  # seconds for a large model
     est = est_.estimate_memory(cfg, ns.gpus, also=also)
     fix = None
     if capacity is not None and not fit.fits(est, capacity):

@@ -126,6 +126,40 @@ LENGTH_RUNGS: list[tuple[str, dict[str, Any]]] = [
 ]
 MEMORY_LIMIT = 2**20  # the longest length --max-seq-len looks for, past the model's positions
 
+# Bounds on the estimates of one search. An estimate takes seconds, and more the longer the row
+# (the chunked loss, MLP tiles and attention tiles run chunk by chunk on fake tensors), so a
+# search without one ran for minutes (--max-seq-len --ladder: ten rungs of searches up to
+# MEMORY_LIMIT tokens). A search that reaches its bound stops and says so.
+SEARCH_ESTIMATES = 12  # one --max-seq-len search (its secant steps take about five)
+LADDER_ESTIMATES = 48  # all of --max-seq-len --ladder's searches together
+ADVICE_ESTIMATES = 40  # the advice's climbs, at each smaller micro-batch
+
+
+class SearchCut(Exception):
+    """A search reached its bound of estimates (`Bound`)."""
+
+
+class Bound:
+    """How many estimates a search may run (`limit`), how many it ran (`used`), and whether
+    the bound stopped it (`cut`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used, self.cut = limit, 0, False
+
+    def take(self) -> bool:
+        """Count one more estimate; False (and `cut` set) when none is left."""
+        if self.used >= self.limit:
+            self.cut = True
+            return False
+        self.used += 1
+        return True
+
+    def estimate(self, cfg: TrainConfig, gpus: int, **kwargs: Any) -> MemoryEstimate:
+        """`estimate_memory`, counted; SearchCut when the bound is reached."""
+        if not self.take():
+            raise SearchCut
+        return estimate_memory(cfg, gpus, **kwargs)
+
 
 @dataclass
 class Rung:
@@ -155,6 +189,7 @@ def longest_seq_len(
     say: Callable[[str], None] = print,
     limit: int | None = None,
     first: int | None = None,
+    bound: Bound | None = None,
 ) -> tuple[int, MemoryEstimate | None]:
     """The longest --seq-len, a multiple of SEQ_STEP (and of --cp) up to `limit` (default: the
     model's positions), whose step fits `capacity`, and its estimate; (0, None) when none fits.
@@ -163,7 +198,13 @@ def longest_seq_len(
     limit). Between them the search guesses where the peak meets the capacity on the line
     through the two nearest lengths tried (the peak grows about linearly with the length once
     attention is tiled), bisecting instead when a guess does not halve the interval: about
-    five estimates rather than the fifteen of doubling and bisecting."""
+    five estimates rather than the fifteen of doubling and bisecting. A search from `first`
+    (the ladder's length before) tries one step past it next: a rung that gains nothing is
+    settled in two estimates, and one that gains has a short line to extrapolate from.
+
+    At most `bound.limit` estimates (default SEARCH_ESTIMATES): when it stops the search,
+    `bound.cut` is set and the answer is the longest found to fit so far."""
+    bound = bound or Bound(SEARCH_ESTIMATES)
     step = math.lcm(SEQ_STEP, cfg.parallel.cp)  # --cp N: rows of N equal pieces
     top = (limit or positions(cfg)) // step * step
     room = capacity.device_bytes - RESERVE_BYTES
@@ -177,7 +218,7 @@ def longest_seq_len(
 
     good, bad = 0, top + step  # the longest that fits, the shortest that does not
     guess, width = min(top, max(step, (first or 16 * step) // step * step)), None
-    while bad - good > step:
+    while bad - good > step and bound.take():
         if tried(guess):
             good = guess
         else:
@@ -191,6 +232,8 @@ def longest_seq_len(
         width = bad - good if bracketed else None
         if not halved or len(line) < 2 or line[0] == 0:
             guess = (good + bad) // 2 if bad in seen else 2 * good
+            if first and len(seen) == 1 and good:
+                guess = good + step
         else:
             (n0, n1), (p0, p1) = line, (seen[line[0]].peak_bytes, seen[line[1]].peak_bytes)
             if p1 > p0:
@@ -250,24 +293,43 @@ def length_ladder(
     """`ladder` aimed at length: the longest --seq-len (`longest_seq_len`, up to MEMORY_LIMIT
     tokens) the run reaches as configured and with each rung added to those before, length's
     own rungs (MLP tiles, activation offload, and with several GPUs --cp over all of them)
-    among them. Each rung's search starts from the length before it."""
+    among them. Each rung's search starts from the length before it. All of them together run
+    at most LADDER_ESTIMATES estimates: the rungs past the bound are shown as not estimated,
+    and a rung whose search the bound cut as "at least"."""
     say = progress or (lambda line: None)
+    total = Bound(LADDER_ESTIMATES)
     rungs = LADDER[:3] + LENGTH_RUNGS + LADDER[3:] + LORA_RUNGS
     if gpus > 1:
         rungs = rungs + [("+ context parallel", {"fsdp": True, "cp": gpus})]
     last = [0]
 
     def measure(c: TrainConfig) -> tuple[MemoryEstimate | None, int, str]:
-        longest, est = longest_seq_len(c, gpus, capacity, say, MEMORY_LIMIT, last[0] or None)
-        if est is None:  # say what ran out at the shortest length
+        left = total.limit - total.used
+        if left <= 0:
+            total.cut = True
+            return None, 0, f"not estimated (the bound of {LADDER_ESTIMATES} estimates)"
+        bound = Bound(min(SEARCH_ESTIMATES, left))
+        longest, est = longest_seq_len(c, gpus, capacity, say, MEMORY_LIMIT, last[0] or None, bound)
+        total.used += bound.used
+        if est is None and not bound.cut:  # say what ran out at the shortest length
+            total.used += 1
             short = estimate_memory(c.replace(seq_len=SEQ_STEP), gpus)
             short_of = "host memory (--host-memory)" if _device_fits(short, capacity) else "GPU"
             return None, 0, f"nothing fits: {short_of}"
+        if est is None:
+            total.cut = True
+            return None, 0, f"not found in {bound.used} estimates (the bound)"
         last[0] = longest
-        return est, longest, ""
+        total.cut |= bound.cut
+        return est, longest, "at least: the search's bound stopped it" if bound.cut else ""
 
     rows: list[Rung] = []
     _climb(as_trained(cfg, gpus), rungs, progress, measure, rows)
+    if total.cut:
+        say(
+            f"  the search stopped at its bound of {LADDER_ESTIMATES} estimates "
+            f"({total.used} run); rungs marked so are not final"
+        )
     return rows
 
 
@@ -282,6 +344,8 @@ def _climb(
     flags added to those before (a rung already on, or invalid for the run, is shown and
     skipped), each `measure`d. Returns the configuration with every applicable rung."""
     if not rows:
+        if progress is not None:  # the first estimate takes seconds too
+            progress("  estimating as configured...")
         first = measure(current)
         rows.append(Rung("as configured", "", first[0], first[1], why=first[2]))
     for name, changes in rungs:
@@ -310,12 +374,15 @@ def suggest(
     gpus: int,
     capacity: Capacity,
     progress: Callable[[str], None] | None = None,
+    bound: Bound | None = None,
 ) -> tuple[str, MemoryEstimate] | None:
     """The cheapest flags that make `cfg`'s step fit, with their estimate; None when even every
     rung of the ladder does not. Rungs are added cheapest first until the step fits, then each
     earlier rung is dropped again where the step still fits without it (so `--ac full` alone is
     the answer when it is enough, not `--ac full` plus the cheaper rungs tried on the way).
-    `progress` is told each candidate's flags and peak as it is estimated."""
+    `progress` is told each candidate's flags and peak as it is estimated; `bound` counts the
+    estimates (SearchCut past it)."""
+    bound = bound or Bound(ADVICE_ESTIMATES)
     cfg = as_trained(cfg, gpus)
     current, added = cfg, []
     est = None
@@ -333,7 +400,7 @@ def suggest(
             continue
         current = current.replace(**todo)
         added.append(todo)
-        est = estimate_memory(current, gpus, also=also)
+        est = bound.estimate(current, gpus, also=also)
         tried(added, est)
         if fits(est, capacity):
             break
@@ -344,7 +411,7 @@ def suggest(
     for todo in list(reversed(added[:-1])):
         kept = [t for t in added if t is not todo]
         trial = cfg.replace(**{k: v for t in kept for k, v in t.items()})
-        trial_est = estimate_memory(trial, gpus, also=also)
+        trial_est = bound.estimate(trial, gpus, also=also)
         tried(kept, trial_est)
         if fits(trial_est, capacity):
             added, est = kept, trial_est
@@ -371,6 +438,7 @@ def _may_fit(
     capacity: Capacity,
     progress: Callable[[str], None] | None,
     label: str,
+    bound: Bound | None = None,
 ) -> str:
     """Whether `suggest` can find flags that make `cfg` fit ("": it can; else what ran out,
     "GPU" or "host"), from one or two estimates instead of its climb: no rung raises the device
@@ -378,6 +446,7 @@ def _may_fit(
     misses the GPU. When only the host cannot take the CPU offload (the last rung), the rungs
     before it decide. An estimate that fits is kept for the climb, which reaches the same
     configuration."""
+    bound = bound or Bound(2)  # (two stacks at most)
     top = as_trained(cfg, gpus)
     offload = LADDER[-1][1]
     stacks = [_stack(top, LADDER)]
@@ -385,7 +454,7 @@ def _may_fit(
         stacks.append(_stack(top, LADDER[:-1]))
     for i, (stacked, added) in enumerate(stacks):
         try:  # (the climb's drop phase asks for the other optimizers: had from this step)
-            est = estimate_memory(stacked, gpus, also=search_optimizers(cfg))
+            est = bound.estimate(stacked, gpus, also=search_optimizers(cfg))
         except UserError:  # a stack this run cannot build: leave the question to the climb
             return ""
         ok = fits(est, capacity)
@@ -429,8 +498,28 @@ def advice(
     """What to do about a step that does not fit: the cheapest technique flags that fit; when
     none do at this micro-batch, smaller micro-batches (largest first) with --grad-accum raised
     to keep the tokens per step, each with the technique flags it needs (`_may_fit` first,
-    from every rung together: at the smallest micro-batch, then at each); else more GPUs."""
-    found = suggest(cfg, gpus, capacity, progress)
+    from every rung together: at the smallest micro-batch, then at each); else more GPUs.
+    At most ADVICE_ESTIMATES estimates in all: past them the advice says where it stopped."""
+    bound = Bound(ADVICE_ESTIMATES)
+    try:
+        return _advice(cfg, gpus, capacity, progress, bound)
+    except SearchCut:
+        return (
+            f"no technique flag found to fit within the search's bound of {bound.limit} "
+            "estimates; `compiletune estimate-memory --ladder` and a smaller --batch-size or "
+            "--seq-len show what fits"
+        )
+
+
+def _advice(
+    cfg: TrainConfig,
+    gpus: int,
+    capacity: Capacity,
+    progress: Callable[[str], None] | None,
+    bound: Bound,
+) -> str:
+    """`advice`'s search, its estimates counted by `bound`."""
+    found = suggest(cfg, gpus, capacity, progress, bound)
     if found is not None:
         flags, est = found
         return f"add {flags} (then about {est.peak_bytes / 2**30:.1f} GiB per GPU)"
@@ -446,7 +535,7 @@ def advice(
         d = split["batch_size"]
         if d not in short_of:
             trial = cfg.replace(**split)
-            short_of[d] = _may_fit(trial, gpus, capacity, progress, flags_text(split))
+            short_of[d] = _may_fit(trial, gpus, capacity, progress, flags_text(split), bound)
         return not short_of[d]
 
     # The smallest micro-batch first: a larger one holds more, so when no rung fits even that,
@@ -455,11 +544,13 @@ def advice(
         if not reachable(split):
             continue
         trial = cfg.replace(**split)
-        est = estimate_memory(as_trained(trial, gpus), gpus, also=search_optimizers(trial))
+        est = bound.estimate(as_trained(trial, gpus), gpus, also=search_optimizers(trial))
         if progress is not None:
             verdict = "fits" if fits(est, capacity) else "does not fit"
             progress(f"  {flags_text(split)}: {est.peak_bytes / 2**30:.1f} GiB, {verdict}")
-        found = ("", est) if fits(est, capacity) else suggest(trial, gpus, capacity, progress)
+        found = (
+            ("", est) if fits(est, capacity) else suggest(trial, gpus, capacity, progress, bound)
+        )
         if found is not None:
             flags, est = found
             return (
@@ -468,7 +559,7 @@ def advice(
                 "per GPU)"
             )
     if not splits and not cfg.optim.optimizer_in_backward:  # --batch-size 1: what ran out
-        short_of[1] = _may_fit(cfg, gpus, capacity, None, "")
+        short_of[1] = _may_fit(cfg, gpus, capacity, None, "", bound)
     if short_of.get(1) == "host":
         return (
             "no technique flag makes it fit, even at --batch-size 1: with --cpu-offload the step "
@@ -638,6 +729,7 @@ def format_length_ladder(rows: list[Rung], positions: int) -> str:
             lines.append(f"| {r.name} | {r.flags or '—'} | {r.why} | |")
             continue
         mark = " (past the positions)" if (r.longest or 0) > positions else ""
+        mark += f" ({r.why})" if r.why else ""
         lines.append(
             f"| {r.name} | {r.flags or '—'} | {r.longest}{mark} | {r.est.peak_bytes / 2**30:.2f} |"
         )
