@@ -338,6 +338,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     if ns.gpus > 1:
         flags["fsdp"] = True  # several GPUs train under torchrun with --fsdp
     cfg = _resolve(ns, flags)  # a wrong value is reported before the estimator's imports
+    check_inputs(cfg, estimate=True)  # and a missing model or teacher folder
     from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
     from compiletune.estimate import fit  # lazy: a subcommand's cost
 

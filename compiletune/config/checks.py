@@ -433,20 +433,23 @@ def check_model_folder(name: str, flag: str) -> None:
         raise UserError(hub.no_model_folder(name, flag))
 
 
-def check_inputs(cfg: TrainConfig) -> None:
-    """What a training run reads is there, checked before anything loads: no recipe
-    placeholder is left, the model, tokenizer and teacher folders exist (or are Hub ids,
-    checked as they download), and the data's local files exist and are data. `train` alone
-    calls this: an estimate reads none of them."""
-    recipes.check_no_placeholders(cfg)
-    m = cfg.model
+def check_inputs(cfg: TrainConfig, *, estimate: bool = False) -> None:
+    """What a run reads is there, checked before anything loads: the model, tokenizer and
+    teacher folders exist (or are Hub ids, checked as they download); for training also no
+    recipe placeholder is left and the data's local files exist and are data. `estimate`: the
+    memory estimate's inputs, the model and teacher folders alone (a recipe's placeholder
+    model folder is the preset's)."""
+    if not estimate:
+        recipes.check_no_placeholders(cfg)
     for flag, value in (
-        ("--model-dir", m.model_dir),
-        ("--tokenizer", m.tokenizer),
+        ("--model-dir", cfg.model.model_dir),
+        ("--tokenizer", None if estimate else cfg.model.tokenizer),
         ("--teacher-dir", cfg.objective.teacher_dir),
     ):
-        if value is not None:
+        if value is not None and not recipes.is_placeholder(value):
             check_model_folder(value, flag)
+    if estimate:
+        return
     check_local_sources(cfg.data.source, cfg.data.data_split)
     if cfg.data.eval_data is not None:
         check_local_sources(cfg.data.eval_data, cfg.data.eval_split)

@@ -22,6 +22,10 @@ _EARLY = [
     (["train", "--model-dir", "~/models/none"], "pass --model-dir with a local HF model folder"),
     (["train", "--tokenizer", "./no/tok"], "pass --tokenizer with a local HF model folder"),
     (["estimate-memory", "--max-seq-len"], "pass --device-memory GIB|GPU"),
+    (
+        ["estimate-memory", "--model", "llama3_1_8b", "--objective", "kd", "--teacher-dir", "~/t"],
+        "pass --teacher-dir with a local HF model folder",
+    ),
     (["generate", "--model-dir", "runs/a/step_5"], "pass --prompt TEXT, or --chat"),
     (["generate", "--model-dir", "./runs/a/step_5", "--prompt", "hi"], "pass --model-dir with"),
     (["eval", "./runs/a/step_5", "--data", "held.jsonl"], "pass CHECKPOINT with a local HF"),
