@@ -346,9 +346,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     if ns.device_memory:
         host = ns.host_memory * 2**30 if ns.host_memory else fit.machine_host_bytes()
         capacity = fit.Capacity(fit.parse_device_memory(ns.device_memory), int(host))
-    if ns.max_seq_len:
-        if capacity is None:
-            raise UserError("--max-seq-len searches for what fits --device-memory; pass it")
+    if ns.max_seq_len and capacity is not None:
         gib = f"{capacity.device_bytes / 2**30:g} GiB"
         if ns.ladder:
             _to_stderr(
