@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from compiletune.choices import AcKind, choices
-from compiletune.errors import UserError
+from compiletune.errors import UserError, closest
 
 
 @dataclass(frozen=True)
@@ -34,4 +34,6 @@ def parse_ac(text: str, every: int = 1) -> ActivationPolicy:
             raise UserError(f"--ac {text}: the budget must be a number in [0, 1], e.g. budget=0.5")
         return ActivationPolicy("budget", budget, every)
     named = ", ".join(choices(AcKind))
-    raise UserError(f"--ac must be {named} or budget=F, got {text!r}")
+    near = closest(text, choices(AcKind))
+    hint = f"; did you mean {near!r}?" if near else ""
+    raise UserError(f"--ac must be {named} or budget=F, got {text!r}{hint}")

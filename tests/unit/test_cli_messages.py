@@ -41,6 +41,7 @@ _EARLY = [
     (["estimate-memory", "--device-memroy", "80"], "did you mean --device-memory?"),
     (["trian"], "did you mean 'train'?"),
     (["train", "--optimizer", "adamw_8bit"], "did you mean 'adamw8bit'?"),
+    (["train", "--ac", "selectve"], "did you mean 'selective'?"),
 ]
 
 
