@@ -25,6 +25,8 @@ class Progress:
 
     `total`: the work's size in `unit`s (None: unknown). `say` receives the plain lines
     (default: stderr). `stream`: where the bar goes and whose isatty() picks bar or lines.
+    `first_line`: of work of unknown size, the count of the first line (small work that ends
+    before it says nothing but its own summary).
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class Progress:
         say: Callable[[str], None] | None = None,
         stream: TextIO | None = None,
         unit_scale: bool = False,
+        first_line: int = 1,
     ) -> None:
         stream = stream or sys.stderr
         self.interactive = bool(getattr(stream, "isatty", lambda: False)())
@@ -43,7 +46,7 @@ class Progress:
         self.done = 0
         self.unit_scale = unit_scale
         # the next count that earns a line: a tenth of the total, or (unknown size) a doubling
-        self.next_line = self._step() if total else 1
+        self.next_line = self._step() if total else first_line
         self.bar = tqdm(
             total=total,
             desc=desc,

@@ -444,8 +444,8 @@ def _build(
     chunks = iter(lambda: list(islice(raw, _CHUNK)), [])
     bounds = array("q", [0])
     # a streamed source's size in documents is unknown until it is read: a bar on a terminal,
-    # else a line each time the count doubles
-    bar = Progress(f"tokenizing {source}", None, "documents", say)
+    # else a line each time the count doubles from two chunks on (a small source: its summary)
+    bar = Progress(f"tokenizing {source}", None, "documents", say, first_line=2 * _CHUNK)
     hashes = {IDS: hashlib.sha256(), FLAGS: hashlib.sha256()}
     top = [-1]  # the largest token id
     with open(tmp / IDS, "wb") as ids_f, open(tmp / FLAGS, "wb") as flags_f:
