@@ -63,7 +63,7 @@ class Progress:
     def _count(self, n: float) -> str:
         if not self.unit_scale:
             return f"{int(n):,}"
-        return tqdm.format_sizeof(n, divisor=1024 if self.unit == "B" else 1000)
+        return tqdm.format_sizeof(n)  # (powers of 1000, as the bar shows them)
 
     def update(self, n: int = 1) -> None:
         self.done += n
