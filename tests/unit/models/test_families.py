@@ -347,19 +347,27 @@ def test_compiled_equals_eager_one_graph_per_layer_kind(case, tmp_path):
     model = from_hf(folder)
     head = LossHead(model.output, "plain", model.args.final_softcap)
 
-    def loss_and_grads(t):
+    def loss_and_grads(t, model=model, head=head):
         model.zero_grad()
         loss = head(model.hidden_states(t[:, :-1]), t[:, 1:])
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
+    # The gated-delta layers' A_log and dt_bias gradients sum many terms that nearly cancel:
+    # eager fp32 itself is up to 1.7e-4 from fp64 there (and by how much depends on the CPU's
+    # vector width and thread count), so a gradient is held to the fp64 reference as well:
+    # no further from it than eager fp32 is, plus the compile tolerance.
+    model64 = from_hf(folder, dtype=torch.float64)
+    head64 = LossHead(model64.output, "plain", model64.args.final_softcap)
     batches = [tokens(33, seed=s) for s in range(3)]
     eager = [loss_and_grads(t) for t in batches]
+    exact = [loss_and_grads(t, model64, head64)[1] for t in batches]
     regions = compile_regions(model, head, CompileOptions(backend="aot_eager", loss="fused"))
-    for t, (want_loss, want_grads) in zip(batches, eager, strict=True):
+    for t, (want_loss, want_grads), ref in zip(batches, eager, exact, strict=True):
         loss, grads = loss_and_grads(t)
         assert rel(loss, want_loss) <= 1e-5
-        assert all(rel(g, w) <= 1e-4 for g, w in zip(grads, want_grads, strict=True))
+        for g, w, r in zip(grads, want_grads, ref, strict=True):
+            assert rel(g, w) <= 1e-4 or rel(g, r) <= rel(w, r) + 1e-4, (rel(g, w), rel(w, r))
     stats = regions.stats()
     kinds = {(layer.region, layer.moe) for layer in model.layers}  # a MoE model's dense layers
     blocks = {k: v for k, v in stats["regions"].items() if k.startswith("block")}
