@@ -341,7 +341,10 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     check_inputs(cfg, estimate=True)  # and a missing model or teacher folder
     from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
     from compiletune.estimate import fit  # lazy: a subcommand's cost
+    from compiletune.train.build import resolve_model_args  # lazy: a subcommand's cost
 
+    # config.json's own errors are the one line, before any progress line
+    resolve_model_args(est_.shapes_only(cfg))
     capacity = None
     if ns.device_memory:
         host = ns.host_memory * 2**30 if ns.host_memory else fit.machine_host_bytes()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
+import re
 from typing import Any
 
 from compiletune.errors import UserError, closest
@@ -750,7 +752,15 @@ def from_name(name: str) -> ModelArgs:
     """A copy of preset `name` (safe to modify)."""
     if name not in PRESETS:
         near = closest(name, PRESETS)
-        hint = f"did you mean {near!r}?" if near else f"choose one of: {', '.join(PRESETS)}"
+        # a guess alone can be far off (llama9_1t -> llama2_13b): the family's presets beside it
+        family = re.match(r"[a-z]+", name.lower())
+        same = [p for p in PRESETS if family and p.startswith(family.group())]
+        if near and difflib.SequenceMatcher(None, name, near).ratio() >= 0.85:
+            same = []  # a typo of one preset: the guess is the answer
+        hint = f"did you mean {near!r}?" if near else "no preset is near that name;"
+        hint += f" the {family.group()} presets: {', '.join(same)}" if same else ""
+        if not near and not same:
+            hint = f"choose one of: {', '.join(PRESETS)}"
         raise UserError(
             f"unknown model preset {name!r}; {hint} (`compiletune models` lists them with sizes)"
         )
