@@ -721,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         sections = [report_section(part, records, header) for part, records in done.items()]
         report.write_text(before + "".join(sections))
         if a.copy_to:
+            Path(a.copy_to).mkdir(parents=True, exist_ok=True)  # a folder, not a copy's name
             shutil.copy(report, a.copy_to)
             _bundle(results, dev, Path(a.copy_to))
     print(f"\n{len(steps) - failed}/{len(steps)} steps passed; report: {report}")
