@@ -13,12 +13,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from compiletune import __version__
 from compiletune.choices import BaseDtype, choices
 from compiletune.config import TrainConfig, add_flags, check_inputs, check_model_folder
 from compiletune.errors import UserError, closest, show
 from compiletune.interrupt import EXIT_INTERRUPTED
+
+if TYPE_CHECKING:  # annotations only: the estimator loads with its subcommand
+    from compiletune.estimate.fit import Capacity
 
 EXIT_BAD_INPUT = 2
 _STARTED = time.perf_counter()  # as soon as the command's own code runs (the closing lines' time)
@@ -318,6 +322,52 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _longest_seq_len(ns: argparse.Namespace, cfg: TrainConfig, capacity: Capacity) -> int:
+    """`estimate-memory --max-seq-len [--ladder]`: the longest --seq-len that fits, searched over
+    the estimate (each search bounded in its number of estimates)."""
+    import json
+
+    from compiletune.estimate import fit  # lazy: a subcommand's cost
+
+    gib = f"{capacity.device_bytes / 2**30:g} GiB"
+    if ns.ladder:
+        _to_stderr(
+            f"searching the longest --seq-len that fits {gib} as configured and with each "
+            f"rung (at most {fit.LADDER_ESTIMATES} estimates)..."
+        )
+        rows = fit.length_ladder(cfg, ns.gpus, capacity, _to_stderr)
+        if ns.json:
+            out = [
+                {"rung": r.name, "flags": r.flags, "max_seq_len": r.longest}
+                | ({"why": r.why} if r.why else {})
+                for r in rows
+            ]
+            print(json.dumps(out, indent=2))
+        else:
+            print(fit.format_length_ladder(rows, fit.positions(cfg)))
+        return 0
+    bound = fit.Bound(fit.SEARCH_ESTIMATES)
+    _to_stderr(
+        f"searching the longest --seq-len that fits {gib} (at most {bound.limit} estimates)..."
+    )
+    longest, est = fit.longest_seq_len(
+        cfg, ns.gpus, capacity, _to_stderr, fit.MEMORY_LIMIT, bound=bound
+    )
+    positions = fit.positions(cfg)
+    cut = f"the search stopped at its bound of {bound.limit} estimates: a longer --seq-len may fit"
+    if ns.json:
+        out = {"max_seq_len": min(longest, positions), "memory_max_seq_len": longest}
+        out |= {"search_cut": cut} if bound.cut else {}
+        print(json.dumps({**out, **(est.to_dict() if est is not None else {})}, indent=2))
+    elif est is None:
+        print(fit.no_length_line(capacity))
+    else:
+        print(fit.longest_line(longest, est, positions, capacity))
+    if bound.cut and not ns.json:
+        print(cut)
+    return 0
+
+
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import json
 
@@ -350,46 +400,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         host = ns.host_memory * 2**30 if ns.host_memory else fit.machine_host_bytes()
         capacity = fit.Capacity(fit.parse_device_memory(ns.device_memory), int(host))
     if ns.max_seq_len and capacity is not None:
-        gib = f"{capacity.device_bytes / 2**30:g} GiB"
-        if ns.ladder:
-            _to_stderr(
-                f"searching the longest --seq-len that fits {gib} as configured and with each "
-                f"rung (at most {fit.LADDER_ESTIMATES} estimates)..."
-            )
-            rows = fit.length_ladder(cfg, ns.gpus, capacity, _to_stderr)
-            if ns.json:
-                out = [
-                    {"rung": r.name, "flags": r.flags, "max_seq_len": r.longest}
-                    | ({"why": r.why} if r.why else {})
-                    for r in rows
-                ]
-                print(json.dumps(out, indent=2))
-            else:
-                print(fit.format_length_ladder(rows, fit.positions(cfg)))
-            return 0
-        bound = fit.Bound(fit.SEARCH_ESTIMATES)
-        _to_stderr(
-            f"searching the longest --seq-len that fits {gib} (at most {bound.limit} estimates)..."
-        )
-        longest, est = fit.longest_seq_len(
-            cfg, ns.gpus, capacity, _to_stderr, fit.MEMORY_LIMIT, bound=bound
-        )
-        positions = fit.positions(cfg)
-        cut = (
-            f"the search stopped at its bound of {bound.limit} estimates: a longer --seq-len "
-            "may fit"
-        )
-        if ns.json:
-            out = {"max_seq_len": min(longest, positions), "memory_max_seq_len": longest}
-            out |= {"search_cut": cut} if bound.cut else {}
-            print(json.dumps({**out, **(est.to_dict() if est is not None else {})}, indent=2))
-        elif est is None:
-            print(fit.no_length_line(capacity))
-        else:
-            print(fit.longest_line(longest, est, positions, capacity))
-        if bound.cut and not ns.json:
-            print(cut)
-        return 0
+        return _longest_seq_len(ns, cfg, capacity)
     if ns.ladder:
         rows = fit.ladder(cfg, ns.gpus, _to_stderr)
         if ns.json:
