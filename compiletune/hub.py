@@ -127,7 +127,9 @@ def _with_timeouts(hub) -> float:
     otherwise fixes when it is imported."""
     hub.constants.HF_HUB_DOWNLOAD_TIMEOUT = _timeout("HF_HUB_DOWNLOAD_TIMEOUT")
     session = hub.get_session()
-    hooks = session.event_hooks
+    hooks = getattr(session, "event_hooks", None)
+    if hooks is None:  # huggingface_hub < 1.0 (requests): its calls pass the timeouts themselves
+        return _timeout("HF_HUB_ETAG_TIMEOUT")
     if _fill_timeouts not in hooks.get("request", []):
         session.event_hooks = {**hooks, "request": [*hooks.get("request", []), _fill_timeouts]}
     return _timeout("HF_HUB_ETAG_TIMEOUT")
