@@ -20,6 +20,7 @@ from compiletune.choices import BaseDtype, choices
 from compiletune.config import TrainConfig, add_flags, check_inputs, check_model_folder
 from compiletune.errors import UserError, closest, show
 from compiletune.interrupt import EXIT_INTERRUPTED
+from compiletune.sampling import Sampling, check_prompt  # no torch: cheap at start-up
 
 if TYPE_CHECKING:  # annotations only: the estimator loads with its subcommand
     from compiletune.estimate.fit import Capacity
@@ -277,8 +278,6 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from compiletune.sampling import Sampling, check_prompt
-
     # what the user typed, checked before the heavy imports
     sampling = Sampling(ns.temperature, ns.top_p, ns.seed)
     sampling.check(ns.max_new_tokens)

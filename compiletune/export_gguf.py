@@ -254,6 +254,7 @@ def export_gguf(
     # the fields a config.json may leave at their defaults (Phi-3's rms_norm_eps is not Llama's)
     from transformers import AutoConfig
 
+    # deferred: it imports compiletune.models (torch), which the refusals above need none of
     from compiletune.data.tokenizer import load_tokenizer
 
     cfg = AutoConfig.from_pretrained(folder).to_dict()

@@ -22,8 +22,12 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, ast.stmt]]:
-    """(our module it imports, the statement) for every import in the file, at any depth."""
+def _imports(
+    name: str, path: Path, modules: dict[str, Path], tree: ast.Module | None = None
+) -> list[tuple[str, ast.stmt]]:
+    """(our module it imports, the statement) for every import in the file, at any depth.
+    `tree`: the file already parsed, for a caller that compares these statements with other
+    nodes of it (nodes of two parses are different objects)."""
 
     def ours(dotted: str) -> str | None:
         while dotted and dotted not in modules:
@@ -32,7 +36,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str,
 
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree if tree is not None else ast.parse(path.read_text())):
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -71,24 +75,88 @@ def test_the_import_graph_has_no_circles():
     assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
+def _silent_deferred_imports(
+    name: str, path: Path, source: str, modules: dict[str, Path]
+) -> list[int]:
+    """Lines of the imports of our modules inside a function of `source` (module `name`, file
+    `path`) with no reason: a comment on the statement, or a comment line above it or above
+    the group of import statements it belongs to (a blank line ends a group). One parse:
+    the statements `_imports` returns are compared by identity with the nodes under each
+    function of the same tree."""
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    inner = {
+        id(s)
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+        for s in ast.walk(f)
+    }
+    import_lines = {
+        i
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for i in range(n.lineno, n.end_lineno + 1)
+    }
+
+    def says_why(node: ast.stmt) -> bool:
+        text = lines[node.lineno - 1 : node.end_lineno]
+        above = node.lineno - 1  # 1-based: the line above, while it is in the group
+        while above >= 1 and (above in import_lines or lines[above - 1].strip().startswith("#")):
+            if above not in import_lines:  # a comment line, not another import's own comment
+                text.append(lines[above - 1])
+            above -= 1
+        return "#" in " ".join(text)
+
+    return sorted(
+        {
+            node.lineno  # one line per statement, however many of our modules it names
+            for _, node in _imports(name, path, modules, tree)
+            if id(node) in inner and not says_why(node)
+        }
+    )
+
+
 def test_deferred_imports_of_our_modules_say_why():
-    """An import of our own module inside a function is for an optional dependency or a
-    subcommand's start-up cost, written on its line; any other belongs at the top."""
+    """An import of our own module inside a function is for an optional dependency, a
+    subcommand's start-up cost or an import circle (named), written on its line; any other
+    belongs at the top."""
     modules = _modules()
-    silent = []
-    for name, path in modules.items():
-        lines = path.read_text().splitlines()
-        functions = [
-            n
-            for n in ast.walk(ast.parse(path.read_text()))
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-        ]
-        inner = {id(s) for f in functions for s in ast.walk(f)}
-        for _, node in _imports(name, path, modules):
-            text = " ".join(lines[node.lineno - 1 : node.end_lineno])
-            if id(node) in inner and "#" not in text:
-                silent.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    silent = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for name, path in modules.items()
+        for line in _silent_deferred_imports(name, path, path.read_text(), modules)
+    ]
     assert not silent, "function-level imports without a reason: " + ", ".join(silent)
+
+
+def test_the_deferred_import_check_flags_a_silent_one():
+    """The check itself: in a synthetic module, a silent function-level import of our module is
+    flagged (absolute and relative); one with a reason on it or above its group, one at the
+    top and one of another package are not."""
+    modules = _modules()
+    source = "\n".join(
+        [
+            "from compiletune import errors",  # 1: top level
+            "def f():",
+            "    from compiletune import metrics",  # 3: silent
+            "    from compiletune import loggers  # lazy: optional",  # 4: says why
+            "    from . import step",  # 5: silent, relative
+            "    import json",  # 6: not ours
+            "    x = 1  # a comment on code is no reason",
+            "    from compiletune import fp8",  # 8: silent
+            "",
+            "    # lazy: an optional dependency",
+            "    from compiletune import plot",  # 11: the comment above says why
+            "    from compiletune.train import (",  # 12: and for the group
+            "        loop,",
+            "    )",
+            "",
+            "    from compiletune import hub",  # 16: silent, a blank line ends the group
+        ]
+    )
+    path = ROOT / "compiletune" / "train" / "synthetic.py"
+    silent = _silent_deferred_imports("compiletune.train.synthetic", path, source, modules)
+    assert silent == [3, 5, 8, 16]
 
 
 # Modules over 800 lines, each with why it is still one module. A module that grows past the
