@@ -1,0 +1,13 @@
+"""Native vision towers of the vision-language checkpoints, beside the decoder.
+
+Each tower turns pixels into the decoder's image-token embeddings and loads from / saves to its
+checkpoint's own tensor names (a `NameMap` in the tower's module):
+
+- `siglip`: Gemma 3's SigLIP encoder and multi-modal projector;
+- `qwen`: Qwen3.5's vision transformer (dynamic resolution, 2-D rotary positions, patch merger)
+  and the 3-D (mrope) text positions its images give the decoder.
+
+Plain PyTorch like `models/decoder.py`: no compile, checkpointing or sharding here. Wiring into
+the families, the decoder's image-token merge and the CLI are not done yet (docs/models.md,
+"Vision-language: status").
+"""

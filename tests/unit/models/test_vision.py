@@ -1,0 +1,204 @@
+"""The native vision towers against transformers' own, on the same weights.
+
+Tiny configs are built here from transformers' config classes, every weight is drawn at random (the
+checkpoints' zero-initialised projector and norm weights would hide a wrong formula), and pixels are
+random tensors: nothing is downloaded. fp32 throughout; image features must match to rel <= 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compiletune.errors import UserError
+from compiletune.models.vision.common import NameMap, hf_state_dict, load_hf_state_dict
+from compiletune.models.vision.siglip import Gemma3VisionTower, SiglipArgs, gemma3_vision_names
+
+TOL = 1e-5
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    """Every parameter drawn fresh (transformers zero-initialises some vision weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def hf_param(hf_params: dict, name_map: NameMap, hf_name: str) -> torch.nn.Parameter:
+    """transformers' in-memory parameter for checkpoint name `hf_name`."""
+    found = [n for n in name_map.candidates(hf_name) if n in hf_params]
+    assert found, hf_name
+    return hf_params[found[0]]
+
+
+def check_grads(
+    ours: torch.nn.Module, hf: torch.nn.Module, name_map: NameMap, zero: tuple[str, ...] = ()
+) -> None:
+    """Every parameter's gradient in `ours` equals transformers' for the same tensor. Those named
+    in `zero` (key biases: softmax ignores a shift shared by every key) are zero by the algebra
+    and only rounding in both, so they are held to be tiny instead."""
+    hf_params = dict(hf.named_parameters())
+    for native, p in ours.named_parameters():
+        ref = hf_param(hf_params, name_map, name_map.names[native]).grad
+        assert ref is not None, native
+        if native.endswith(zero):
+            weight = dict(ours.named_parameters())[native.replace(".bias", ".weight")].grad
+            assert max(p.grad.norm(), ref.norm()) <= 1e-5 * weight.norm(), native
+            continue
+        assert ref.abs().sum() > 0, native
+        assert rel(p.grad, ref) <= TOL, (native, rel(p.grad, ref))
+
+
+def save_with_our_names(tmp_path, hf_model, ours, name_map: NameMap, drop: tuple[str, ...]):
+    """hf_model saved by transformers, then its vision tensors replaced by `ours` under our
+    names: the folder a compiletune save would write."""
+    folder = tmp_path / "ckpt"
+    hf_model.save_pretrained(folder)
+    path = folder / "model.safetensors"
+    with safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.startswith(drop)}
+    theirs = len(tensors)
+    tensors.update({k: v.clone() for k, v in hf_state_dict(ours, name_map).items()})
+    assert len(tensors) == theirs + len(name_map.names)  # no name of ours collides with theirs
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+# ---------------------------------------------------------------- Gemma 3 (SigLIP + projector)
+
+
+def gemma3_config(**overrides) -> transformers.Gemma3Config:
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=4,
+        vision_use_head=False,
+    )
+    text = dict(
+        hidden_size=40,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=300,
+    )
+    top = dict(mm_tokens_per_image=16, image_token_index=299, boi_token_index=297)
+    return transformers.Gemma3Config(
+        text_config=text, vision_config=vision, eoi_token_index=298, **{**top, **overrides}
+    )
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """transformers' tiny Gemma 3 with random weights, and our tower loaded from its tensors."""
+    torch.manual_seed(0)
+    config = gemma3_config()
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    randomize(hf.model.vision_tower, 1)
+    randomize(hf.model.multi_modal_projector, 2)
+    args = SiglipArgs.from_hf(config.to_dict())
+    ours = Gemma3VisionTower(args)
+    load_hf_state_dict(ours, hf.state_dict(), gemma3_vision_names(args), "tiny")
+    return hf, ours, args
+
+
+def hf_gemma3_features(hf, pixels: torch.Tensor) -> torch.Tensor:
+    return hf.model.get_image_features(pixels).pooler_output
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_gemma3_features_equal_transformers(gemma3, n_images):
+    hf, ours, args = gemma3
+    pixels = torch.randn(n_images, 3, args.image_size, args.image_size)
+    with torch.no_grad():
+        ref = hf_gemma3_features(hf, pixels)
+        out = ours(pixels)
+    assert out.shape == (n_images, 16, 40) == ref.shape
+    assert rel(out, ref) <= TOL
+    # the images are computed apart: the second image does not change the first's tokens
+    if n_images == 2:
+        with torch.no_grad():
+            assert rel(ours(pixels[:1]), out[:1]) <= TOL
+
+
+def test_gemma3_gradients_equal_transformers(gemma3):
+    hf, ours, args = gemma3
+    hf.zero_grad()
+    ours.zero_grad()
+    pixels = torch.randn(2, 3, args.image_size, args.image_size)
+    weights = torch.randn(2, 16, 40)
+    ref_pixels, our_pixels = (pixels.clone().requires_grad_() for _ in range(2))
+    (hf_gemma3_features(hf, ref_pixels) * weights).sum().backward()
+    (ours(our_pixels) * weights).sum().backward()
+    assert rel(our_pixels.grad, ref_pixels.grad) <= TOL
+    check_grads(ours, hf, gemma3_vision_names(args), zero=("attn.wk.bias",))
+
+
+def test_gemma3_names_round_trip(gemma3, tmp_path):
+    """Our names load into transformers' modules with strict=True, and a folder saved with them
+    loads through from_pretrained with no missing key and the same features."""
+    hf, ours, args = gemma3
+    names = gemma3_vision_names(args)
+    saved = hf_state_dict(ours, names)
+    tower = {k.removeprefix("vision_tower.vision_model."): v for k, v in saved.items()}
+    projector = {k.removeprefix("multi_modal_projector."): tower.pop(k) for k in list(tower)
+                 if k.startswith("multi_modal_projector.")}
+    fresh = transformers.Gemma3ForConditionalGeneration(gemma3_config())
+    fresh.model.vision_tower.load_state_dict(tower, strict=True)
+    fresh.model.multi_modal_projector.load_state_dict(projector, strict=True)
+
+    folder = save_with_our_names(tmp_path, hf, ours, names, ("vision_tower.", "multi_modal_projector."))
+    loaded, info = transformers.AutoModelForImageTextToText.from_pretrained(
+        folder, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    pixels = torch.randn(1, 3, args.image_size, args.image_size)
+    with torch.no_grad():
+        assert rel(hf_gemma3_features(loaded.eval(), pixels), ours(pixels)) <= TOL
+    # and our loader reads what transformers 5 writes (vision_tower. without vision_model.)
+    with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
+        assert any(k.startswith("vision_tower.vision_model.") for k in f.keys())
+    again = Gemma3VisionTower(args)
+    hf.save_pretrained(tmp_path / "theirs")
+    with safe_open(tmp_path / "theirs" / "model.safetensors", "pt") as f:
+        load_hf_state_dict(again, {k: f.get_tensor(k) for k in f.keys()}, names, "theirs")
+    with torch.no_grad():
+        assert torch.equal(again(pixels), ours(pixels))
+
+
+def test_gemma3_config_errors():
+    config = gemma3_config().to_dict()
+    config["vision_config"]["vision_use_head"] = True
+    with pytest.raises(UserError, match="vision_use_head"):
+        SiglipArgs.from_hf(config, "ckpt/config.json")
+    config = gemma3_config(mm_tokens_per_image=12).to_dict()
+    with pytest.raises(UserError, match="mm_tokens_per_image=12"):
+        SiglipArgs.from_hf(config)
+    with pytest.raises(UserError, match="text-only"):
+        SiglipArgs.from_hf({"hidden_size": 8})
+
+
+def test_missing_tensor_names_the_checkpoint(gemma3):
+    _, ours, args = gemma3
+    names = gemma3_vision_names(args)
+    tensors = hf_state_dict(ours, names)
+    tensors.pop("vision_tower.vision_model.encoder.layers.1.mlp.fc2.bias")
+    with pytest.raises(UserError, match=r"ckpt: .*layers\.1\.mlp\.fc2\.bias is missing"):
+        load_hf_state_dict(Gemma3VisionTower(args), tensors, names, "ckpt")
+    tensors = hf_state_dict(ours, names)
+    tensors["multi_modal_projector.mm_input_projection_weight"] = torch.zeros(3, 3)
+    with pytest.raises(UserError, match="shape"):
+        load_hf_state_dict(Gemma3VisionTower(args), tensors, names, "ckpt")
