@@ -95,7 +95,9 @@ class SiglipAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: [n, s, d] -> [n, s, d]."""
         n, s, d = x.shape
-        heads = [w(x).view(n, s, self.num_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)]
+        heads = [
+            w(x).view(n, s, self.num_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        ]
         out = F.scaled_dot_product_attention(*heads)  # [n, h, s, hd]
         return self.wo(out.transpose(1, 2).reshape(n, s, d))
 
