@@ -14,6 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from compiletune.errors import UserError
 from compiletune.models.vision.common import NameMap, hf_state_dict, load_hf_state_dict
+from compiletune.models.vision.qwen import (
+    Qwen35VisionTower,
+    QwenVisionArgs,
+    mrope_angles,
+    mrope_position_ids,
+    qwen35_vision_names,
+)
 from compiletune.models.vision.siglip import Gemma3VisionTower, SiglipArgs, gemma3_vision_names
 
 TOL = 1e-5
@@ -205,3 +212,167 @@ def test_missing_tensor_names_the_checkpoint(gemma3):
     tensors["multi_modal_projector.mm_input_projection_weight"] = torch.zeros(3, 3)
     with pytest.raises(UserError, match="shape"):
         load_hf_state_dict(Gemma3VisionTower(args), tensors, names, "ckpt")
+
+
+# ---------------------------------------------------------------- Qwen3.5 (ViT + merger + mrope)
+
+IMAGE_TOKEN = 290
+
+
+def qwen35_config() -> transformers.Qwen3_5Config:
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        depth=2,
+        num_heads=2,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=40,
+        num_position_embeddings=16,
+    )
+    text = dict(
+        hidden_size=40,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=300,
+        layer_types=["linear_attention", "full_attention"],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+        },
+    )
+    return transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen35():
+    torch.manual_seed(0)
+    config = qwen35_config()
+    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    randomize(hf.model.visual, 3)
+    args = QwenVisionArgs.from_hf(config.to_dict())
+    ours = Qwen35VisionTower(args)
+    load_hf_state_dict(ours, hf.state_dict(), qwen35_vision_names(args), "tiny")
+    return hf, ours, args
+
+
+def hf_qwen35_features(hf, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    return torch.cat(hf.model.get_image_features(pixels, grid).pooler_output)
+
+
+# one image of each of two sizes (one not square), two images of different sizes, a 2-frame grid
+GRIDS = [[[1, 4, 6]], [[1, 8, 4]], [[1, 4, 6], [1, 6, 6]], [[2, 4, 4]]]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=["4x6", "8x4", "two", "t2"])
+def test_qwen35_features_equal_transformers(qwen35, grid):
+    hf, ours, args = qwen35
+    grid = torch.tensor(grid)
+    pixels = torch.randn(int(grid.prod(-1).sum()), args.patch_dim)
+    with torch.no_grad():
+        ref = hf_qwen35_features(hf, pixels, grid)
+        out = ours(pixels, grid)
+    assert out.shape == ref.shape == (int(grid.prod(-1).sum()) // 4, 40)
+    assert rel(out, ref) <= TOL
+    if len(grid) == 2:  # attention stays within an image: the first is the same alone
+        first = int(grid[0].prod())
+        with torch.no_grad():
+            assert rel(ours(pixels[:first], grid[:1]), out[: first // 4]) <= TOL
+
+
+def test_qwen35_gradients_equal_transformers(qwen35):
+    hf, ours, args = qwen35
+    hf.zero_grad()
+    ours.zero_grad()
+    grid = torch.tensor([[1, 4, 6], [1, 6, 6]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), args.patch_dim)
+    weights = torch.randn(pixels.shape[0] // 4, 40)
+    ref_pixels, our_pixels = (pixels.clone().requires_grad_() for _ in range(2))
+    (hf_qwen35_features(hf, ref_pixels, grid) * weights).sum().backward()
+    (ours(our_pixels, grid) * weights).sum().backward()
+    assert rel(our_pixels.grad, ref_pixels.grad) <= TOL
+    check_grads(ours, hf, qwen35_vision_names(qwen35[2]))
+
+
+def test_qwen35_names_round_trip(qwen35, tmp_path):
+    hf, ours, args = qwen35
+    names = qwen35_vision_names(args)
+    saved = {k.removeprefix("model.visual."): v for k, v in hf_state_dict(ours, names).items()}
+    fresh = transformers.Qwen3_5ForConditionalGeneration(qwen35_config())
+    fresh.model.visual.load_state_dict(saved, strict=True)
+
+    folder = save_with_our_names(tmp_path, hf, ours, names, ("model.visual.",))
+    loaded, info = transformers.AutoModelForImageTextToText.from_pretrained(
+        folder, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    grid = torch.tensor([[1, 4, 6]])
+    pixels = torch.randn(24, args.patch_dim)
+    with torch.no_grad():
+        assert rel(hf_qwen35_features(loaded.eval(), pixels, grid), ours(pixels, grid)) <= TOL
+
+
+def qwen_rows(pad_left: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two rows: text, an image (grid 1x4x6 -> 6 tokens), text, an image (1x6x6 -> 9 tokens),
+    text; and text, an image (1x8x4 -> 8 tokens), text, left-padded by `pad_left`."""
+    gen = torch.Generator().manual_seed(5)
+
+    def text(n):
+        return torch.randint(0, 280, (n,), generator=gen)
+
+    def image(n):
+        return torch.full((n,), IMAGE_TOKEN)
+
+    first = torch.cat([text(3), image(6), text(2), image(9), text(4)])
+    second = torch.cat(
+        [torch.zeros(pad_left, dtype=torch.long), text(5), image(8), text(11 - pad_left)]
+    )
+    ids = torch.stack([first, second])
+    mask = torch.ones_like(ids)
+    mask[1, :pad_left] = 0
+    grid = torch.tensor([[1, 4, 6], [1, 6, 6], [1, 8, 4]])
+    return ids, mask, grid
+
+
+@pytest.mark.parametrize("pad_left", [0, 3])
+def test_qwen35_mrope_positions_equal_transformers(qwen35, pad_left):
+    hf, _, args = qwen35
+    ids, mask, grid = qwen_rows(pad_left)
+    types = (ids == IMAGE_TOKEN).int() * mask
+    ref, ref_deltas = hf.model.get_rope_index(ids, types, grid, attention_mask=mask)
+    ours, deltas = mrope_position_ids(ids, grid, IMAGE_TOKEN, args.spatial_merge_size, mask)
+    assert torch.equal(ours[:, mask.bool()], ref[:, mask.bool()])
+    assert torch.equal(deltas, ref_deltas)
+    # an image's tokens do not count on one by one: positions end below the row's length
+    assert ours[:, 0].max() < ids.shape[1] - 1
+
+
+def test_qwen35_mrope_counts_checked():
+    ids, _, grid = qwen_rows(0)
+    with pytest.raises(ValueError, match="3 images in image_grid_thw, 2 runs"):
+        mrope_position_ids(ids[:1], grid, IMAGE_TOKEN, 2)
+    with pytest.raises(ValueError, match="a run of 6 image tokens for an image of 8"):
+        mrope_position_ids(ids[:1], grid[[2, 1]], IMAGE_TOKEN, 2)
+
+
+def test_qwen35_mrope_angles_equal_transformers(qwen35):
+    hf, _, args = qwen35
+    ids, mask, grid = qwen_rows(0)
+    positions, _ = mrope_position_ids(ids, grid, IMAGE_TOKEN, args.spatial_merge_size, mask)
+    rotary = hf.model.language_model.rotary_emb
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    angles = mrope_angles(positions, rotary.inv_freq, [3, 3, 2])
+    angles = torch.cat((angles, angles), dim=-1)
+    assert rel(angles.cos(), cos) <= TOL and rel(angles.sin(), sin) <= TOL
+    # and not the plain 1-D angles of the time axis (the rows hold images)
+    plain = torch.cat([positions[0, ..., None] * rotary.inv_freq] * 2, dim=-1)
+    assert rel(plain.cos(), cos) > 1e-3
