@@ -29,29 +29,36 @@ from typing import Any
 import gguf
 
 from compiletune.errors import UserError
+from compiletune.models import families as model_families
 
 
 @dataclass(frozen=True)
 class Family:
+    """A family the export writes: its model_type and its `Gguf` data (models/families/)."""
+
+    model_type: str
     arch: gguf.MODEL_ARCH
-    interleave_qk: bool = False  # llama: reorder q/k rows for llama.cpp's pairwise rotary
-    norm_plus_one: bool = False  # gemma: the file stores 1 + w for every RMSNorm weight
-    swa_every: int = 0  # gemma: llama.cpp's fixed pattern (every n-th layer is global)
+    interleave_qk: bool = False  # reorder q/k rows for llama.cpp's pairwise rotary
+    norm_plus_one: bool = False  # the file stores 1 + w for every RMSNorm weight
+    swa_every: int = 0  # llama.cpp's fixed pattern (every n-th layer is global)
+    wide_scale_layers: int = 0  # see `Gguf.wide_scale_layers`
+    writes_window: bool = False  # sliding_window on every layer
 
 
 FAMILIES = {
-    "llama": Family(gguf.MODEL_ARCH.LLAMA, interleave_qk=True),
-    "mistral": Family(gguf.MODEL_ARCH.LLAMA, interleave_qk=True),
-    "qwen2": Family(gguf.MODEL_ARCH.QWEN2),
-    "qwen3": Family(gguf.MODEL_ARCH.QWEN3),
-    "phi3": Family(gguf.MODEL_ARCH.PHI3),
-    "gemma2": Family(gguf.MODEL_ARCH.GEMMA2, norm_plus_one=True, swa_every=2),
-    "gemma3_text": Family(gguf.MODEL_ARCH.GEMMA3, norm_plus_one=True, swa_every=6),
+    name: Family(
+        name,
+        getattr(gguf.MODEL_ARCH, g.arch),
+        g.interleave_qk,
+        g.norm_plus_one,
+        g.swa_every,
+        g.wide_scale_layers,
+        g.writes_window,
+    )
+    for name, f in model_families.FAMILIES.items()
+    if (g := f.gguf) is not None
 }
 SUPPORTED = ", ".join(FAMILIES)
-# llama.cpp scales Gemma's queries by 1/sqrt(head_dim), except for the 27B models (known there by
-# their layer count), which use 1/sqrt(hidden / heads): config.query_pre_attn_scalar must agree.
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 
 def family_of(cfg: dict[str, Any], folder: object) -> Family:
@@ -108,7 +115,7 @@ def _check_gemma(cfg: dict[str, Any], fam: Family, folder: object) -> None:
     model_type, layers = cfg["model_type"], cfg["num_hidden_layers"]
     scalar = cfg.get("query_pre_attn_scalar", head_dim(cfg))
     wide = cfg["hidden_size"] // cfg["num_attention_heads"]
-    if scalar != head_dim(cfg) and not (scalar == wide and layers == _GEMMA_27B_LAYERS[model_type]):
+    if scalar != head_dim(cfg) and not (scalar == wide and layers == fam.wide_scale_layers):
         raise UserError(
             f"{folder}: query_pre_attn_scalar {scalar} is neither head_dim {head_dim(cfg)} nor "
             "the 27B model's hidden_size / heads; llama.cpp would scale attention differently"
@@ -161,7 +168,7 @@ def metadata(cfg: dict[str, Any], fam: Family, folder: object) -> dict[str, Any]
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if cfg.get(name):
                 keys[f"add_{name}"] = cfg[name]
-    elif cfg["model_type"] == "phi3" and cfg.get("sliding_window"):
+    elif fam.writes_window and cfg.get("sliding_window"):
         keys["add_sliding_window"] = cfg["sliding_window"]
     return keys
 

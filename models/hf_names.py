@@ -12,6 +12,7 @@ from torch import Tensor
 
 from compiletune.errors import UserError
 
+from .families import DEFAULT_FAMILY
 from .hf_config import ARCHITECTURES
 from .names import strip_wrappers
 
@@ -184,7 +185,7 @@ def _block_names_inv(family: str) -> dict[str, str]:
     return {v: k for k, v in _block_names(family).items()}
 
 
-def to_hf_name(native: str, family: str = "llama") -> str:
+def to_hf_name(native: str, family: str = DEFAULT_FAMILY) -> str:
     """`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     native = strip_wrappers(native)
     if native in _GLOBAL_NAMES:
@@ -198,7 +199,7 @@ def to_hf_name(native: str, family: str = "llama") -> str:
     )
 
 
-def to_native_name(hf: str, family: str = "llama") -> str:
+def to_native_name(hf: str, family: str = DEFAULT_FAMILY) -> str:
     """`model.layers.3.mlp.gate_proj.weight` -> `layers.3.feed_forward.w1.weight`."""
     if hf in _GLOBAL_NAMES_INV:
         return _GLOBAL_NAMES_INV[hf]
@@ -260,7 +261,7 @@ def layout(
 
 
 def hf_pieces(
-    native: str, shape: tuple[int, ...], family: str = "llama"
+    native: str, shape: tuple[int, ...], family: str = DEFAULT_FAMILY
 ) -> list[tuple[str, Index, tuple[int, ...]]]:
     """The HF tensors a native tensor is stored as: (HF name, index into the native tensor, the
     piece's shape). One piece, the whole tensor, except for stacked experts, which the hub keeps
@@ -287,7 +288,7 @@ def hf_pieces(
 
 
 def state_dict_to_hf(
-    sd: dict[str, Tensor], tie_embeddings: bool = False, family: str = "llama"
+    sd: dict[str, Tensor], tie_embeddings: bool = False, family: str = DEFAULT_FAMILY
 ) -> dict[str, Tensor]:
     """Rename a native state dict to HF names (dropping `output.weight` when tied; stacked
     experts split into the hub's per-expert tensors)."""

@@ -17,52 +17,8 @@ from typing import Any
 from compiletune.errors import UserError, closest
 
 from .args import ModelArgs, RopeScaling
-
-
-def _llama3_rope(factor: float) -> RopeScaling:
-    return RopeScaling(
-        factor=factor,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=8192,
-    )
-
-
-def _llama2(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int) -> ModelArgs:
-    return ModelArgs(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        vocab_size=32000,
-        ffn_dim=ffn_dim,
-        norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_seq_len=4096,
-    )
-
-
-def _llama3(
-    dim: int,
-    n_layers: int,
-    n_heads: int,
-    ffn_dim: int,
-    rope_scaling: RopeScaling | None = None,
-    tie: bool = False,
-) -> ModelArgs:
-    return ModelArgs(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=8,
-        vocab_size=128256,
-        ffn_dim=ffn_dim,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=rope_scaling,
-        max_seq_len=8192 if rope_scaling is None else 131072,
-        tie_embeddings=tie,
-    )
+from .families import FAMILIES
+from .families.llama import debug_like
 
 
 def _qwen2_5(
@@ -505,40 +461,7 @@ def _glm4_5_air() -> ModelArgs:
     )
 
 
-def _debug(vocab_size: int) -> ModelArgs:
-    return ModelArgs(
-        dim=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=2,
-        vocab_size=vocab_size,
-        ffn_dim=768,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_seq_len=32768,  # long-context checks on CPU (README "Long context")
-    )
-
-
-def _debug_like(**changes) -> ModelArgs:
-    return dataclasses.replace(_debug(512), **changes)
-
-
-PRESETS: dict[str, ModelArgs] = {
-    # meta-llama/Llama-2-{7b,13b,70b}-hf
-    "llama2_7b": _llama2(4096, 32, 32, 32, 11008),
-    "llama2_13b": _llama2(5120, 40, 40, 40, 13824),
-    "llama2_70b": _llama2(8192, 80, 64, 8, 28672),
-    # meta-llama/Meta-Llama-3-{8B,70B}
-    "llama3_8b": _llama3(4096, 32, 32, 14336),
-    "llama3_70b": _llama3(8192, 80, 64, 28672),
-    # meta-llama/Llama-3.1-{8B,70B,405B}, Llama-3.3-70B-Instruct: 128k context via llama3 rope
-    "llama3_1_8b": _llama3(4096, 32, 32, 14336, _llama3_rope(8.0)),
-    "llama3_1_70b": _llama3(8192, 80, 64, 28672, _llama3_rope(8.0)),
-    "llama3_1_405b": _llama3(16384, 126, 128, 53248, _llama3_rope(8.0)),
-    # meta-llama/Llama-3.2-{1B,3B}: tied embeddings, rope factor 32
-    "llama3_2_1b": _llama3(2048, 16, 32, 8192, _llama3_rope(32.0), tie=True),
-    "llama3_2_3b": _llama3(3072, 28, 24, 8192, _llama3_rope(32.0), tie=True),
-    "llama3_3_70b": _llama3(8192, 80, 64, 28672, _llama3_rope(8.0)),
+_REST: dict[str, ModelArgs] = {
     # Qwen/Qwen2.5-*: q/k/v bias; small ones tie embeddings
     "qwen2_5_0_5b": _qwen2_5(896, 24, 14, 2, 4864, 151936, 1e-6, 32768, tie=True),
     "qwen2_5_1_5b": _qwen2_5(1536, 28, 12, 2, 8960, 151936, 1e-6, 131072, tie=True),
@@ -615,14 +538,11 @@ PRESETS: dict[str, ModelArgs] = {
     # mistralai/Mixtral-8x7B-v0.1, Mixtral-8x22B-v0.1: 8 experts, 2 per token
     "mixtral_8x7b": _mixtral(4096, 32, 32, 14336, 32000, 32768),
     "mixtral_8x22b": _mixtral(6144, 56, 48, 16384, 32768, 65536),
-    # Small Llama-3-shaped models for tests, the embedded default run and benches.
-    "debug": _debug(512),
-    "debug_128k": _debug(128256),
     # One small model per new mechanism (tests, CPU benches): q/k norms and a wide head_dim;
     # Gemma 2's soft-caps, windows and sandwich norms; Gemma 3's layer pattern and local rope;
     # Phi-3's fused projections and partial rotary; Mistral v0.1's window on every layer.
-    "debug_qwen3": _debug_like(family="qwen3", qk_norm=True, head_dim=64),
-    "debug_gemma2": _debug_like(
+    "debug_qwen3": debug_like(family="qwen3", qk_norm=True, head_dim=64),
+    "debug_gemma2": debug_like(
         family="gemma2",
         query_pre_attn_scalar=32.0,
         attn_softcap=50.0,
@@ -630,7 +550,7 @@ PRESETS: dict[str, ModelArgs] = {
         sliding_window=256,
         **_gemma_common(4, ("sliding", "full", "sliding", "full")),
     ),
-    "debug_gemma3": _debug_like(
+    "debug_gemma3": debug_like(
         family="gemma3_text",
         qk_norm=True,
         query_pre_attn_scalar=32.0,
@@ -639,15 +559,15 @@ PRESETS: dict[str, ModelArgs] = {
         rope_scaling=RopeScaling(8.0, rope_type="linear"),
         **_gemma_common(4, ("sliding", "sliding", "sliding", "full")),
     ),
-    "debug_phi3": _debug_like(family="phi3", fused_projections=True, rotary_dim=24),
-    "debug_window": _debug_like(family="mistral", sliding_window=256),
+    "debug_phi3": debug_like(family="phi3", fused_projections=True, rotary_dim=24),
+    "debug_window": debug_like(family="mistral", sliding_window=256),
     # SmolLM3's NoPE layer (the last of four); OLMo 3's norms and pattern (3 windowed, 1 full)
-    "debug_smollm3": _debug_like(family="smollm3", tie_embeddings=True, nope_layers=(3,)),
+    "debug_smollm3": debug_like(family="smollm3", tie_embeddings=True, nope_layers=(3,)),
     # Qwen3.5's layers: three Gated DeltaNet layers per gated full-attention one, (1 + w)
     # norms, a quarter of each head rotated
-    "debug_qwen3_5": _debug_like(**_QWEN3_5),
+    "debug_qwen3_5": debug_like(**_QWEN3_5),
     # Qwen3.5-MoE's: those layers with 8 experts (2 per token) and a gated shared expert
-    "debug_qwen3_5_moe": _debug_like(
+    "debug_qwen3_5_moe": debug_like(
         **{**_QWEN3_5, "family": "qwen3_5_moe_text"},
         ffn_dim=256,  # = moe_ffn_dim: no dense layer
         n_experts=8,
@@ -659,7 +579,7 @@ PRESETS: dict[str, ModelArgs] = {
     ),
     # Gemma 4's: a full layer with a wider head whose keys are its values, per-layer inputs,
     # the last two layers attending over earlier layers' keys and values with wider MLPs
-    "debug_gemma4": _debug_like(
+    "debug_gemma4": debug_like(
         family="gemma4_text",
         qk_norm=True,
         query_pre_attn_scalar=1.0,
@@ -681,7 +601,7 @@ PRESETS: dict[str, ModelArgs] = {
     ),
     # gpt-oss's: sinks, 64-token windows on alternate layers, 8 experts (2 per token) with
     # biases and the clamped SwiGLU
-    "debug_gpt_oss": _debug_like(
+    "debug_gpt_oss": debug_like(
         family="gpt_oss",
         qkv_bias=True,
         o_bias=True,
@@ -699,7 +619,7 @@ PRESETS: dict[str, ModelArgs] = {
     ),
     # DeepSeek-V3's: MLA (q latent 128, kv latent 64, rope part 16), sigmoid routing over 2 of
     # 4 groups of 8 experts (2 per token), a shared expert, the first layer dense
-    "debug_deepseek": _debug_like(
+    "debug_deepseek": debug_like(
         family="deepseek_v3",
         n_kv_heads=8,
         head_dim=48,
@@ -718,14 +638,14 @@ PRESETS: dict[str, ModelArgs] = {
         topk_groups=2,
         routed_scale=2.5,
     ),
-    "debug_olmo3": _debug_like(
+    "debug_olmo3": debug_like(
         sliding_window=256,
         layer_types=("sliding", "sliding", "sliding", "full"),
         local_rope_theta=10000.0,
         **_OLMO,
     ),
     # Qwen3-MoE-shaped: 8 experts, 2 per token, q/k norms; layer 1 dense (mlp_only_layers)
-    "debug_moe": _debug_like(
+    "debug_moe": debug_like(
         family="qwen3_moe",
         qk_norm=True,
         n_experts=8,
@@ -734,17 +654,11 @@ PRESETS: dict[str, ModelArgs] = {
         dense_layers=(1,),
         router_aux_coef=0.001,
     ),
-    "llama3_150m": ModelArgs(
-        dim=512,
-        n_layers=8,
-        n_heads=8,
-        n_kv_heads=4,
-        vocab_size=128256,
-        ffn_dim=1536,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_seq_len=8192,
-    ),
+}
+# every family module's presets, family by family (models/families/__init__.py)
+PRESETS: dict[str, ModelArgs] = {
+    **{name: args for f in FAMILIES.values() for name, args in f.presets.items()},
+    **_REST,
 }
 
 
