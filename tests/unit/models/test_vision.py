@@ -11,12 +11,20 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from vision_cases import (
+    IMAGE_TOKEN,
+    gemma3_config,
+    gemma3_pair,
+    hf_gemma3_features,
+    hf_qwen35_features,
+    qwen35_config,
+    qwen35_pair,
+    rel,
+)
 
 from compiletune.errors import UserError
 from compiletune.models.vision.common import NameMap, hf_state_dict, load_hf_state_dict
 from compiletune.models.vision.qwen import (
-    Qwen35VisionTower,
-    QwenVisionArgs,
     mrope_angles,
     mrope_position_ids,
     qwen35_vision_names,
@@ -24,19 +32,6 @@ from compiletune.models.vision.qwen import (
 from compiletune.models.vision.siglip import Gemma3VisionTower, SiglipArgs, gemma3_vision_names
 
 TOL = 1e-5
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert torch.isfinite(a).all() and torch.isfinite(b).all()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    """Every parameter drawn fresh (transformers zero-initialises some vision weights)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
 
 
 def hf_param(hf_params: dict, name_map: NameMap, hf_name: str) -> torch.nn.Parameter:
@@ -81,47 +76,9 @@ def save_with_our_names(tmp_path, hf_model, ours, name_map: NameMap, drop: tuple
 # ---------------------------------------------------------------- Gemma 3 (SigLIP + projector)
 
 
-def gemma3_config(**overrides) -> transformers.Gemma3Config:
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=4,
-        vision_use_head=False,
-    )
-    text = dict(
-        hidden_size=40,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        vocab_size=300,
-    )
-    top = dict(mm_tokens_per_image=16, image_token_index=299, boi_token_index=297)
-    return transformers.Gemma3Config(
-        text_config=text, vision_config=vision, eoi_token_index=298, **{**top, **overrides}
-    )
-
-
 @pytest.fixture(scope="module")
 def gemma3():
-    """transformers' tiny Gemma 3 with random weights, and our tower loaded from its tensors."""
-    torch.manual_seed(0)
-    config = gemma3_config()
-    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
-    randomize(hf.model.vision_tower, 1)
-    randomize(hf.model.multi_modal_projector, 2)
-    args = SiglipArgs.from_hf(config.to_dict())
-    ours = Gemma3VisionTower(args)
-    load_hf_state_dict(ours, hf.state_dict(), gemma3_vision_names(args), "tiny")
-    return hf, ours, args
-
-
-def hf_gemma3_features(hf, pixels: torch.Tensor) -> torch.Tensor:
-    return hf.model.get_image_features(pixels).pooler_output
+    return gemma3_pair()
 
 
 @pytest.mark.parametrize("n_images", [1, 2])
@@ -216,57 +173,10 @@ def test_missing_tensor_names_the_checkpoint(gemma3):
 
 # ---------------------------------------------------------------- Qwen3.5 (ViT + merger + mrope)
 
-IMAGE_TOKEN = 290
-
-
-def qwen35_config() -> transformers.Qwen3_5Config:
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=48,
-        depth=2,
-        num_heads=2,
-        patch_size=4,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        out_hidden_size=40,
-        num_position_embeddings=16,
-    )
-    text = dict(
-        hidden_size=40,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        vocab_size=300,
-        layer_types=["linear_attention", "full_attention"],
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-            "mrope_section": [3, 3, 2],
-            "mrope_interleaved": True,
-        },
-    )
-    return transformers.Qwen3_5Config(
-        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN
-    )
-
 
 @pytest.fixture(scope="module")
 def qwen35():
-    torch.manual_seed(0)
-    config = qwen35_config()
-    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
-    randomize(hf.model.visual, 3)
-    args = QwenVisionArgs.from_hf(config.to_dict())
-    ours = Qwen35VisionTower(args)
-    load_hf_state_dict(ours, hf.state_dict(), qwen35_vision_names(args), "tiny")
-    return hf, ours, args
-
-
-def hf_qwen35_features(hf, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    return torch.cat(hf.model.get_image_features(pixels, grid).pooler_output)
+    return qwen35_pair()
 
 
 # one image of each of two sizes (one not square), two images of different sizes, a 2-frame grid
