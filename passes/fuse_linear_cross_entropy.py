@@ -18,10 +18,12 @@ chunks of tokens with an fp32 log-sum-exp and saves only `lse [N]` for backward,
 When the graph needs gradients (the logits require grad) and `fused_loss.grads_in_forward` says
 the sizes fit, it emits the one-pass op instead,
 
-    loss, dh, dW, db = compiletune::linear_cross_entropy_with_grads(..., need_dh, need_dweight)
+    loss, dh, dW, db = compiletune::linear_cross_entropy_with_grads(..., need_dh, need_dweight,
+                                                                     accumulator)
 
 which computes the gradients while the chunk's logits exist (three vocabulary-sized matmuls, not
-four) and saves them for a backward that only scales them by the incoming gradient.
+four) and saves them for a backward that only scales them by the incoming gradient. `accumulator`
+(how a narrow dW sums over token chunks) is resolved once, here, and written into the graph.
 
 Why it is safe: the chain between the linear and the loss may only regroup or slice the token
 dimensions (the last dimension must stay V, untouched) and change the dtype. The op upcasts to
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from compiletune.ops.ce_chunks import accumulator_choice
 from compiletune.ops.fused_loss import grads_in_forward  # also registers the ops
 
 _LINEAR = (torch._C._nn.linear, F.linear)
@@ -133,14 +136,20 @@ def walk_back_to_linear(
 
 
 def fuse_linear_cross_entropy(
-    gm: torch.fx.GraphModule, chunk_size: int = 0, z_loss: float = 0.0, softcap: float = 0.0
+    gm: torch.fx.GraphModule,
+    chunk_size: int = 0,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    accumulator: str = "",
 ) -> tuple[torch.fx.GraphModule, dict[str, Any]]:
     """Rewrite every linear -> cross_entropy pair in `gm`. Returns (gm, stats).
+    accumulator: auto | fp32 | bf16 ("" = $COMPILETUNE_LCE_ACCUMULATOR or auto).
 
     stats: matched (pairs rewritten), skipped (reason -> count), logits_shapes (the [N, V] that
     no longer exist).
     """
     graph = gm.graph
+    accumulator = accumulator_choice(accumulator)
     matched, one_pass_count, skipped, shapes = 0, 0, Counter(), []
     for ce in list(graph.nodes):
         if ce.op != "call_function" or ce.target not in _CROSS_ENTROPY:
@@ -172,7 +181,7 @@ def fuse_linear_cross_entropy(
         # requires it (a graph traced under no_grad, for evaluation, gets the forward-only op).
         need = [bool(getattr(_value(x), "requires_grad", False)) for x in (h, weight, bias)]
         one_pass = bool(getattr(_value(linear), "requires_grad", False)) and grads_in_forward(
-            int(ce_in.shape[0]), vocab, hidden, w_value.dtype, chunk_size, need[1]
+            int(ce_in.shape[0]), vocab, hidden, w_value.dtype, chunk_size, need[1], accumulator
         )
 
         with graph.inserting_before(ce):
@@ -193,7 +202,7 @@ def fuse_linear_cross_entropy(
             )
             if one_pass:
                 op = torch.ops.compiletune.linear_cross_entropy_with_grads.default
-                args = (*args, need[0], need[1] or need[2])
+                args = (*args, need[0], need[1] or need[2], accumulator)
             else:
                 op = torch.ops.compiletune.linear_cross_entropy.default
             fused = graph.call_function(op, args)

@@ -270,6 +270,46 @@ def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
     acc.add_(a @ b)
 
 
+# ---------------------------------------------------------------------------------------------
+# The weight gradient's sum over token chunks, in a narrow dtype: fp32 or the weight's own.
+
+ACCUMULATORS = ("auto", "fp32", "bf16")
+# The sum in the weight's dtype (bf16) rounds the running sum once per chunk. Those roundings are
+# a random walk over a sum that itself grows like sqrt(chunks seen), so over k chunks dW's
+# rounding error is sqrt((k + 1) / 2) times that of a gradient rounded once (measured on CPU,
+# tests/unit/ops/test_fused_loss.py; rounding to bf16 is the same on a GPU). `auto` allows it up
+# to 4 chunks: at most 1.6x the one-rounding error, inside the numerics contract's slack for
+# bf16 (the plain bf16 head's error + 1e-3). Beyond that the fp32 sum costs a [V, d] fp32 buffer
+# that the two-op head, which needs none, avoids.
+BF16_SUM_MAX_CHUNKS = 4
+
+
+def accumulator_choice(accumulator: str = "") -> str:
+    """`accumulator` if given, else $COMPILETUNE_LCE_ACCUMULATOR, else "auto"; one of
+    ACCUMULATORS."""
+    source = "accumulator"
+    if not accumulator:
+        accumulator = os.environ.get("COMPILETUNE_LCE_ACCUMULATOR", "").strip() or "auto"
+        source = "COMPILETUNE_LCE_ACCUMULATOR"
+    if accumulator not in ACCUMULATORS:
+        raise UserError(
+            f"{source}={accumulator!r} must be one of {', '.join(ACCUMULATORS)} (how the fused "
+            "head sums the weight gradient over token chunks); unset it for auto"
+        )
+    return accumulator
+
+
+def narrow_weight_sum(n_chunks: int, dtype: torch.dtype, accumulator: str = "") -> bool:
+    """Whether a weight gradient summed over `n_chunks` token chunks is kept in `dtype` itself
+    (True) rather than in an fp32 buffer. fp32 weights and one chunk need no separate buffer
+    either way (True); else `accumulator_choice(accumulator)`: bf16 -> True, fp32 -> False,
+    auto -> n_chunks <= BF16_SUM_MAX_CHUNKS."""
+    choice = accumulator_choice(accumulator)
+    if dtype == torch.float32 or n_chunks <= 1:
+        return True
+    return choice == "bf16" or (choice == "auto" and n_chunks <= BF16_SUM_MAX_CHUNKS)
+
+
 COL_ALIGN = 128  # vocabulary columns per backward chunk come in multiples of this
 
 

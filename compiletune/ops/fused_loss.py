@@ -30,6 +30,9 @@ Environment:
     COMPILETUNE_LCE_EAGER=1          run the row-wise torch functions (and the one-pass
                                      gradient scaling) eagerly (fast tests).
     COMPILETUNE_LCE_ONE_PASS=0|1     force the two-op or the one-pass head.
+    COMPILETUNE_LCE_ACCUMULATOR=auto|fp32|bf16
+                                     how the one-pass head sums a narrow-dtype weight gradient
+                                     over token chunks (`ce_chunks.narrow_weight_sum`).
 """
 
 import os
@@ -45,10 +48,12 @@ from compiletune.ops.ce_chunks import (
     MAX_CHUNK_TOKENS,
     MIN_CHUNK_TOKENS,
     accumulate_mm,
+    accumulator_choice,
     check_inputs,
     checked_targets,
     chunk_tokens,
     maybe_compiled,
+    narrow_weight_sum,
     row_ops,
     select_rows,
     vocab_chunk_cols,
@@ -353,8 +358,9 @@ linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_contex
 # backward would allocate anyway) instead of h and lse.
 #
 # Chunks must hold whole rows, so they go over tokens and dweight sums over chunks. In fp32 it
-# accumulates in place; in a narrow dtype it would need an fp32 [V, d] buffer, so the one-pass
-# head is used there only when all tokens fit in one chunk (`grads_in_forward`).
+# accumulates in place. In a narrow dtype it sums either in the output itself (one rounding per
+# chunk, `ce_chunks.narrow_weight_sum`) or in an fp32 [V, d] buffer; the one-pass head is chosen
+# there only when no fp32 buffer is needed (`grads_in_forward`).
 
 
 def one_pass_chunk_tokens(vocab: int, d_model: int, dtype: torch.dtype, chunk_size: int = 0) -> int:
@@ -376,11 +382,13 @@ def grads_in_forward(
     dtype: torch.dtype,
     chunk_size: int = 0,
     need_dweight: bool = True,
+    accumulator: str = "",
 ) -> bool:
     """Whether the head computes its gradients in the forward (the one-pass op). Two conditions:
 
-    it fits     fp32 (dweight accumulates in place), or all n_tokens in one chunk (no fp32
-                [V, d] accumulator);
+    it fits     no fp32 [V, d] accumulator: fp32 (dweight accumulates in place), all n_tokens
+                in one chunk, or a sum in the weight's dtype that `narrow_weight_sum` allows
+                (`accumulator`: see `ce_chunks.accumulator_choice`);
     it is small the gradients it saves from forward to backward (dweight [V, d] when the
                 weight trains, dh [N, d]) are no larger than the fp32 log-probabilities
                 [N, V] that the plain head saves. At few tokens a [V, d] gradient outweighs
@@ -400,9 +408,8 @@ def grads_in_forward(
     saved = ((vocab if need_dweight else 0) + n_tokens) * d_model * elt
     if saved > n_tokens * vocab * 4:
         return False
-    return dtype == torch.float32 or n_tokens <= one_pass_chunk_tokens(
-        vocab, d_model, dtype, chunk_size
-    )
+    chunk = one_pass_chunk_tokens(vocab, d_model, dtype, chunk_size)
+    return narrow_weight_sum(-(-n_tokens // chunk), dtype, accumulator)
 
 
 @torch.library.custom_op("compiletune::linear_cross_entropy_with_grads", mutates_args=())
@@ -418,12 +425,15 @@ def linear_cross_entropy_with_grads_op(
     softcap: float,
     need_dh: bool,
     need_dweight: bool,
+    accumulator: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The loss of `linear_cross_entropy_op` and its gradients for grad_loss = 1, in one pass.
 
     Returns (loss fp32 [], dh [N, d] or [0], dweight [V, d] or [0], dbias [V] or [0]) in the
     input dtypes; [0] where not needed (dbias comes with dweight when there is a bias).
     chunk_size: tokens per chunk; 0 = `one_pass_chunk_tokens`.
+    accumulator: how dweight sums over chunks in a narrow dtype ("" = the environment's or
+    auto; `ce_chunks.narrow_weight_sum`). dbias always sums in fp32 (a [V] buffer).
     """
     check_inputs(h, weight, bias, targets, reduction)
     d_model = h.shape[1]
@@ -447,12 +457,17 @@ def linear_cross_entropy_with_grads_op(
     # d loss / d (per-token loss) of each computed row: 0 on padding rows.
     ones = torch.ones((m,), dtype=f32, device=dev)
     units = sel.dead(sel.mean(ones) if reduction == "mean" else ones, 0.0)
-    wide = weight.dtype == f32
     one_chunk = m <= chunk
     if dw is None or one_chunk:
         dw_acc = dw
+    elif narrow_weight_sum(-(-m // chunk), weight.dtype, accumulator):
+        # In the output: addmm adds each chunk's product, summed in fp32 inside the matmul, to
+        # the running sum and rounds once (a cuBLAS epilogue on a GPU: no [V, d] temporary).
+        # Rounding the product first and adding it after rounds twice per chunk; a Kahan
+        # compensation would need a second [V, d] buffer, more than the two-op head holds.
+        dw_acc = dw.zero_()
     else:
-        dw_acc = dw.zero_() if wide else torch.zeros(dw.shape, dtype=f32, device=dev)
+        dw_acc = torch.zeros(dw.shape, dtype=f32, device=dev)
     db_acc = torch.zeros(vocab, dtype=f32, device=dev) if need_dbias else None
     dh_v = dh if sel.index is None or not need_dh else h.new_empty(m, d_model)
     loss_v = torch.empty(m, dtype=f32, device=dev)
@@ -503,6 +518,7 @@ def _(
     softcap,
     need_dh,
     need_dweight,
+    accumulator="",
 ):
     check_inputs(h, weight, bias, targets, reduction)
     dh = h.new_empty(h.shape) if need_dh else h.new_empty(0)
@@ -513,14 +529,16 @@ def _(
 
 @declare_memory("compiletune::linear_cross_entropy_with_grads")
 def _(a: Args) -> int:
-    """A chunk of logits (turned into their gradient in place) and, in a narrow dtype over
-    several chunks, the fp32 dweight buffer and one product per chunk. The gradients it
-    returns are outputs."""
+    """A chunk of logits (turned into their gradient in place) and, where a narrow dweight sums
+    over chunks in fp32, that buffer and one product per chunk. The gradients it returns are
+    outputs (a sum in the weight's dtype accumulates in one of them)."""
     h, weight = a["h"], a["weight"]
     (n, d), vocab, elt = h.shape, weight.shape[0], h.element_size()
     c = min(n, one_pass_chunk_tokens(vocab, d, weight.dtype, a["chunk_size"]))
-    narrow_sum = a["need_dweight"] and c < n and weight.dtype != torch.float32
-    return c * vocab * elt + (vocab * d * (4 + elt) if narrow_sum else 0)
+    fp32_sum = a["need_dweight"] and not narrow_weight_sum(
+        -(-n // c), weight.dtype, a["accumulator"]
+    )
+    return c * vocab * elt + (vocab * d * (4 + elt) if fp32_sum else 0)
 
 
 def _scaled(t: Tensor, g: Tensor) -> Tensor:
@@ -574,7 +592,7 @@ def _backward_one_pass(ctx, grad_loss, _grad_dh, _grad_dw, _grad_db):
     dh, dw, db = ctx.saved_tensors
     need_dh, need_dweight, need_dbias = ctx.needs_input_grad[:3]
     if grad_loss is None:
-        return (None,) * 11
+        return (None,) * 12
 
     def scaled(g: Tensor, needed: bool) -> Tensor | None:
         return _scale(g, grad_loss) if needed and g.numel() else None
@@ -583,7 +601,7 @@ def _backward_one_pass(ctx, grad_loss, _grad_dh, _grad_dw, _grad_db):
         scaled(dh, need_dh),
         scaled(dw, need_dweight),
         scaled(db, need_dbias),
-        *(None,) * 8,
+        *(None,) * 9,
     )
 
 
@@ -618,20 +636,30 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float = 0.0,
     one_pass: bool | None = None,
+    accumulator: str = "",
 ) -> Tensor:
     """Fused cross_entropy(linear(h, weight, bias), targets): h [..., d], weight [V, d],
     targets [...] -> fp32 []. See `linear_cross_entropy_op` for the arguments.
 
     one_pass: compute the gradients in the forward (`linear_cross_entropy_with_grads_op`);
     None = when autograd will need them and `grads_in_forward` says the sizes fit.
+    accumulator: auto | fp32 | bf16, how the one-pass head sums a narrow weight gradient over
+    chunks ("" = $COMPILETUNE_LCE_ACCUMULATOR or auto; `ce_chunks.narrow_weight_sum`).
     """
+    accumulator = accumulator_choice(accumulator)
     h2, t2 = _flatten(h, targets)
     need = [
         torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, weight, bias)
     ]
     if one_pass is None:
         one_pass = any(need) and grads_in_forward(
-            h2.shape[0], weight.shape[0], weight.shape[1], weight.dtype, chunk_size, need[1]
+            h2.shape[0],
+            weight.shape[0],
+            weight.shape[1],
+            weight.dtype,
+            chunk_size,
+            need[1],
+            accumulator,
         )
     if one_pass:
         loss, *_ = torch.ops.compiletune.linear_cross_entropy_with_grads(
@@ -646,6 +674,7 @@ def linear_cross_entropy(
             softcap,
             need[0],
             need[1] or need[2],
+            accumulator,
         )
         return loss
     loss, _ = torch.ops.compiletune.linear_cross_entropy(

@@ -289,7 +289,8 @@ def test_one_pass_backward_scales_as_the_block_loop(monkeypatch):
 
 
 def test_one_pass_only_when_it_fits(monkeypatch):
-    """fp32 always (dweight accumulates in place) and a narrow dtype only in one chunk, where
+    """fp32 always (dweight accumulates in place) and a narrow dtype only where dweight needs no
+    fp32 buffer (one chunk, or up to BF16_SUM_MAX_CHUNKS summed in the weight's dtype), where
     the gradients it saves are no larger than plain's log-probs."""
     vocab, d = 128256, 2048
     assert fused_loss.one_pass_chunk_tokens(vocab, d, torch.bfloat16) == 2048  # [V, d] budget
@@ -297,9 +298,13 @@ def test_one_pass_only_when_it_fits(monkeypatch):
         2 * vocab
     )
     assert fused_loss.grads_in_forward(2048, vocab, d, torch.bfloat16)
-    assert not fused_loss.grads_in_forward(2049, vocab, d, torch.bfloat16)
+    assert ce_chunks.BF16_SUM_MAX_CHUNKS == 4
+    assert fused_loss.grads_in_forward(4 * 2048, vocab, d, torch.bfloat16)  # bf16 sum
+    assert not fused_loss.grads_in_forward(4 * 2048 + 1, vocab, d, torch.bfloat16)
+    assert not fused_loss.grads_in_forward(2049, vocab, d, torch.bfloat16, accumulator="fp32")
+    assert fused_loss.grads_in_forward(10**5, vocab, d, torch.bfloat16, accumulator="bf16")
     assert fused_loss.grads_in_forward(10**6, vocab, d, torch.float32)
-    assert not fused_loss.grads_in_forward(200, vocab, d, torch.bfloat16, chunk_size=100)
+    assert not fused_loss.grads_in_forward(500, vocab, d, torch.bfloat16, chunk_size=100)
     # few tokens: dweight [V, d] would outweigh plain's fp32 log-probs [N, V] (Llama 3 8B)
     assert not fused_loss.grads_in_forward(1024, vocab, 4096, torch.bfloat16)
     assert not fused_loss.grads_in_forward(1000, vocab, 4096, torch.float32)
@@ -329,7 +334,7 @@ def test_one_pass_only_when_it_fits(monkeypatch):
     with torch.no_grad():
         linear_cross_entropy(h, w, t)
     linear_cross_entropy(h.detach(), w.detach(), t)
-    linear_cross_entropy(h.bfloat16(), w.bfloat16(), t, chunk_size=8)  # 20 tokens: 3 chunks
+    linear_cross_entropy(h.bfloat16(), w.bfloat16(), t, chunk_size=4)  # 20 tokens: 5 chunks
     assert calls == [
         "linear_cross_entropy_with_grads",
         "linear_cross_entropy",

@@ -85,6 +85,22 @@ def test_one_pass_only_where_gradients_are_needed():
     assert "compiletune.linear_cross_entropy.default" in ops(rewritten)
 
 
+@pytest.mark.parametrize("env, written", [(None, "auto"), ("bf16", "bf16"), ("fp32", "fp32")])
+def test_accumulator_is_resolved_once_and_written_into_the_graph(env, written, monkeypatch):
+    """The one-pass node carries the weight-gradient accumulator the pass resolved
+    ($COMPILETUNE_LCE_ACCUMULATOR or auto), so the op never reads the environment itself."""
+    if env is None:
+        monkeypatch.delenv("COMPILETUNE_LCE_ACCUMULATOR", raising=False)
+    else:
+        monkeypatch.setenv("COMPILETUNE_LCE_ACCUMULATOR", env)
+    monkeypatch.setenv("COMPILETUNE_LCE_ONE_PASS", "1")
+    h, w, y, _ = inputs()
+    _, rewritten, stats = run_rewritten(plain, h, w.requires_grad_(), y)
+    assert stats["one_pass"] == 1
+    (node,) = [n for n in rewritten.graph.nodes if "with_grads" in str(n.target)]
+    assert node.args[-1] == written
+
+
 def test_skips_when_logits_have_another_user():
     def both(h, w, y):
         logits = F.linear(h, w)
