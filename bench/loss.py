@@ -12,10 +12,16 @@ and W (128256 = the Llama 3 vocabulary), with 5% of the targets ignored:
              dh and dW in the forward and saves them; else the two-op head (chunked fp32
              log-sum-exp, saves only lse [N], logits recomputed in backward).
              COMPILETUNE_LCE_ONE_PASS=0|1 forces either.
+    fused_fp32acc    the one-pass head forced, its weight gradient summed over token chunks
+                     in an fp32 [V, d] buffer (default chunks: logits up to the size of dW)
+    fused_bf16acc    the same, summed in the weight's dtype (`--accumulator bf16`'s head)
+    fused_bf16_128m  the bf16 sum over chunks of at most 128 MiB of logits: about the memory
+                     of Liger's head, with 8 chunks at 4k tokens and 32 at 16k
     chunked  the usual chunked-logits baseline (8 chunks; autograd keeps each chunk's logits)
     plain    F.cross_entropy(F.linear(h, W).float())
     liger    Liger-Kernel's LigerFusedLinearCrossEntropyLoss   (on a GPU, where installed)
     cce      Apple's cut-cross-entropy linear_cross_entropy     (on a GPU, where installed)
+A peer that cannot run here (no GPU, or its package missing) gets a row entry with `skipped`.
 
 Peak memory is what the step allocates on top of its inputs (h, W, targets), gradients included,
 measured from the allocator:
@@ -35,7 +41,9 @@ memory (GPU: max_memory_allocated; CPU: the process's peak resident memory) and 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import importlib.util
 import statistics
 import sys
 import time
@@ -47,15 +55,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_name, result_header, run_train, work_dir, write_result  # noqa: E402
 
-from compiletune.ops.ce_chunks import chunk_tokens  # noqa: E402
+from compiletune.ops.ce_chunks import BF16_SUM_MAX_CHUNKS, chunk_tokens  # noqa: E402
 from compiletune.ops.fused_loss import (  # noqa: E402
     chunked_cross_entropy,
     linear_cross_entropy,
+    one_pass_chunk_tokens,
     plain_cross_entropy,
 )
 
+
+def _small_chunks(h, w, t, **kw):
+    """The one-pass head with its bf16 sum over chunks of <= 128 MiB of logits."""
+    chunk = max(1, 128 * 2**20 // (w.shape[0] * w.element_size()))
+    return linear_cross_entropy(h, w, t, one_pass=True, accumulator="bf16", chunk_size=chunk)
+
+
 VARIANTS = {
     "fused": linear_cross_entropy,
+    "fused_fp32acc": functools.partial(linear_cross_entropy, one_pass=True, accumulator="fp32"),
+    "fused_bf16acc": functools.partial(linear_cross_entropy, one_pass=True, accumulator="bf16"),
+    "fused_bf16_128m": _small_chunks,
     "chunked": chunked_cross_entropy,
     "plain": plain_cross_entropy,
 }
@@ -81,11 +100,17 @@ PEERS = {"liger": ("liger_kernel", _liger), "cce": ("cut_cross_entropy", _cce)}
 
 
 def available_peers() -> list[str]:
-    import importlib.util
+    return [name for name in PEERS if not peer_missing(name)]
 
+
+def peer_missing(name: str) -> str | None:
+    """Why peer `name` cannot run here (None: it can, or `name` is not a peer)."""
+    if name not in PEERS:
+        return None
     if not torch.cuda.is_available():
-        return []
-    return [name for name, (module, _) in PEERS.items() if importlib.util.find_spec(module)]
+        return "needs a CUDA GPU"
+    module = PEERS[name][0]
+    return None if importlib.util.find_spec(module) else f"{module} is not installed"
 
 
 VARIANTS |= {name: fn for name, (_, fn) in PEERS.items()}
@@ -139,14 +164,47 @@ def seconds(fn, h, w, t, device: str, iters: int) -> float:
     return statistics.median(times)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, out: Path | None = None) -> dict[str, Any]:
+    """Every variant at every size; with `out`, the result is written there after each size
+    (a run cut short keeps the rows it finished)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    result = {
+        **result_header(),
+        "bench": "loss",
+        "config": {
+            "hidden": args.hidden,
+            "vocab": args.vocab,
+            "dtype": args.dtype,
+            "iters": args.iters,
+            "ignored_targets": 0.05,
+            "fused_chunk_tokens": chunk_tokens(args.vocab),
+            "one_pass_chunk_tokens": one_pass_chunk_tokens(args.vocab, args.hidden, dtype),
+            "bf16_128m_chunk_tokens": 128 * 2**20 // (args.vocab * dtype.itemsize),
+            "auto_bf16_sum_max_chunks": BF16_SUM_MAX_CHUNKS,
+            "peak_memory": (
+                "torch.cuda.max_memory_allocated above the inputs"
+                if device == "cuda"
+                else "torch.profiler CPU allocator events: highest live total above the inputs"
+            ),
+        },
+        "targets": {
+            "fused/plain memory at 16k tokens": "<= 0.10",
+            "fused/plain time at 16k tokens (GPU)": "<= 1.15",
+            "fused/plain time at 4k tokens (GPU)": "<= 1.05",
+            "a fused variant vs liger at 4k and 16k (GPU)": "time <= 1.0 at memory <= 1.0",
+        },
+        "rows": rows,
+    }
     for tokens in args.tokens:
         row: dict[str, Any] = {"tokens": tokens}
         for name in args.variants:
             fn = VARIANTS[name]
+            if missing := peer_missing(name):
+                row[name] = {"peak_mib": None, "time_ms": None, "skipped": missing}
+                print(f"tokens={tokens} {name}: skipped, {missing}", file=sys.stderr)
+                continue
             h, w, t = make_inputs(tokens, args.hidden, args.vocab, dtype, device)
             try:
                 # Warm-up on a short batch (compiles the fused op's chunk functions; dynamic
@@ -169,35 +227,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 and "plain" in row
                 and row["plain"]["peak_mib"]
                 and row[name]["peak_mib"]
+                and row[name]["time_ms"]
             ):
                 row[f"{name}/plain"] = {
                     "memory": round(row[name]["peak_mib"] / row["plain"]["peak_mib"], 4),
                     "time": round(row[name]["time_ms"] / row["plain"]["time_ms"], 3),
                 }
         rows.append(row)
-    return {
-        **result_header(),
-        "bench": "loss",
-        "config": {
-            "hidden": args.hidden,
-            "vocab": args.vocab,
-            "dtype": args.dtype,
-            "iters": args.iters,
-            "ignored_targets": 0.05,
-            "fused_chunk_tokens": chunk_tokens(args.vocab),
-            "peak_memory": (
-                "torch.cuda.max_memory_allocated above the inputs"
-                if device == "cuda"
-                else "torch.profiler CPU allocator events: highest live total above the inputs"
-            ),
-        },
-        "targets": {
-            "fused/plain memory at 16k tokens": "<= 0.10",
-            "fused/plain time at 16k tokens (GPU)": "<= 1.15",
-            "fused/plain time at 4k tokens (GPU)": "<= 1.05",
-        },
-        "rows": rows,
-    }
+        if out is not None:
+            write_result(out, result)
+    return result
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -236,6 +275,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for ax, key, label in ((axes[0], "peak_mib", "peak MiB"), (axes[1], "time_ms", "ms / step")):
         for v in variants:
             points = [(r["tokens"], r[v][key]) for r in rows if r[v][key] is not None]
+            if not points:  # a peer skipped at every size
+                continue
             ax.plot(*zip(*points, strict=True), marker="o", label=v)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens")
@@ -325,7 +366,8 @@ def main() -> None:
     if args.profile:
         profile(args)
         return
-    result = run(args)
+    out = args.out or RESULTS / f"loss-{device_name()}.json"
+    result = run(args, out)
     if args.train:
         result["training_run"] = training_runs(args)
         tr = result["training_run"]
@@ -334,7 +376,6 @@ def main() -> None:
             f"{tr['fused']['peak_mem_gib']:.2f} GiB vs plain {tr['plain']['peak_mem_gib']:.2f} GiB "
             f"({tr['fused_over_plain_peak_mem']:.2f}x)"
         )
-    out = args.out or RESULTS / f"loss-{device_name()}.json"
     write_result(out, result)
     print(markdown(result))
     print(f"\nwrote {out}", file=sys.stderr)
