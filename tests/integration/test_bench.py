@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -310,6 +312,25 @@ def test_activation_bench_leaves_offload_out_on_a_cpu():
     on_cpu = activation.default_policies("cpu")
     assert "none" in on_cpu and "selective" in on_cpu
     assert not [name for name in on_cpu if "offload" in name]
+
+
+def test_loss_bench_records_a_peer_it_cannot_run_as_skipped(monkeypatch, tmp_path):
+    """The head's accumulator variants run; a peer whose package is missing (or with no GPU)
+    is recorded as skipped, not an error, and the rows are on disk after each size."""
+    loss = _load("loss")
+    monkeypatch.setattr(loss.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(loss.importlib.util, "find_spec", lambda name: None)
+    assert loss.peer_missing("liger") == "liger_kernel is not installed"
+    assert loss.available_peers() == [] and loss.peer_missing("fused_bf16acc") is None
+    monkeypatch.undo()
+    monkeypatch.setenv("COMPILETUNE_LCE_EAGER", "1")  # no Inductor compile of the row functions
+    variants = ["fused_bf16acc", "fused_fp32acc", "liger", "plain"]
+    args = SimpleNamespace(tokens=[64], hidden=16, vocab=300, dtype="float32", iters=1)
+    result = loss.run(SimpleNamespace(**vars(args), variants=variants), tmp_path / "r.json")
+    (row,) = result["rows"]
+    assert row["liger"]["skipped"] == "needs a CUDA GPU" and "liger/plain" not in row
+    assert row["fused_bf16acc"]["time_ms"] > 0 and row["fused_fp32acc/plain"]["memory"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == result["rows"]
 
 
 gpu_check = _load("gpu_check")
