@@ -8,6 +8,11 @@ import torch
 import transformers
 
 from compiletune.models.vision.common import load_hf_state_dict
+from compiletune.models.vision.gemma4 import (
+    Gemma4VisionArgs,
+    Gemma4VisionTower,
+    gemma4_vision_names,
+)
 from compiletune.models.vision.qwen import Qwen35VisionTower, QwenVisionArgs, qwen35_vision_names
 from compiletune.models.vision.siglip import Gemma3VisionTower, SiglipArgs, gemma3_vision_names
 
@@ -122,3 +127,79 @@ def qwen35_pair() -> tuple[
     ours = Qwen35VisionTower(args)
     load_hf_state_dict(ours, hf.state_dict(), qwen35_vision_names(args), "tiny")
     return hf, ours, args
+
+
+def gemma4_config() -> transformers.Gemma4Config:
+    """Clipped linears and standardisation on, so their stored tensors are exercised."""
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        patch_size=4,
+        pooling_kernel_size=2,
+        position_embedding_size=16,
+        standardize=True,
+        use_clipped_linears=True,
+    )
+    text = dict(
+        hidden_size=40,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        global_head_dim=16,
+        vocab_size=300,
+        vocab_size_per_layer_input=300,
+        hidden_size_per_layer_input=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    tokens = dict(image_token_id=290, boi_token_id=291, eoi_token_id=292, video_token_id=293)
+    tokens.update(boa_token_id=294, eoa_token_index=295, audio_token_id=296)
+    return transformers.Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, **tokens
+    )
+
+
+def gemma4_pair() -> tuple[
+    transformers.Gemma4ForConditionalGeneration, Gemma4VisionTower, Gemma4VisionArgs
+]:
+    """transformers' tiny Gemma 4 (eval, random vision weights, clipping bounds that clip) and
+    our tower on its tensors."""
+    torch.manual_seed(0)
+    config = gemma4_config()
+    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    randomize(hf.model.vision_tower, 4)
+    randomize(hf.model.embed_vision, 5)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, bound in hf.model.vision_tower.named_buffers():
+            if name.endswith(("_min", "_max")):  # |bound| in [0.5, 1.5]: some values clip
+                sign = -1.0 if name.endswith("_min") else 1.0
+                bound.fill_(sign * (0.5 + torch.rand((), generator=gen).item()))
+            elif name.endswith(("std_bias", "std_scale")):
+                bound.copy_(torch.randn(bound.shape, generator=gen))
+    args = Gemma4VisionArgs.from_hf(config.to_dict())
+    ours = Gemma4VisionTower(args)
+    load_hf_state_dict(ours, hf.state_dict(), gemma4_vision_names(args), "tiny")
+    return hf, ours, args
+
+
+def gemma4_patches(grids: list[tuple[int, int]], max_patches: int, patch_dim: int, seed: int = 0):
+    """Random pixels [b, max_patches, patch_dim] in [0, 1] and (x, y) positions, (-1, -1) after
+    each image's w x h patches, as Gemma 4's processor pads them."""
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.rand(len(grids), max_patches, patch_dim, generator=gen)
+    positions = torch.full((len(grids), max_patches, 2), -1, dtype=torch.long)
+    for i, (w, h) in enumerate(grids):
+        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        positions[i, : w * h] = torch.stack((xs.flatten(), ys.flatten()), dim=-1)
+        pixels[i, w * h :] = 0
+    return pixels, positions
+
+
+def hf_gemma4_features(hf, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return torch.cat(hf.model.get_image_features(pixels, positions).pooler_output)

@@ -2,7 +2,8 @@
 under its checkpoint's own tensor names.
 
 A tower's module names are ours (short, the same in every tower); its checkpoint names are data,
-a `NameMap` built beside the tower. Saving writes the names the published checkpoints use, which
+a `NameMap` built beside the tower, covering its parameters and the buffers the checkpoint
+stores (Gemma 4's clipping bounds). Saving writes the names the published checkpoints use, which
 every transformers version loads; loading also accepts the prefixes other writers use for the same
 tensors (transformers 5's `save_pretrained`, a model's in-memory `state_dict`).
 """
@@ -66,12 +67,13 @@ class NameMap:
 
 
 def hf_state_dict(module: nn.Module, name_map: NameMap) -> dict[str, Tensor]:
-    """The tower's parameters under the checkpoint's names (every parameter must be mapped)."""
-    params = dict(module.named_parameters())
-    unmapped = sorted(set(params) - set(name_map.names))
+    """The tower's tensors (parameters and saved buffers) under the checkpoint's names; every one
+    must be mapped."""
+    tensors = module.state_dict()
+    unmapped = sorted(set(tensors) - set(name_map.names))
     if unmapped:
-        raise ValueError(f"vision tower parameters without a checkpoint name: {unmapped[:5]}")
-    return {name_map.names[n]: p.detach() for n, p in params.items()}
+        raise ValueError(f"vision tower tensors without a checkpoint name: {unmapped[:5]}")
+    return {name_map.names[n]: t.detach() for n, t in tensors.items()}
 
 
 def load_hf_state_dict(
@@ -80,7 +82,7 @@ def load_hf_state_dict(
     """Copy the tower's tensors out of `tensors` (checkpoint name -> tensor; names it does not map,
     such as the text model's, are left to their owner). A missing tensor or one of another shape
     is a `UserError` naming it and `where` (the checkpoint folder)."""
-    params = dict(module.named_parameters())
+    params = module.state_dict(keep_vars=True)  # parameters and saved buffers
     with torch.no_grad():
         for native, hf_name in name_map.names.items():
             found = next((n for n in name_map.candidates(hf_name) if n in tensors), None)

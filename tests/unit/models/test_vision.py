@@ -15,7 +15,11 @@ from vision_cases import (
     IMAGE_TOKEN,
     gemma3_config,
     gemma3_pair,
+    gemma4_config,
+    gemma4_pair,
+    gemma4_patches,
     hf_gemma3_features,
+    hf_gemma4_features,
     hf_qwen35_features,
     qwen35_config,
     qwen35_pair,
@@ -24,6 +28,7 @@ from vision_cases import (
 
 from compiletune.errors import UserError
 from compiletune.models.vision.common import NameMap, hf_state_dict, load_hf_state_dict
+from compiletune.models.vision.gemma4 import Gemma4VisionTower, gemma4_vision_names
 from compiletune.models.vision.qwen import (
     mrope_angles,
     mrope_position_ids,
@@ -286,3 +291,84 @@ def test_qwen35_mrope_angles_equal_transformers(qwen35):
     # and not the plain 1-D angles of the time axis (the rows hold images)
     plain = torch.cat([positions[0, ..., None] * rotary.inv_freq] * 2, dim=-1)
     assert rel(plain.cos(), cos) > 1e-3
+
+
+# ---------------------------------------------------------------- Gemma 4 (image encoder + embedder)
+
+# (w, h) patch grids, and the padded patch count of the batch
+GEMMA4_BATCHES = {"one": ([(8, 4)], 32), "two": ([(8, 4), (6, 6)], 40)}
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    return gemma4_pair()
+
+
+@pytest.mark.parametrize("batch", GEMMA4_BATCHES, ids=list(GEMMA4_BATCHES))
+def test_gemma4_features_equal_transformers(gemma4, batch):
+    hf, ours, args = gemma4
+    grids, max_patches = GEMMA4_BATCHES[batch]
+    pixels, positions = gemma4_patches(grids, max_patches, 3 * args.patch_size**2)
+    with torch.no_grad():
+        ref = hf_gemma4_features(hf, pixels, positions)
+        out = ours(pixels, positions)
+    tokens = sum(w * h for w, h in grids) // 4
+    assert out.shape == ref.shape == (tokens, 40)
+    assert rel(out, ref) <= TOL
+    if len(grids) == 2:  # padding and the other image change nothing: the first alone
+        with torch.no_grad():
+            alone = ours(*gemma4_patches(grids[:1], 32, 3 * args.patch_size**2))
+        assert rel(alone, out[:8]) <= TOL
+
+
+def test_gemma4_clipping_bounds_are_applied(gemma4):
+    """The stored bounds clip (so loading them matters): without them the features differ."""
+    _, ours, args = gemma4
+    pixels, positions = gemma4_patches(*GEMMA4_BATCHES["two"], 3 * args.patch_size**2)
+    unclipped = Gemma4VisionTower(args)
+    unclipped.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        for name, bound in unclipped.named_buffers():
+            if name.endswith(("_min", "_max")):
+                bound.fill_(float("inf") if name.endswith("_max") else -float("inf"))
+        assert rel(unclipped(pixels, positions), ours(pixels, positions)) > 1e-3
+
+
+def test_gemma4_gradients_equal_transformers(gemma4):
+    hf, ours, args = gemma4
+    hf.zero_grad()
+    ours.zero_grad()
+    pixels, positions = gemma4_patches(*GEMMA4_BATCHES["two"], 3 * args.patch_size**2)
+    weights = torch.randn(17, 40)
+    ref_pixels, our_pixels = (pixels.clone().requires_grad_() for _ in range(2))
+    (hf_gemma4_features(hf, ref_pixels, positions) * weights).sum().backward()
+    (ours(our_pixels, positions) * weights).sum().backward()
+    assert rel(our_pixels.grad, ref_pixels.grad) <= TOL
+    check_grads(ours, hf, gemma4_vision_names(args))
+
+
+def test_gemma4_names_round_trip(gemma4, tmp_path):
+    hf, ours, args = gemma4
+    names = gemma4_vision_names(args)
+    saved = hf_state_dict(ours, names)
+    tower = {k.removeprefix("model.vision_tower."): v for k, v in saved.items()}
+    embedder = {
+        "embedding_projection.weight": tower.pop("model.embed_vision.embedding_projection.weight")
+    }
+    fresh = transformers.Gemma4ForConditionalGeneration(gemma4_config())
+    fresh.model.vision_tower.load_state_dict(tower, strict=True)
+    fresh.model.embed_vision.load_state_dict(embedder, strict=True)
+
+    folder = save_with_our_names(
+        tmp_path, hf, ours, names, ("model.vision_tower.", "model.embed_vision.")
+    )
+    loaded, info = transformers.AutoModelForImageTextToText.from_pretrained(
+        folder, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    pixels, positions = gemma4_patches(*GEMMA4_BATCHES["two"], 3 * args.patch_size**2)
+    with torch.no_grad():
+        assert (
+            rel(hf_gemma4_features(loaded.eval(), pixels, positions), ours(pixels, positions))
+            <= TOL
+        )
