@@ -43,6 +43,7 @@ from torch import nn
 from compiletune import faults, torch_internals
 from compiletune.choices import Sharding, choices
 from compiletune.errors import UserError
+from compiletune.expert_parallel import load_experts
 from compiletune.launch import launched_world_size as launched_world_size  # re-exported
 from compiletune.torch_internals import fsdp_completes_partial_groups
 
@@ -161,6 +162,7 @@ def apply_fsdp(
     param_dtype: the compute dtype of gathered parameters (bf16 mixed precision keeps fp32
     master weights and reduces gradients in fp32); None computes in the storage dtype.
     grad_hooks: parameters carry post-accumulate-grad hooks (--optimizer-in-backward).
+    Expert-parallel experts (`apply_expert_parallel`, applied first) stay out of FSDP.
     """
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -182,6 +184,9 @@ def apply_fsdp(
     pin = torch.cuda.is_available() and not grad_hooks
     offload = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else None
     common = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload or OffloadPolicy()}
+    ep = getattr(model, "expert_parallel", None)
+    if ep is not None:  # each rank's own experts: never gathered, never sharded further
+        common["ignored_params"] = set(ep.held)
     # grad-op (SHARD_GRAD_OP) keeps gathered parameters from forward to backward: less
     # communication, more memory. With one shard per rank ("none") there is nothing to free.
     reshard = sharding in ("full", "hybrid")
@@ -209,8 +214,11 @@ def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -
     tensors are broadcast one at a time and each rank keeps its shard. Other ranks pass None."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full_sd if dist.get_rank() == 0 else {}, options=options)
+    full_sd = full_sd if dist.get_rank() == 0 else None
+    split = getattr(model, "expert_parallel", None) is not None
+    load_experts(model, full_sd)  # --ep: each rank's experts (taken out of full_sd)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not split)
+    set_model_state_dict(model, full_sd or {}, options=options)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

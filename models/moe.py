@@ -31,6 +31,8 @@ all layers into transformers' load-balancing loss and the router z-loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -175,6 +177,10 @@ class MoE(nn.Module):
         self.router_norm_eps = router_norm_eps
         self.router_scale = nn.Parameter(torch.ones(dim)) if router_norm_eps else None
         self.expert_scale = nn.Parameter(torch.ones(n_experts)) if router_norm_eps else None
+        # Expert parallelism, set from outside (compiletune.distributed.apply_expert_parallel):
+        # a callable (experts, rows [t*k, d] grouped by expert, counts [E]) -> [t*k, d] that
+        # runs each row on the rank holding its expert (`self.experts` then holds E/N of them)
+        self.exchange: Callable[[nn.Module, Tensor, Tensor], Tensor] | None = None
 
     def reset_parameters(self) -> None:
         """The router's scales start at one, the correction bias at zero (the weights are drawn
@@ -251,7 +257,10 @@ class MoE(nn.Module):
         counts = counts.scatter_add(0, flat_chosen, torch.ones_like(flat_chosen))
         offs = counts.cumsum(0).to(torch.int32)
         token = order // self.top_k
-        out = self.experts(flat[token], offs)  # [t*k, d]
+        if self.exchange is None:
+            out = self.experts(flat[token], offs)  # [t*k, d]
+        else:  # expert parallel: the experts of this layer are spread over ranks
+            out = self.exchange(self.experts, flat[token], counts)
         out = out * weights.flatten()[order, None]
         y = torch.zeros_like(flat).index_add(0, token, out)
         if self.shared is not None:
