@@ -140,7 +140,7 @@ def gemma4_config() -> transformers.Gemma4Config:
         head_dim=8,
         patch_size=4,
         pooling_kernel_size=2,
-        position_embedding_size=16,
+        position_embedding_size=64,
         standardize=True,
         use_clipped_linears=True,
     )

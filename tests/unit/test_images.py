@@ -15,8 +15,17 @@ import torch
 import transformers
 from PIL import Image
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from vision_cases import gemma3_pair, hf_gemma3_features, hf_qwen35_features, qwen35_pair, rel
+from vision_cases import (
+    gemma3_pair,
+    gemma4_pair,
+    hf_gemma3_features,
+    hf_gemma4_features,
+    hf_qwen35_features,
+    qwen35_pair,
+    rel,
+)
 
 from compiletune.data.images import (
     ImageRef,
@@ -232,4 +241,29 @@ def test_qwen35_image_processor_pixels_through_the_native_tower(data_dir):
     with torch.no_grad():
         ref = hf_qwen35_features(hf, inputs["pixel_values"], grid)
         out = ours(inputs["pixel_values"], grid)
+    assert rel(out, ref) <= 1e-5
+
+
+def test_gemma4_image_processor_pixels_through_the_native_tower(data_dir):
+    """Gemma 4's image processor on two PNGs of different aspect ratios: padded patches and
+    positions that the native tower turns into the features transformers' tower gives, as many
+    tokens as the processor counts."""
+    _, images = parse_image_messages(
+        conversation(
+            {"type": "image", "image": "img/a.png"}, {"type": "image", "image": "img/b.png"}
+        ),
+        data_dir / "train.jsonl",
+        "train.jsonl:1",
+    )
+    image_processor = Gemma4ImageProcessorPil(
+        patch_size=4, pooling_kernel_size=2, max_soft_tokens=70
+    )
+    inputs = image_processor(images=[load_image(ref) for ref in images], return_tensors="pt")
+    pixels, positions = inputs["pixel_values"], inputs["image_position_ids"]
+
+    hf, ours, _ = gemma4_pair()
+    with torch.no_grad():
+        ref = hf_gemma4_features(hf, pixels, positions)
+        out = ours(pixels, positions)
+    assert out.shape[0] == int(inputs["num_soft_tokens_per_image"].sum())
     assert rel(out, ref) <= 1e-5
