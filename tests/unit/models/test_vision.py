@@ -28,8 +28,13 @@ from vision_cases import (
 
 from compiletune.errors import UserError
 from compiletune.models.vision.common import NameMap, hf_state_dict, load_hf_state_dict
-from compiletune.models.vision.gemma4 import Gemma4VisionTower, gemma4_vision_names
+from compiletune.models.vision.gemma4 import (
+    Gemma4VisionArgs,
+    Gemma4VisionTower,
+    gemma4_vision_names,
+)
 from compiletune.models.vision.qwen import (
+    QwenVisionArgs,
     mrope_angles,
     mrope_position_ids,
     qwen35_vision_names,
@@ -372,3 +377,16 @@ def test_gemma4_names_round_trip(gemma4, tmp_path):
             rel(hf_gemma4_features(loaded.eval(), pixels, positions), ours(pixels, positions))
             <= TOL
         )
+
+
+def test_qwen35_and_gemma4_config_errors():
+    config = qwen35_config().to_dict()
+    config["vision_config"]["num_position_embeddings"] = 15
+    with pytest.raises(UserError, match="ckpt/config.json: vision_config needs a square"):
+        QwenVisionArgs.from_hf(config, "ckpt/config.json")
+    with pytest.raises(UserError, match="needs vision_config"):
+        QwenVisionArgs.from_hf({"text_config": {}})
+    config = gemma4_config().to_dict()
+    config["vision_config"]["num_key_value_heads"] = 3
+    with pytest.raises(UserError, match="divisible by num_key_value_heads, got 8, 4, 3"):
+        Gemma4VisionArgs.from_hf(config)
