@@ -553,6 +553,7 @@ class Transformer(nn.Module):
         std: float = 0.02,
         generator: torch.Generator | None = None,
         modules: list[nn.Module] | None = None,
+        fill_normal: Callable[[Tensor, float], None] | None = None,
     ) -> None:
         """Normal(0, std) for linear and embedding weights, zeros for biases, ones for norms.
 
@@ -561,6 +562,8 @@ class Transformer(nn.Module):
         device than the weights, values are drawn there in fp32 and copied over.
         `modules`: only these (and their children); calling it on consecutive parts of the model
         in order with one generator draws the same values as one call on the whole.
+        `fill_normal(p, std)`: fills p in place instead of the generator (the trainer's hashed draws,
+        `compiletune.weight_init`, which any FSDP shard draws for itself).
         """
         seen: set[int] = set()
 
@@ -568,7 +571,9 @@ class Transformer(nn.Module):
             if id(p) in seen or p.is_meta:
                 return
             seen.add(id(p))
-            if generator is None or generator.device == p.device:
+            if fill_normal is not None:
+                fill_normal(p, std)
+            elif generator is None or generator.device == p.device:
                 p.normal_(0.0, std, generator=generator)
             else:
                 draw = torch.empty(p.shape, dtype=torch.float32, device=generator.device)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from compiletune import distributed as dist_
-from compiletune import fp8, hardware
+from compiletune import fp8, hardware, weight_init
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.compiler.activation import apply_eager_checkpointing, parse_ac
@@ -275,7 +275,7 @@ def build_model_weights(
             return from_hf(resume_from, dtype=dtype, device=device)
         if m.model_dir is not None:
             return from_hf(m.model_dir, dtype=dtype, device=device)
-        return build_model(args, device=device, dtype=dtype, init=True, seed=seed)
+        return weight_init.init_hashed(build_model(args, device, dtype, init=False), seed)
     adapt = block_adapter(spec, **lora_kw, seed=seed)
     if m.model_dir is not None:
         model = from_hf(m.model_dir, dtype=dtype, device=device, on_block=adapt)
@@ -397,13 +397,12 @@ def materialise(
 ) -> None:
     """Give a meta model storage on its device (the host with --cpu-offload), then fill it:
     `fill` is "rank0" (rank 0's full state dict, each rank keeping its shard), "seed" (drawn
-    from the seed: the probe's real-tensor check), or "none" (fake tensors; or a sharded
-    checkpoint, which fills the shards when the training state is loaded)."""
+    from the seed, each rank its own shard: `weight_init`), or "none" (fake tensors; or a
+    sharded checkpoint, which fills the shards when the training state is loaded)."""
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else device)
     model.tie_weights()
     if fill == "seed":
-        with torch.no_grad():
-            model.init_weights()
+        weight_init.init_hashed(model, cfg.run.seed)
     elif fill == "rank0":
         dist_.load_full_state(model, full_sd)
 
@@ -472,10 +471,10 @@ def _build_model(
     if not probe and env is None:
         return build_model_weights(cfg, args, spec, lora_kw, device, resume_from), None
     full_sd = None
-    if not probe and env.is_main and (resume_from is None or spec is not None):
-        # Rank 0 alone reads the checkpoint (or draws the initial weights, on the host, the same
-        # values a single CPU process draws): host RAM holds one model, not one per rank. A LoRA
-        # checkpoint holds no base, so its adapters come this way too.
+    if not probe and env.is_main and (spec or (resume_from is None and cfg.model.model_dir)):
+        # Rank 0 alone reads the checkpoint (or a LoRA run's random base; a full model's random
+        # init is drawn shard by shard, see materialise): host RAM holds one model, not one per
+        # rank. A LoRA checkpoint holds no base, so its adapters come this way too.
         full_sd = build_model_weights(cfg, args, spec, lora_kw, "cpu", resume_from).state_dict()
     model = build_meta_model(cfg, args, spec, lora_kw)
     if resume_from is not None and spec is None:
@@ -573,7 +572,8 @@ def build_run(
             materialise(model, cfg, device, "none" if fake else "seed")
         elif env is not None:
             sharded_resume = resume_from is not None and spec is None
-            materialise(model, cfg, device, "none" if sharded_resume else "rank0", full_sd)
+            fill = "rank0" if spec or cfg.model.model_dir else "seed"  # seed: a random init
+            materialise(model, cfg, device, "none" if sharded_resume else fill, full_sd)
         del full_sd
         for f in frozen:
             if f is not None and f.pending:
