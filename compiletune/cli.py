@@ -367,6 +367,14 @@ def _longest_seq_len(ns: argparse.Namespace, cfg: TrainConfig, capacity: Capacit
     return 0
 
 
+def _plan_offload(cfg: TrainConfig, gpus: int, capacity: Capacity) -> TrainConfig:
+    """--offload-activations auto as the number of blocks that fits `capacity` (the plan's
+    estimates on stderr; the estimate printed after is the plan's)."""
+    from compiletune.estimate.offload_plan import plan_offload  # lazy: a subcommand's cost
+
+    return plan_offload(cfg, gpus, capacity, _to_stderr)[0]
+
+
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import json
 
@@ -387,17 +395,25 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     if ns.gpus > 1:
         flags["fsdp"] = True  # several GPUs train under torchrun with --fsdp
     cfg = _resolve(ns, flags)  # a wrong value is reported before the estimator's imports
+    if cfg.techniques.offload_activations.auto and not ns.device_memory:
+        raise UserError(
+            "--offload-activations auto picks the fewest blocks that fit --device-memory; pass "
+            "--device-memory GIB|GPU (e.g. 24 or h100), or a number of blocks"
+        )
     check_inputs(cfg, estimate=True)  # and a missing model or teacher folder
     from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
     from compiletune.estimate import fit  # lazy: a subcommand's cost
     from compiletune.train.build import resolve_model_args  # lazy: a subcommand's cost
 
     # config.json's own errors are the one line, before any progress line
-    resolve_model_args(est_.shapes_only(cfg))
+    n_layers = resolve_model_args(est_.shapes_only(cfg)).n_layers
+    if not cfg.techniques.offload_activations.auto:  # and a count past the model's blocks
+        cfg.techniques.offload_activations.count(n_layers)
     capacity = None
     if ns.device_memory:
         host = ns.host_memory * 2**30 if ns.host_memory else fit.machine_host_bytes()
         capacity = fit.Capacity(fit.parse_device_memory(ns.device_memory), int(host))
+        cfg = _plan_offload(cfg, ns.gpus, capacity)
     if ns.max_seq_len and capacity is not None:
         return _longest_seq_len(ns, cfg, capacity)
     if ns.ladder:

@@ -2,7 +2,8 @@
 
 Regions:
     block  one backend object for all blocks, so N identical blocks compile once (layers of
-           another kind, sliding-window ones, are a second region: `block.sliding`)
+           another kind, sliding-window ones, are a second region: `block.sliding`; so are
+           the blocks past the first --offload-activations N: `block.on_device`)
     head   the loss head (output projection + cross-entropy), where the fused-loss pass works
 
 Each block is compiled in place (`module.compile`), so parameter names, checkpoints and, later,
@@ -40,16 +41,19 @@ class CompileOptions:
     dump: bool = False
     loss_chunk_size: int = 0  # tokens per chunk of the fused loss; 0 = from a memory budget
     ac: ActivationPolicy = field(default_factory=ActivationPolicy)
-    offload: bool = False  # move what each block saves to host memory (the head is excluded)
+    # the first N blocks move what they save to host memory (offload_target.py says why the
+    # first; the head is excluded)
+    offload_blocks: int = 0
 
 
-def block_passes(opts: CompileOptions, with_policy: bool) -> list[Pass]:
-    """The pipeline of a transformer block (`with_policy`: a block the --ac policy applies to)."""
+def block_passes(opts: CompileOptions, with_policy: bool, offload: bool) -> list[Pass]:
+    """The pipeline of a transformer block (`with_policy`: a block the --ac policy applies to;
+    `offload`: one of the blocks that offload)."""
     passes = []
     if with_policy and opts.ac.kind in POLICIES:
         tag = functools.partial(tag_activation_policy, policy=opts.ac.kind)
         passes.append(Pass(f"activation_policy.{opts.ac.kind}", "joint", tag))
-    if opts.offload:
+    if offload:
         passes.append(Pass("offload_activations", "partitioned", offload_activations))
     return passes
 
@@ -136,6 +140,10 @@ def compile_regions(
         # (`block.region`): one graph per kind of block.
         with_policy = opts.ac.applies_to(index)
         name = "block" if with_policy or opts.ac.kind == "none" else "block.no_ac"
+        # Blocks past the first --offload-activations N keep what they save: a region too.
+        offload = index < opts.offload_blocks
+        if opts.offload_blocks and not offload:
+            name += ".on_device"
         region = getattr(block, "region", "full")
         if region != "full":
             name += f".{region}"
@@ -144,7 +152,7 @@ def compile_regions(
         if name not in backends:
             backends[name] = CompiletuneBackend(
                 name,
-                block_passes(opts, with_policy),
+                block_passes(opts, with_policy, offload),
                 mode=opts.backend,
                 dump=opts.dump,
                 memory_budget=opts.ac.budget if with_policy else None,

@@ -50,6 +50,11 @@ def add_flags(
                     help_text += f" (default: {shown})"
                 else:
                     kw["action"] = "store_true"
+            elif hasattr(typ, "parse"):
+                # A parsed value (`--offload-activations [N|all|auto]`): the flag alone is
+                # `true`, as in YAML; the text reaches `typ.parse` through the config.
+                kw.update(nargs="?", const=True, metavar=meta["metavar"])
+                help_text += f" (default: {shown})"
             elif get_origin(typ) is Literal:
                 kw["choices"] = get_args(typ)
                 if shown is not None:

@@ -30,6 +30,7 @@ from compiletune.choices import (
     Sharding,
     Truncation,
 )
+from compiletune.compiler.offload_target import OffloadTarget
 
 # Defaults that depend on other choices: `fill_defaults` applies these, and --help shows them
 # from the same values.
@@ -290,9 +291,13 @@ class TechniquesConfig:
         metavar="N",
         on_resume="free",
     )
-    offload_activations: bool = opt(
-        False,
-        "what each block saves for backward goes to host memory (needs --compile)",
+    offload_activations: OffloadTarget = opt(
+        OffloadTarget(),
+        "what the first N blocks save for backward goes to host memory (needs --compile); "
+        "all (the flag alone): every block; auto: the fewest blocks that make the step fit the "
+        "GPU (estimate-memory: --device-memory)",
+        shows="off",
+        metavar="N|all|auto",
         on_resume="free",
     )
 
@@ -577,13 +582,13 @@ class TrainConfig:
         per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         for key, value in values.items():
             section, attr = BY_KEY[key]
-            per_section[section][attr] = value
+            per_section[section][attr] = PARSED[key].parse(value) if key in PARSED else value
         return cls(**{name: SECTIONS[name](**v) for name, v in per_section.items()})
 
     def to_dict(self) -> dict[str, Any]:
         """Flat `{key: value}`, the form of YAML files and `config.yaml`."""
         return {
-            key_of(f): getattr(getattr(self, section), f.name)
+            key_of(f): _plain(getattr(getattr(self, section), f.name))
             for section, cls in SECTIONS.items()
             for f in fields(cls)
         }
@@ -620,6 +625,7 @@ def flag_text(key: str, value: Any) -> str:
     switch), with the flag name the config derives for that key."""
     section, attr = BY_KEY[key]
     flag = flag_of(next(f for f in fields(SECTIONS[section]) if f.name == attr))
+    value = _plain(value)
     if value is True:
         return flag
     if value is False or value is None:
@@ -637,3 +643,17 @@ def unwrap(hint: Any) -> tuple[Any, bool]:
 
 def hints_of(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+# Fields whose values are parsed into a type of their own (`OffloadTarget`): `from_flat` parses
+# the YAML or flag form (so every config holds the typed value), `to_dict` gives that form back.
+PARSED = {
+    key_of(f): typ
+    for cls in SECTIONS.values()
+    for f in fields(cls)
+    if hasattr(typ := unwrap(hints_of(cls)[f.name])[0], "parse")
+}
+
+
+def _plain(value: Any) -> Any:
+    return value.to_config() if hasattr(value, "to_config") else value

@@ -101,24 +101,36 @@ class Forked:
 ENDS = (2, 1)
 
 
-def _kinds(cfg: TrainConfig, args: ModelArgs) -> list[tuple[str, bool]]:
-    """Each block's kind: its layer type (e.g. Gemma's sliding and global layers) and whether
-    the activation policy checkpoints it (--ac-every)."""
+def _kinds(cfg: TrainConfig, args: ModelArgs) -> list[tuple[str, bool, bool]]:
+    """Each block's kind: its layer type (e.g. Gemma's sliding and global layers), whether
+    the activation policy checkpoints it (--ac-every) and whether it offloads what it saves
+    (the first --offload-activations N)."""
     policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
+    target = cfg.techniques.offload_activations
+    offloaded = target.count(args.n_layers) if target else 0
     return [
-        (args.layer_types[i] if args.layer_types else "", policy.applies_to(i))
+        (args.layer_types[i] if args.layer_types else "", policy.applies_to(i), i < offloaded)
         for i in range(args.n_layers)
     ]
 
 
+def _offload_prefix(kinds: list[tuple[str, bool, bool]]) -> int:
+    """How many blocks at the start offload when not all of them do (else 0): they come
+    before the blocks that repeat, as a MoE model's leading dense layers do."""
+    n = sum(k[2] for k in kinds)
+    return n if n < len(kinds) else 0
+
+
 def period(cfg: TrainConfig, args: ModelArgs) -> int | None:
-    """After how many blocks the blocks' kinds repeat; None when they do not."""
+    """After how many blocks the blocks' kinds repeat (after the blocks that offload, when
+    only the first ones do); None when they do not."""
     n = args.n_layers
     kinds = _kinds(cfg, args)
     if args.dense_layers and not dense_prefix(args):
         return None
+    head = _offload_prefix(kinds)
     for p in range(1, n // 4 + 1):
-        if all(kinds[i] == kinds[i % p] for i in range(n)):
+        if all(kinds[i] == kinds[head + (i - head) % p] for i in range(head, n)):
             return p
     return None
 
@@ -146,8 +158,11 @@ def shortcut_depths(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int, i
     if p is None:
         return None
     kinds = _kinds(cfg, args)
-    firsts = max(kinds.index(k) for k in set(kinds[:p])) + 1
-    start = max(ENDS[0], dense_prefix(args), firsts)
+    head = _offload_prefix(kinds)
+    firsts = max(kinds.index(k) for k in set(kinds[head : head + p])) + 1
+    # the blocks that offload, and the first blocks that keep (one of each kind) as after a
+    # model's ends, before the middle's repeats
+    start = max(ENDS[0], dense_prefix(args), firsts, head + ENDS[0] if head else 0)
     k1 = start + p + ENDS[1] + 1
     k1 += (n - k1) % p
     k2 = k1 + p

@@ -175,9 +175,10 @@ def estimate_memory(
         others = tuple(k for k in also if k != cfg.optim.optimizer) if swappable else ()
         ests = _estimate(cfg, gpus, round_bytes, others)
     if cfg.techniques.offload_activations:
+        n_layers = resolve_model_args(cfg).n_layers
         notes.append(
-            "--offload-activations: saved activations counted on the host from the end of their "
-            "block's forward until backward reads them"
+            f"--offload-activations: what the first {offloaded(cfg, n_layers)} of {n_layers} "
+            "blocks save counted on the host from the end of their forward until backward reads it"
             + (
                 " (not simulated inside --ac selective blocks)"
                 if policy.kind == "selective"
@@ -386,7 +387,7 @@ def _estimate(
                 "grad_accum": c.data.grad_accum,
                 "loss": run.cfg.techniques.loss,
                 "ac": c.techniques.ac,
-                "offload_activations": c.techniques.offload_activations,
+                "offload_activations": offloaded(c, args.n_layers),  # blocks
                 "optimizer": c.optim.optimizer,
                 "optimizer_in_backward": c.optim.optimizer_in_backward,
                 "fsdp": fsdp,
@@ -508,7 +509,8 @@ def run_step(
     if tracker is not None:
         _mark_blocks(tracker, run.model)
     if cfg.techniques.offload_activations and tracker is not None:
-        offload = _host_activation_hooks(tracker, run.model)
+        n = offloaded(cfg, resolve_model_args(cfg).n_layers)
+        offload = _host_activation_hooks(tracker, run.model.layers[:n])
     with scope(), offload or contextlib.nullcontext():
         run.optimizer.set_lr(1e-4)
         done = backward_pass(run, batch)
@@ -673,10 +675,16 @@ def _mark_blocks(tracker: Tracker, model: Any) -> None:
         block.register_forward_hook(functools.partial(end, i))
 
 
-def _host_activation_hooks(tracker: Tracker, model: Any) -> Any:
-    """saved_tensors_hooks that move what a block saves to the host category (and back when
-    backward reads it): `--offload-activations` without the compiler. What the block computes
-    and its input (the hidden state), as passes/offload_activations.py moves them."""
+def offloaded(cfg: TrainConfig, n_layers: int) -> int:
+    """How many blocks (the first ones) of a model of `n_layers` offload what they save."""
+    return cfg.techniques.offload_activations.count(n_layers)
+
+
+def _host_activation_hooks(tracker: Tracker, blocks: Any) -> Any:
+    """saved_tensors_hooks that move what `blocks` save to the host category (and back when
+    backward reads it): `--offload-activations` without the compiler. What each block computes
+    and its input (the hidden state), as passes/offload_activations.py moves them; what other
+    blocks save stays on the device."""
     start: dict[str, Any] = {"seq": 0, "input": None}
 
     def block_start(module: Any, inputs: Any) -> None:
@@ -687,7 +695,7 @@ def _host_activation_hooks(tracker: Tracker, model: Any) -> Any:
     def block_end(module: Any, inputs: Any, output: Any) -> None:  # outside the blocks: kept
         start["seq"], start["input"] = math.inf, None
 
-    for block in model.layers:
+    for block in blocks:
         block.register_forward_pre_hook(block_start)
         block.register_forward_hook(block_end)
 

@@ -349,7 +349,7 @@ def apply_techniques(
             loss=t.loss,
             dump=t.dump_graphs is not None,
             ac=policy,
-            offload=offloads_activations(cfg, device),
+            offload_blocks=offloaded_blocks(cfg, model.args.n_layers, device),
         )
         regions = compile_regions(model, head, opts)
     elif policy.kind != "none":
@@ -381,11 +381,14 @@ def model_device(env: dist_.DistEnv | None) -> torch.device:
     return env.device if env is not None else pick_device()
 
 
-def offloads_activations(cfg: TrainConfig, device: torch.device) -> bool:
-    """--offload-activations, where it means something: on a CPU the device memory is host
-    memory, and offloading would copy every saved activation into a second buffer of the same
-    memory and back, for nothing."""
-    return cfg.techniques.offload_activations and device.type != "cpu"
+def offloaded_blocks(cfg: TrainConfig, n_layers: int, device: torch.device) -> int:
+    """How many blocks (the first ones) --offload-activations offloads, where it means
+    something: on a CPU the device memory is host memory, and offloading would copy every saved
+    activation into a second buffer of the same memory and back, for nothing."""
+    target = cfg.techniques.offload_activations
+    if device.type == "cpu":  # a count past the model's depth is refused all the same
+        return 0 if target.auto else min(target.count(n_layers), 0)
+    return target.count(n_layers)
 
 
 def materialise(
@@ -529,6 +532,7 @@ def build_run(
     args = resolve_model_args(cfg)
     teacher = teacher_args(cfg, args) if cfg.objective.objective == "kd" else None
     check_splittable(cfg.parallel.cp, env.world if env else 1, args, teacher)  # before any load
+    offloads = offloaded_blocks(cfg, args.n_layers, device) > 0  # of the whole model's blocks
     if probe is not None and probe.depth is not None:  # the first `depth` blocks only
         types = args.layer_types[: probe.depth] if args.layer_types else None
         args = dataclasses.replace(args, n_layers=probe.depth, layer_types=types)
@@ -604,7 +608,7 @@ def build_run(
         resume_from=resume_from,
         probe=probe,
         base_dtype=base_dtype,
-        offload_activations=offloads_activations(cfg, device),
+        offload_activations=offloads,
         reference=frozen[0].model if frozen[0] is not None else None,
         teacher=frozen[1].model if frozen[1] is not None else None,
         seq=seq,

@@ -26,7 +26,7 @@ from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.config import TrainConfig
 from compiletune.errors import UserError, show
-from compiletune.estimate import fit
+from compiletune.estimate import fit, offload_plan
 from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
@@ -61,6 +61,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     recipes.check_no_placeholders(cfg)
     cfg = run_dir.align_hub_specs(cfg)  # --resume naming a Hub repo again: the run's commit
     estimate_gib = None
+    if pick_device().type == "cuda":  # --offload-activations auto: N from the estimate
+        cfg = offload_plan.plan_for_this_gpu(cfg)
     if cfg.run.preflight and pick_device().type == "cuda":
         estimate_gib = preflight_check(cfg)
     env = dist_.init_distributed(pick_device().type) if cfg.parallel.fsdp else None

@@ -459,6 +459,8 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         ({"ac": "full", "loss": "plain"}, 2),
         ({"lora_rank": 8, "quantize_base": "nf4", "ac": "full"}, 2),
         ({"ac": "full", "offload_activations": True, "compile": True, "optimizer": "adamw8bit"}, 1),
+        # the first 4 blocks offload: they come before the blocks that repeat
+        ({"offload_activations": 4, "compile": True, "n_layers": 32}, 1),
         ({"cpu_offload": True, "optimizer_in_backward": True}, 4),
         ({"objective": "dpo", "ac": "selective"}, 1),
         ({"model": "debug_gemma2", "n_layers": 30}, 2),  # sliding, full, ...
@@ -471,6 +473,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         "fsdp-ac",
         "qlora-fsdp",
         "offload-8bit",
+        "offload-first-4",
         "cpu-offload",
         "dpo",
         "gemma2",

@@ -190,7 +190,11 @@ def test_model_through_varlen_equals_the_segment_op(monkeypatch, compiled, ac):
         # symbolic size, is saved too)
         policy = parse_ac("selective" if ac == "offload" else ac)
         opts = CompileOptions(
-            backend="aot_eager", loss="plain", ac=policy, dump=True, offload=ac == "offload"
+            backend="aot_eager",
+            loss="plain",
+            ac=policy,
+            dump=True,
+            offload_blocks=len(other.layers) if ac == "offload" else 0,
         )
         regions = compile_regions(other, LossHead(other.output), opts)
     for lengths in LENGTHS:

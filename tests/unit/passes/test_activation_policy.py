@@ -238,7 +238,9 @@ def test_offload_moves_every_saved_activation_and_keeps_numerics(backend, ac, tm
     other = copy.deepcopy(base)
     hb, ho = LossHead(base.output), LossHead(other.output)
     compile_regions(base, hb, CompileOptions(backend=backend, loss="plain", ac=parse_ac(ac)))
-    opts = CompileOptions(backend=backend, loss="plain", ac=parse_ac(ac), offload=True, dump=True)
+    opts = CompileOptions(
+        backend=backend, loss="plain", ac=parse_ac(ac), offload_blocks=len(other.layers), dump=True
+    )
     regions = compile_regions(other, ho, opts)
     tokens, targets = batch(3)
     lb, gb = step(base, hb, tokens, targets)
