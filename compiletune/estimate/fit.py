@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from compiletune.compiler.offload_target import OffloadTarget
 from compiletune.config import TrainConfig, flag_text
 from compiletune.errors import UserError
 from compiletune.estimate.estimator import (
@@ -122,7 +123,8 @@ _IMPLIED = {"lora_alpha", "max_grad_norm"}
 # compiled pass).
 LENGTH_RUNGS: list[tuple[str, dict[str, Any]]] = [
     ("+ MLP tiles", {"mlp_tile": 4096}),
-    ("+ activation offload", {"compile": True, "offload_activations": True}),
+    # every block (typed as the config holds it, so a run that offloads all has this rung)
+    ("+ activation offload", {"compile": True, "offload_activations": OffloadTarget(None)}),
 ]
 MEMORY_LIMIT = 2**20  # the longest length --max-seq-len looks for, past the model's positions
 

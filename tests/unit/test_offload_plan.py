@@ -195,3 +195,12 @@ def test_auto_says_what_would_fit_when_no_number_of_blocks_does():
     with pytest.raises(UserError, match=r"even with all 4 blocks offloaded .*; add --") as e:
         plan_offload(cfg, 1, tight)
     assert "\n" not in str(e.value)
+
+
+def test_a_run_that_offloads_every_block_has_the_length_ladders_offload_rung():
+    (changes,) = [c for name, c in fit.LENGTH_RUNGS if "offload_activations" in c]
+    every = resolve({}, {"compile": True, "offload_activations": True})
+    assert fit._todo(every, changes) == {}
+    some = resolve({}, {"compile": True, "offload_activations": 2})
+    assert fit._todo(some, changes) == {"offload_activations": OffloadTarget(None)}
+    assert fit.flags_text(changes) == "--compile --offload-activations"
