@@ -75,13 +75,18 @@ def plan_offload(
 
 
 def plan_for_this_gpu(cfg: TrainConfig) -> TrainConfig:
-    """`train`'s plan on a GPU: auto against this GPU's memory and this machine's host memory
-    (every rank of an FSDP job plans the same; the first prints it). Without a GPU there is
-    nothing to offload, and `cfg` is returned as it is."""
+    """`train`'s plan on a GPU: auto against this GPU's memory (the share this process may
+    allocate) and this machine's host memory (every rank of an FSDP job plans the same; the
+    first prints it). Without a GPU there is nothing to offload, and `cfg` is returned as is."""
     if not cfg.techniques.offload_activations.auto or not torch.cuda.is_available():
         return cfg
     world = launched_world_size() if cfg.parallel.fsdp else 1
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    capacity = Capacity(torch.cuda.mem_get_info(local)[1], machine_host_bytes())
+    total = torch.cuda.mem_get_info(local)[1]
+    # a process held to part of the GPU (torch.cuda.set_per_process_memory_fraction) plans for
+    # that part: what it may allocate is the target
+    share = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.8+
+    total = int(total * share(local)) if share is not None else total
+    capacity = Capacity(total, machine_host_bytes())
     say = print if int(os.environ.get("RANK", "0")) == 0 else None
     return plan_offload(cfg, world, capacity, say)[0]

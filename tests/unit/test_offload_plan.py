@@ -16,7 +16,7 @@ from compiletune.compiler.offload_target import OffloadTarget
 from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.config import read_saved_config, resolve, save_yaml
 from compiletune.errors import UserError
-from compiletune.estimate import estimator, fit
+from compiletune.estimate import estimator, fit, offload_plan
 from compiletune.estimate.offload_plan import plan_offload
 from compiletune.loss.head import LossHead
 from compiletune.models import build_model, from_name
@@ -164,7 +164,7 @@ def test_the_estimate_follows_the_blocks_offloaded():
     assert est[6].peak_bytes <= est[3].peak_bytes < est[1].peak_bytes < est[0].peak_bytes
 
 
-def test_auto_picks_the_fewest_blocks_that_fit():
+def test_auto_picks_the_fewest_blocks_that_fit(monkeypatch, capsys):
     """With the GPU's memory set between the peaks at N - 1 and N blocks offloaded, auto
     answers N: it fits, and N - 1 does not."""
     cfg = resolve({}, FOUR)
@@ -183,6 +183,13 @@ def test_auto_picks_the_fewest_blocks_that_fit():
     assert any("auto: 2 of 4 blocks" in n for n in est.notes)
     # the estimate asked for next (estimate-memory's, after the plan) is the plan's
     assert estimator.estimate_memory(planned) is est
+    # train plans for the share of the GPU its process may allocate (a bench's memory cap)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (0, 2 * room))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.5, raising=False)
+    monkeypatch.setattr(offload_plan, "machine_host_bytes", lambda: 1 << 40)
+    assert offload_plan.plan_for_this_gpu(auto).techniques.offload_activations == OffloadTarget(2)
+    assert "the first 2 of 4 blocks offload" in capsys.readouterr().out
     # room for the step with no offload: none
     none, _ = plan_offload(auto, 1, fit.Capacity(peaks[0] + fit.RESERVE_BYTES, 1 << 40))
     assert none.techniques.offload_activations == OffloadTarget(0)
