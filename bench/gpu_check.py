@@ -381,7 +381,7 @@ STEPS += [
         "recipe-8b",
         [PY, "bench/ladder.py", "--models", "llama3_1_8b", "--rows", "8b", "--estimate"]
         + ["--rungs", "8B recipe llama3_1_8b_full_24gb", "--steps", "3", "--no-plot"]
-        + ["--out", "{results}/recipe-8b-cuda-{dev}.json"],
+        + ["--memory-cap-gib", "24", "--out", "{results}/recipe-8b-cuda-{dev}.json"],
         [PY, "bench/ladder.py", *LADDER_DRY, "--rows", "8b", "--rungs", "8B LoRA r16"]
         + ["--out", "{results}/recipe-8b-cuda-{dev}.json"],
         300,
@@ -444,11 +444,12 @@ FIRST_GPU_TESTS = [
 FIRST_GPU_K = "varlen or fla or sinks or rollout or fp8 or mxfp4 or quantized or dequantize"
 _LADDER_PLAN = ["+ compile", "+ fused loss", "+ selective AC", "full AC"]
 _LADDER_PLAN += ["+ offload activations"]
-# The loss head with each weight-gradient sum (bf16, fp32, bf16 at about Liger's memory) beside
-# Liger and cut-cross-entropy (each skipped, and recorded so, where its package is missing).
-# `fused` (auto) is left out: at hidden 4096, vocab 128256 it is fused_bf16acc (1 and 4 chunks).
+# The loss head with each weight-gradient sum (bf16, fp32, bf16 at about Liger's memory) and its
+# two-op form beside Liger and cut-cross-entropy (each skipped, and recorded so, where its
+# package is missing). `fused` (auto) is left out: at hidden 4096, vocab 128256 it is
+# fused_bf16acc (1 and 4 chunks).
 _LOSS_PLAN = ["--variants", "fused_bf16acc", "fused_fp32acc", "fused_bf16_128m", "liger", "cce"]
-_LOSS_PLAN += ["plain"]
+_LOSS_PLAN += ["fused_two_op", "plain"]
 _8B = ["bench/ladder.py", "--models", "llama3_1_8b", "--rows", "8b", "--estimate", "--no-plot"]
 _8B += ["--seq-len", "2048", "--batch-size", "2"]
 _8B_DRY = ["bench/ladder.py", *LADDER_DRY, "--rows", "8b", "--rungs", "8B LoRA r16"]
@@ -524,8 +525,10 @@ STEPS += [
         8,
         "recipe-8b-plan",
         [PY, *_8B, "--steps", "3", "--rungs", "8B recipe llama3_1_8b_full_24gb"]
+        + ["--memory-cap-gib", "24", "--out", "{results}/recipe-8b-plan-cuda-{dev}.json"],
+        # (the capped launch runs here too: the cap itself is a no-op without CUDA)
+        [PY, *_8B_DRY, "--memory-cap-gib", "24"]
         + ["--out", "{results}/recipe-8b-plan-cuda-{dev}.json"],
-        [PY, *_8B_DRY, "--out", "{results}/recipe-8b-plan-cuda-{dev}.json"],
         300,
         150,
         result="recipe-8b-plan-cuda-{dev}.json",

@@ -12,6 +12,7 @@ and W (128256 = the Llama 3 vocabulary), with 5% of the targets ignored:
              dh and dW in the forward and saves them; else the two-op head (chunked fp32
              log-sum-exp, saves only lse [N], logits recomputed in backward).
              COMPILETUNE_LCE_ONE_PASS=0|1 forces either.
+    fused_two_op     the two-op head forced (saves h and lse; four matmuls)
     fused_fp32acc    the one-pass head forced, its weight gradient summed over token chunks
                      in an fp32 [V, d] buffer (default chunks: logits up to the size of dW)
     fused_bf16acc    the same, summed in the weight's dtype (`--accumulator bf16`'s head)
@@ -72,6 +73,7 @@ def _small_chunks(h, w, t, **kw):
 
 VARIANTS = {
     "fused": linear_cross_entropy,
+    "fused_two_op": functools.partial(linear_cross_entropy, one_pass=False),
     "fused_fp32acc": functools.partial(linear_cross_entropy, one_pass=True, accumulator="fp32"),
     "fused_bf16acc": functools.partial(linear_cross_entropy, one_pass=True, accumulator="bf16"),
     "fused_bf16_128m": _small_chunks,
