@@ -255,7 +255,9 @@ _ADDMM_OUT_DTYPE: bool | None = None  # addmm(..., out_dtype=) works here: unkno
 def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc += a @ b, where acc may be fp32 and a, b narrower (bf16): on CUDA one cuBLAS call that
     accumulates into acc (`addmm` with `out_dtype`, torch >= 2.9), no [m, n] temporary;
-    elsewhere (and where that overload is missing) through the product in a's dtype."""
+    elsewhere (and where that overload is missing) through the product in a's dtype, which a
+    CPU copies to fp32 before adding. With acc in a's dtype, one `addmm_`: the product summed in
+    fp32 and added to acc before its one rounding."""
     global _ADDMM_OUT_DTYPE
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
