@@ -101,6 +101,17 @@ def work_dir(prefix: str) -> Path:
     return work
 
 
+# `compiletune train` with the caching allocator capped at GIB of the GPU (a 24 GB card's budget
+# on a larger one: a peak over it fails as out of memory); no cap without CUDA.
+_CAPPED = (
+    "import runpy, torch\n"
+    "if torch.cuda.is_available():\n"
+    "    total = torch.cuda.get_device_properties(0).total_memory\n"
+    "    torch.cuda.set_per_process_memory_fraction(min(1.0, GIB * 2**30 / total))\n"
+    "runpy.run_module('compiletune', run_name='__main__', alter_sys=True)\n"
+)
+
+
 def run_train(
     args: list[str],
     cache_dir: str,
@@ -109,6 +120,7 @@ def run_train(
     remove_output: bool = False,
     processes: int = 0,
     doc_mask: bool = False,
+    memory_cap_gib: float | None = None,
 ) -> dict[str, Any]:
     """One `compiletune train` process with its own Inductor cache folder; returns the run's
     summary.json plus `step_times`, `tokens_per_step`, `step_peak_mem_gib` (the peak after
@@ -124,19 +136,26 @@ def run_train(
     `doc_mask`: keep the trainer's default document masking; off (plain causal attention over
     the packed rows), the benches measure what their committed baselines measured before
     document masking became the default, and what transformers trains in bench/peers.py.
+    `memory_cap_gib`: one process under torch.cuda.set_per_process_memory_fraction of that.
+    The summary's `wall_s` is the whole process (imports, set-up, steps) and `setup_s` that
+    less its steps (the first step, which compiles, counts as a step).
     """
     out = workdir / f"run{len(list(workdir.iterdir()))}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.environ.get(SHARED_CACHE_ENV) or cache_dir}
-    launch = [sys.executable, "-m"]
+    launch = [sys.executable, "-m", "compiletune"]
+    if memory_cap_gib is not None and not processes:  # the snippet runs compiletune itself
+        launch = [sys.executable, "-c", _CAPPED.replace("GIB", repr(float(memory_cap_gib)))]
     if processes:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        launch += ["torch.distributed.run", f"--nproc-per-node={processes}"]
-        launch += [f"--master-port={port}", "-m"]
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}"]
+        launch += [f"--master-port={port}", "-m", "compiletune"]
     mask = [] if doc_mask else ["--no-doc-mask"]
-    cmd = [*launch, "compiletune", "train", *args, *mask, "--output-dir", str(out)]
+    cmd = [*launch, "train", *args, *mask, "--output-dir", str(out)]
+    started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
     if proc.returncode != 0:
         if not allow_failure:
             raise SystemExit(f"bench run failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -147,6 +166,8 @@ def run_train(
     summary["tokens_per_step"] = steps[0]["tokens"]
     summary["step_peak_mem_gib"] = steps[-1]["peak_mem_gib"]
     summary["first_step_peak_mem_gib"] = steps[0]["peak_mem_gib"]
+    summary["wall_s"] = wall
+    summary["setup_s"] = wall - sum(summary["step_times"])
     if remove_output:
         shutil.rmtree(out)
     return summary

@@ -137,10 +137,13 @@ def run_rung(
     # No checkpoint (an 8B one with its optimizer state is ~100 GB); the pre-flight estimate
     # only where the row reports it.
     args += ["--no-save"] + ([] if a.estimate else ["--no-preflight"])
-    s = run_train(args, cache, work, allow_failure=True, remove_output=True, doc_mask=True)
+    s = run_train(
+        args, cache, work, True, remove_output=True, doc_mask=True, memory_cap_gib=a.memory_cap_gib
+    )
     if "error" in s:
         return s
     row = steady_state(s["step_times"], s["tokens_per_step"])
+    row["setup_s"] = s["setup_s"]  # the process less its steps: imports, build, first batch
     row["peak_mem_gib"] = s["step_peak_mem_gib"]
     row["first_step_peak_mem_gib"] = s["first_step_peak_mem_gib"]
     row["final_loss"] = s["final_loss"]
@@ -277,6 +280,13 @@ def main() -> None:
         help="keep the trainer's pre-flight memory estimate and report it beside each peak",
     )
     p.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        default=None,
+        help="cap each run's GPU memory (torch.cuda.set_per_process_memory_fraction): a smaller "
+        "card's budget, e.g. 24 for the 24 GB recipes",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -367,6 +377,7 @@ def main() -> None:
                 row["load_1m"] = os.getloadavg()[0]
                 runs_of[name].append(row)
                 shown = {k: v for k, v in row.items() if k not in ("flags", "step_times")}
+                shown["step_s"] = [round(t, 2) for t in row.get("step_times", [])]
                 print(f"repeat {repeat + 1}/{a.repeats}", shown, flush=True)
                 if "mfu" not in row and "tokens_per_s" in row:
                     row["mfu"] = mfu(row["tokens_per_s"], flops)
