@@ -445,3 +445,27 @@ def save_merged(
 
 def trainable_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def check_resume_kind(checkpoint: Path, spec: LoRASpec | None) -> None:
+    """A LoRA run resumes from an adapter checkpoint with the same adapters; a full run from
+    weights."""
+    if is_adapter_folder(checkpoint) and spec is None:
+        raise UserError(
+            f"--resume: {checkpoint} is a LoRA checkpoint; pass the run's --lora-rank (and its "
+            "other --lora-* flags) to continue it"
+        )
+    if spec is None:
+        return
+    if not is_adapter_folder(checkpoint):
+        raise UserError(
+            f"--resume: {checkpoint} holds full weights, not a LoRA adapter; drop --lora-rank "
+            "to continue that run, or start the LoRA run in another --output-dir"
+        )
+    saved = read_adapter_spec(checkpoint)
+    if (saved.rank, saved.alpha, saved.targets) != (spec.rank, spec.alpha, spec.targets):
+        raise UserError(
+            f"--resume: {checkpoint} has rank {saved.rank}, alpha {saved.alpha:g} adapters on "
+            f"{','.join(saved.targets)}; pass --lora-rank {saved.rank} --lora-alpha "
+            f"{saved.alpha:g} --lora-targets {','.join(saved.targets)}"
+        )

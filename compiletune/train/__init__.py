@@ -2,6 +2,8 @@
 
 build.py     build_run(cfg, env) -> Run: model, techniques, optimizer, data (the one build)
 step.py      train_step = backward_pass + optimizer_step -> StepResult; evaluate; lr schedule
+hooks.py     step hooks: each technique's per-step work, registered by apply_techniques
+strategy.py  StepStrategy: an objective's step as the loop calls it (grpo.py's GrpoStep too)
 loop.py      train(cfg) -> Trainer(cfg, env).train(): the loop, logging, the summary
 run_dir.py   the run folder: checks, config.yaml, checkpoint cadence, summary, signals
 """

@@ -61,6 +61,7 @@ from compiletune.models.lora import (
 )
 from compiletune.models.seq_parallel import SeqShards, check_splittable, split_sequence
 from compiletune.optim import ADAMW_BETAS, Optimizer
+from compiletune.train.hooks import Fp8Scales, InBackwardCheck, RouterBiasUpdate, StepHooks
 from compiletune.train.inputs import build_data, build_pairs, build_prompts
 
 # Fields that make two architectures different models (head_dim is compared resolved).
@@ -119,6 +120,7 @@ class Run:
     reference: Transformer | None = None  # DPO/IPO without LoRA: the frozen starting weights
     teacher: Transformer | None = None  # --objective kd
     seq: SeqShards | None = None  # --cp: this rank's piece of every row (seq_parallel.py)
+    hooks: StepHooks = field(default_factory=StepHooks)  # techniques' per-step work
 
     @property
     def world(self) -> int:
@@ -205,30 +207,6 @@ def resolve_tokenizer(cfg: TrainConfig) -> Any:
     return byte_tokenizer()
 
 
-def check_resume_kind(checkpoint: Path, spec: LoRASpec | None) -> None:
-    """A LoRA run resumes from an adapter checkpoint with the same adapters; a full run from
-    weights."""
-    if adapter_io.is_adapter_folder(checkpoint) and spec is None:
-        raise UserError(
-            f"--resume: {checkpoint} is a LoRA checkpoint; pass the run's --lora-rank (and its "
-            "other --lora-* flags) to continue it"
-        )
-    if spec is None:
-        return
-    if not adapter_io.is_adapter_folder(checkpoint):
-        raise UserError(
-            f"--resume: {checkpoint} holds full weights, not a LoRA adapter; drop --lora-rank "
-            "to continue that run, or start the LoRA run in another --output-dir"
-        )
-    saved = adapter_io.read_adapter_spec(checkpoint)
-    if (saved.rank, saved.alpha, saved.targets) != (spec.rank, spec.alpha, spec.targets):
-        raise UserError(
-            f"--resume: {checkpoint} has rank {saved.rank}, alpha {saved.alpha:g} adapters on "
-            f"{','.join(saved.targets)}; pass --lora-rank {saved.rank} --lora-alpha "
-            f"{saved.alpha:g} --lora-targets {','.join(saved.targets)}"
-        )
-
-
 def _check_shapes(cfg: TrainConfig, args: ModelArgs, tokenizer: Any) -> None:
     if len(tokenizer) > args.vocab_size:
         raise UserError(
@@ -245,6 +223,15 @@ def _check_shapes(cfg: TrainConfig, args: ModelArgs, tokenizer: Any) -> None:
         raise UserError(
             "--router-bias-update-rate nudges the correction bias of DeepSeek-V3-style "
             "(sigmoid) routers; this model has none, so leave it 0"
+        )
+
+
+def _check_compensation(cfg: TrainConfig, dtype: torch.dtype) -> None:
+    comp = cfg.optim.bf16_compensation
+    if comp not in (None, "none") and dtype != torch.bfloat16:
+        raise UserError(
+            f"--bf16-compensation {comp} corrects bf16 parameter updates, but the parameters "
+            f"are {str(dtype).removeprefix('torch.')} here; add --dtype bf16 or drop it"
         )
 
 
@@ -318,17 +305,22 @@ def apply_techniques(
     device: torch.device | None = None,
     notes: list[str] | None = None,
     probe: bool = False,
-) -> CompiledRegions | None:
+) -> tuple[CompiledRegions | None, StepHooks]:
     """Every technique that wraps the model, in one place and in this order (`device`: where
     the model runs; the memory estimate's is the CPU of its fake tensors, also for a GPU run;
-    `notes`: start-up lines about what was done):
+    `notes`: start-up lines about what was done), and each one's per-step work as a step hook
+    (hooks.py), which the step calls in this order after the optimizer step:
 
     0. float8 linears     (--fp8: torchao's, in the blocks; the estimate's emulated)
     1. activation policy  (eager: torch.utils.checkpoint per block; compiled: a graph pass)
     2. compile            (each block and the head through compiletune's backend)
     3. FSDP2              (after compile, so FSDP's hooks stay outside the compiled blocks)
+
+    Step hooks: --fp8 tensorwise under FSDP (the next all-gather's scales), the MoE routers'
+    --router-bias-update-rate, --optimizer-in-backward's check of the weights.
     """
     t = cfg.techniques
+    hooks = StepHooks()
     policy = parse_ac(t.ac, t.ac_every)
     device = device or model_device(env)
     if t.fp8:
@@ -338,6 +330,10 @@ def apply_techniques(
             where = " (emulated)" if emulate else ""
             notes.append(f"--fp8 {t.fp8}{where}: {n} block linears in float8")
             notes += [f"  kept in {cfg.model.dtype or 'bf16'}: {line}" for line in kept]
+        if t.fp8 == "tensorwise" and env is not None:
+            hooks.add(Fp8Scales(model, t.fp8))
+    if cfg.optim.router_bias_update_rate and model.args.n_experts:
+        hooks.add(RouterBiasUpdate(model, cfg.optim.router_bias_update_rate, _world(env)))
     for i, block in enumerate(model.layers):
         eager_selective = not compile and policy.kind == "selective" and policy.applies_to(i)
         block.attention.backend = attention_backend(device, eager_selective=eager_selective)
@@ -356,7 +352,13 @@ def apply_techniques(
         apply_eager_checkpointing(model, policy)
     if env is not None:
         shard_model(model, cfg, env)
-    return regions
+    if cfg.optim.optimizer_in_backward:  # the optimizer's hooks step during backward
+        hooks.add(InBackwardCheck(model))
+    return regions, hooks
+
+
+def _world(env: dist_.DistEnv | None) -> int:
+    return env.world if env is not None else 1
 
 
 def shard_model(
@@ -455,7 +457,7 @@ def _read_inputs(
         inputs.state = ckpt.load_train_state(inputs.resume_from)
         ranks = world if env is not None else None
         ckpt.check_resumable(inputs.resume_from, inputs.state, ranks, cfg.parallel.sharding)
-        check_resume_kind(inputs.resume_from, spec)
+        adapter_io.check_resume_kind(inputs.resume_from, spec)
     return inputs
 
 
@@ -541,12 +543,7 @@ def build_run(
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
     inputs = _read_inputs(cfg, env, args, spec) if probe is None else _probe_inputs(cfg, env, args)
     inputs.facts.bf16_params = dtype == torch.bfloat16
-    comp = cfg.optim.bf16_compensation
-    if comp not in (None, "none") and dtype != torch.bfloat16:
-        raise UserError(
-            f"--bf16-compensation {comp} corrects bf16 parameter updates, but the parameters "
-            f"are {str(dtype).removeprefix('torch.')} here; add --dtype bf16 or drop it"
-        )
+    _check_compensation(cfg, dtype)
     fill_defaults(cfg, inputs.facts)
 
     base_dtype = pick_dtype(cfg.lora.base_dtype, device) if cfg.lora.base_dtype else dtype
@@ -567,7 +564,9 @@ def build_run(
         model.output, head_kind(cfg.techniques.loss, compiled), model.args.final_softcap
     )
     notes: list[str] = []
-    regions = apply_techniques(model, head, cfg, env, compiled, device, notes, probe is not None)
+    regions, hooks = apply_techniques(
+        model, head, cfg, env, compiled, device, notes, probe is not None
+    )
 
     params: list[nn.Parameter] = []
     with probe.scope() if probe is not None else contextlib.nullcontext():
@@ -613,6 +612,7 @@ def build_run(
         teacher=frozen[1].model if frozen[1] is not None else None,
         seq=seq,
         notes=notes,
+        hooks=hooks,
     )
     _attach_batches(run, inputs)
     if inputs.state is not None:

@@ -18,7 +18,6 @@ is the frozen starting weights (a full fine-tune) or the LoRA model with its ada
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -42,7 +41,9 @@ from compiletune.train import nonfinite
 from compiletune.train.build import Run
 from compiletune.train.forward import forward_hidden
 from compiletune.train.objective import frozen_eager, logprobs, reference_model
+from compiletune.train.run_dir import StopSignal
 from compiletune.train.step import lr_factor
+from compiletune.train.strategy import StepOutcome
 
 Batch = dict[str, Tensor]
 # The largest advantage a step may train on. A completion token's gradient is about its
@@ -504,54 +505,55 @@ def _std(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def one_step(trainer: Any, stop: Any, grpo: Grpo) -> dict[str, Any] | None:
-    """`Trainer.one_step` for --objective grpo: the metrics line of one step; None when a
-    reward stopped the run (RewardStopped: the step is abandoned, `stop` set)."""
-    run, cfg = trainer.run, trainer.cfg
-    t0 = time.perf_counter()
-    # every rank draws the same global batches (world x --batch-size prompts each) and takes
-    # its slice of each, as in any run
-    if grpo.stopped is not None:  # a reward stopped the run during the last evaluation
-        stop.requested = stop.agreed = True
-        return None
-    b = cfg.data.batch_size
-    position = run.batches.state_dict()
-    prompts: list[Prompt] = []
-    indices: list[int] = []
-    for k in range(cfg.data.grad_accum):
-        drawn = run.batches.next()
-        mine = range(run.rank * b, (run.rank + 1) * b)
-        prompts += [drawn[i] for i in mine]
-        indices += [k * b * run.world + i for i in mine]
-    lr = cfg.optim.lr * lr_factor(trainer.step, cfg)
-    try:
-        values = grpo.step(run, prompts, trainer.step, lr, indices)
-    except RewardStopped as e:
-        # the rewards come before any update: the weights are the last step's, and the prompts
-        # go back, so that a resume draws them again and runs what this run would have
-        run.batches.load_state_dict(position)
-        grpo.halt(run, e, f"step {trainer.step + 1}")
-        stop.requested = stop.agreed = True
-        return None
-    trainer.step += 1
-    dt = time.perf_counter() - t0
-    nonfinite = values.pop("nonfinite")
-    record = {"step": trainer.step, "lr": lr, **values}
-    record.update(
-        tokens_per_s=values["tokens"] / dt,
-        step_time_s=dt,
-        peak_mem_gib=peak_memory_gib(run.device),
-        epoch=run.batches.epoch,
-        padding=0,
-    )
-    trainer.tokens_done += values["tokens"]
-    trainer.targets_done += values["targets"]
-    if nonfinite is not None:
-        record["nonfinite"] = nonfinite
-        record["applied"] = False
-    else:
-        if trainer.step == run.start_step + 1 or math.isnan(trainer.first_loss):
-            trainer.first_loss = values["loss"]
-        trainer.last_loss = values["loss"]
-    stop.agreed = bool(stop.requested)
-    return record
+class GrpoStep:
+    """--objective grpo's step strategy (strategy.py): this rank's prompts of the step's global
+    batches -> `Grpo.step` (rollout, rewards, updates) -> the metrics line."""
+
+    def __init__(self, run: Run, grpo: Grpo) -> None:
+        self.run, self.grpo = run, grpo
+
+    def one_step(self, step: int, stop: StopSignal) -> StepOutcome | None:
+        """None when a reward stopped the run (RewardStopped: the step is abandoned, `stop`
+        set)."""
+        run, cfg, grpo = self.run, self.run.cfg, self.grpo
+        t0 = time.perf_counter()
+        if grpo.stopped is not None:  # a reward stopped the run during the last evaluation
+            stop.requested = stop.agreed = True
+            return None
+        # every rank draws the same global batches (world x --batch-size prompts each) and
+        # takes its slice of each, as in any run
+        b = cfg.data.batch_size
+        position = run.batches.state_dict()
+        prompts: list[Prompt] = []
+        indices: list[int] = []
+        for k in range(cfg.data.grad_accum):
+            drawn = run.batches.next()
+            mine = range(run.rank * b, (run.rank + 1) * b)
+            prompts += [drawn[i] for i in mine]
+            indices += [k * b * run.world + i for i in mine]
+        lr = cfg.optim.lr * lr_factor(step, cfg)
+        try:
+            values = grpo.step(run, prompts, step, lr, indices)
+        except RewardStopped as e:
+            # the rewards come before any update: the weights are the last step's, and the
+            # prompts go back, so that a resume draws them again and runs what this run would
+            run.batches.load_state_dict(position)
+            grpo.halt(run, e, f"step {step + 1}")
+            stop.requested = stop.agreed = True
+            return None
+        dt = time.perf_counter() - t0
+        nonfinite = values.pop("nonfinite")
+        record = {"step": step + 1, "lr": lr, **values}
+        record.update(
+            tokens_per_s=values["tokens"] / dt,
+            step_time_s=dt,
+            peak_mem_gib=peak_memory_gib(run.device),
+            epoch=run.batches.epoch,
+            padding=0,
+        )
+        if nonfinite is not None:
+            record["nonfinite"] = nonfinite
+            record["applied"] = False
+        stop.agreed = bool(stop.requested)
+        loss = values["loss"] if nonfinite is None else None
+        return StepOutcome(record, values["tokens"], values["targets"], loss=loss)

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from compiletune import distributed as dist_
-from compiletune import faults, harness, plot, recipes, torch_internals
+from compiletune import harness, plot, recipes, torch_internals
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.config import TrainConfig
@@ -34,18 +34,10 @@ from compiletune.models.hf_config import brief
 from compiletune.rl.rewards import load_rewards
 from compiletune.train import grpo, objective, run_dir
 from compiletune.train.build import Run, build_run, pick_device
-from compiletune.train.nonfinite import Facts, advice, cause, finite
+from compiletune.train.nonfinite import Facts, advice
 from compiletune.train.objective import evaluate_pairs
-from compiletune.train.step import (
-    RouterStep,
-    StepResult,
-    evaluate,
-    lr_factor,
-    next_batch,
-    read_once,
-    train_step,
-    weights_norm,
-)
+from compiletune.train.step import evaluate, weights_norm
+from compiletune.train.strategy import StepStrategy, SupervisedStep
 
 # A checkpoint is a good one to continue from when its weights' norm is at most this many times
 # their norm when the run (this invocation) started; fine-tuning moves it by a few percent.
@@ -187,6 +179,11 @@ class Trainer:
         if cfg.objective.precompute_ref:
             objective.precompute_reference(self.run, self.say)
         self.grpo = grpo.Grpo(self.run, rewards) if rewards is not None else None
+        self.strategy: StepStrategy = (
+            grpo.GrpoStep(self.run, self.grpo)
+            if self.grpo is not None
+            else SupervisedStep(self.run, env, self.peak_gib)
+        )
         if self.run.resume_from is not None:
             pending = run_dir.merge_pending(cfg, self.out)
             run_dir.check_length(cfg.run.max_steps, self.run.start_step, pending)
@@ -292,80 +289,21 @@ class Trainer:
         return summary
 
     def one_step(self, stop: run_dir.StopSignal) -> dict[str, Any] | None:
-        """Draw the step's micro-batches, run `train_step`, and return its metrics line. A step
-        whose loss or gradient norm is not finite is not applied (`nonfinite` in its line). None:
-        grpo's step was abandoned, a reward having stopped the run (`stop` is set)."""
-        cfg, run = self.cfg, self.run
-        if self.grpo is not None:
-            return grpo.one_step(self, stop, self.grpo)
-        t0 = time.perf_counter()
-        served = run.batches.served_inputs
-        batch = next_batch(run)
-        # The lr is a function of the step alone, so a resume needs no schedule state.
-        lr = cfg.optim.lr * lr_factor(self.step, cfg)
-        seen: dict[str, Any] = {}
-
-        def accept(values: dict[str, torch.Tensor]) -> bool:
-            # The step's one host sync and, under FSDP, its one collective: the global loss,
-            # the objective's sums, and a stop request seen by any rank (so every rank leaves
-            # after the same step). The norms are already global; so every rank takes the
-            # same decision.
-            host = read_once(values)
-            if self.env is not None:
-                extra = [k for k in host if k.startswith("extra.")]
-                summed = dist_.all_reduce_sum(
-                    [host["loss_sum"], stop.requested, *(host[k] for k in extra)], run.device
-                )
-                host["loss_sum"], votes = summed[0], summed[1]
-                host.update(zip(extra, summed[2:], strict=True))
-                stop.agreed = votes > 0
-            seen.update(host)
-            values = host["loss_sum"], host.get("grad_norm"), host.get("weights_norm")
-            ok = finite(*values)
-            if not ok:  # named now: the gradients are zeroed when the step is refused
-                seen["cause"] = cause(run.model, *values, self.env)
-            return ok
-
-        result: StepResult = train_step(run, batch, lr, accept)
-        faults.point("step")
+        """One optimizer step through the objective's strategy (strategy.py), its counters kept
+        here, and its metrics line. None: grpo's step was abandoned, a reward having stopped
+        the run (`stop` is set)."""
+        outcome = self.strategy.one_step(self.step, stop)
+        if outcome is None:
+            return None
         self.step += 1
-        loss = seen["loss_sum"] / result.n_targets
-        grad_norm = seen.get("grad_norm")
-        nonfinite = seen.get("cause")
-        dt = time.perf_counter() - t0
-        # the data's tokens, padding aside (whole-example packing and pairs pad their rows)
-        n_tokens = run.batches.served_inputs - served
-        padding = cfg.data.grad_accum * cfg.data.batch_size * run.dp_world * cfg.data.seq_len
-        padding -= n_tokens
-        self.tokens_done += n_tokens
-        self.padding_done += padding
-        self.targets_done += result.n_targets
-        if nonfinite is None:
-            if self.step == run.start_step + 1 or math.isnan(self.first_loss):
-                self.first_loss = loss
-            self.last_loss = loss
-        record = {
-            "step": self.step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens": n_tokens,
-            "padding": padding,
-            "targets": result.n_targets,
-            "tokens_per_s": n_tokens / dt,
-            "step_time_s": dt,
-            "peak_mem_gib": self.peak_gib(),
-            "epoch": run.batches.epoch,
-        }
-        if result.router is not None:
-            record.update(RouterStep.record(seen))
-        n = max(1, result.n_targets)  # the objective's sums over the pairs or tokens: means
-        record.update({k: seen[f"extra.{k}"] / n for k in result.extras})
-        if nonfinite is not None:
-            record["nonfinite"] = nonfinite
-            # --optimizer-in-backward updated during backward, before the check could refuse
-            record["applied"] = bool(result.stepped or cfg.optim.optimizer_in_backward)
-        return record
+        self.tokens_done += outcome.tokens
+        self.padding_done += outcome.padding
+        self.targets_done += outcome.targets
+        if outcome.loss is not None:
+            if self.step == self.run.start_step + 1 or math.isnan(self.first_loss):
+                self.first_loss = outcome.loss
+            self.last_loss = outcome.loss
+        return outcome.record
 
     def handle_nonfinite(self, record: dict[str, Any]) -> None:
         """After a step that was not finite: skip it (--skip-nonfinite) or stop, naming the

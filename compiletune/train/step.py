@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from compiletune import distributed as dist_
-from compiletune import fp8
 from compiletune.config import TrainConfig
 from compiletune.data.rows import PackedData, check_targets, count_targets, eval_batches
 from compiletune.loss.head import IGNORE_INDEX, LossHead
 from compiletune.metrics import perplexity
-from compiletune.models.moe import router_losses, update_score_bias
+from compiletune.models.moe import router_losses
 from compiletune.models.seq_parallel import SeqShards
 from compiletune.train import objective
 from compiletune.train.build import Run
 from compiletune.train.forward import Batch, forward_hidden, local_batch
+from compiletune.train.step_result import RouterStep, StepResult
 
 
 @dataclass
@@ -48,51 +48,6 @@ def next_batch(run: Run) -> StepBatch:
         pairs = [mb["pairs"].tolist() for mb in micro]
         return StepBatch(micro, sum(map(sum, pairs)), pairs)
     return StepBatch(micro, sum(count_targets(mb) for mb in micro))
-
-
-@dataclass
-class StepResult:
-    loss_sum: Tensor  # fp32 [], this rank's loss summed over its target tokens (not synced)
-    n_targets: int  # target tokens of the whole global batch, every micro-batch
-    grad_norm: Tensor | None  # before clipping; None with --optimizer-in-backward
-    stepped: bool = True  # False: `accept` refused the step, the optimizer did not run
-    router: RouterStep | None = None  # MoE models: this rank's router losses and expert load
-    # the objective's own values, summed on this rank (not synced): fp32 [] each
-    extras: dict[str, Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class RouterStep:
-    """A MoE step's router numbers on this rank (means over its micro-batches)."""
-
-    aux_loss: Tensor  # fp32 [], the load-balancing loss
-    z_loss: Tensor  # fp32 [], the router z-loss
-    expert_tokens: Tensor  # fp32 [MoE layers, E], (token, slot) pairs routed to each expert
-
-    def tensors(self) -> dict[str, Tensor]:
-        """What `record` needs, read with the step's other values in one host sync."""
-        return {
-            "router_aux_loss": self.aux_loss,
-            "router_z_loss": self.z_loss,
-            "expert_tokens": self.expert_tokens,
-        }
-
-    @staticmethod
-    def record(host: dict[str, Any]) -> dict[str, object]:
-        """The metrics-line fields from the host values of `tensors`: losses, and each layer's
-        least and most loaded expert in tokens (`mean`: every expert's share if balanced), and
-        over all layers as a fraction of that share (1.0 balanced; min 0.0: an expert that got
-        nothing)."""
-        tokens = host["expert_tokens"]  # [layers][E] floats
-        mean = sum(map(sum, tokens)) / len(tokens) / len(tokens[0])
-        low, high = [min(t) for t in tokens], [max(t) for t in tokens]
-        return {
-            "router_aux_loss": host["router_aux_loss"],
-            "router_z_loss": host["router_z_loss"],
-            "expert_load_min": min(low) / mean,
-            "expert_load_max": max(high) / mean,
-            "expert_load": {"mean": mean, "min": low, "max": high},
-        }
 
 
 def read_once(values: dict[str, Tensor]) -> dict[str, Any]:
@@ -206,7 +161,8 @@ def optimizer_step(run: Run, done: Backward, accept: Accept | None = None) -> St
     grad_norm = None
     if max_norm > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm)
-    elif not cfg.optim.optimizer_in_backward:  # the norm alone: a non-finite one is caught
+    else:  # the norm alone: a non-finite one is caught. None when no gradient is left (an
+        # optimizer that steps in backward has dropped each one; its hook reports instead)
         grads = [p.grad for p in run.params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
     extras = {k: torch.as_tensor(v).detach() for k, v in sums.items()}
@@ -219,15 +175,9 @@ def optimizer_step(run: Run, done: Backward, accept: Accept | None = None) -> St
         return StepResult(total, n_targets, grad_norm, stepped=False, router=moe, extras=extras)
     run.optimizer.step()  # a no-op with --optimizer-in-backward: already stepped
     run.optimizer.zero_grad()
-    if cfg.techniques.fp8 and run.env is not None:  # tensorwise: the next all-gather's scales
-        fp8.precompute_scales(run.model, cfg.techniques.fp8)
-    rate = cfg.optim.router_bias_update_rate
-    if moe is not None and rate:  # the loads of the whole global batch: every rank's
-        tokens = moe.expert_tokens.clone()
-        if run.world > 1:
-            torch.distributed.all_reduce(tokens)
-        update_score_bias(run.model, tokens, rate)
-    return StepResult(total, n_targets, grad_norm, router=moe, extras=extras)
+    result = StepResult(total, n_targets, grad_norm, router=moe, extras=extras)
+    run.hooks.after_optimizer_step(result)  # the techniques' per-step work (hooks.py)
+    return result
 
 
 def step_values(
@@ -237,14 +187,13 @@ def step_values(
     extras: dict[str, Tensor],
     router: RouterStep | None,
 ) -> dict[str, Tensor]:
-    """The device values a step reports, for `accept` to read in one host sync. Objective
-    sums are keyed `extra.<name>`. With --optimizer-in-backward the update has already been
-    applied: the norm of the (local shards of the) weights says whether they stayed finite."""
+    """The device values a step reports, for `accept` to read in one host sync: its own, the
+    run's step hooks' (`report`: e.g. --optimizer-in-backward's `weights_norm`), and the
+    objective's sums, keyed `extra.<name>`."""
     values = {"loss_sum": loss_sum}
     if grad_norm is not None:
         values["grad_norm"] = _full(grad_norm)
-    if run.cfg.optim.optimizer_in_backward and run.params:
-        values["weights_norm"] = _full(torch.nn.utils.get_total_norm(run.params))
+    run.hooks.report(values)
     values |= {f"extra.{k}": v for k, v in extras.items()}
     if router is not None:
         values |= router.tensors()

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from compiletune.checkpoint import steps as ckpt
 from compiletune.cli import main
 from compiletune.metrics import read_metrics
-from compiletune.train import loop, run_dir
+from compiletune.train import loop, run_dir, strategy
 
 TEXT = "\n".join(f"Line {i}: a fox counts to {i * 7 % 13} and back again." for i in range(300))
 TINY = ["--seq-len", "32", "--batch-size", "2"]
@@ -152,7 +152,7 @@ def test_a_resumed_run_failing_at_its_first_step_is_not_sent_back_to_it(
 
 def _nan_on_calls(monkeypatch: pytest.MonkeyPatch, calls: set[int]) -> None:
     """The trainer's step sees a NaN loss on these (1-based) calls."""
-    real, seen = loop.train_step, [0]
+    real, seen = strategy.train_step, [0]
 
     def step(run, batch, lr=None, accept=None):
         seen[0] += 1
@@ -164,7 +164,7 @@ def _nan_on_calls(monkeypatch: pytest.MonkeyPatch, calls: set[int]) -> None:
 
         return real(run, batch, lr, accept)
 
-    monkeypatch.setattr(loop, "train_step", step)
+    monkeypatch.setattr(strategy, "train_step", step)
 
 
 def test_skip_nonfinite_skips_and_reports_each_step(tmp_path, corpus, capsys, monkeypatch):
