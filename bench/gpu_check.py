@@ -438,10 +438,12 @@ FIRST_GPU_TESTS = [
     "tests/gpu/test_cuda.py",  # sinks through FlexAttention; the CUDA-graph rollout
     "tests/unit/test_fp8.py",  # FP8 training (torchao's float8 linears)
     "tests/unit/models/test_quantized.py",  # MXFP4 / fp8 checkpoints loaded on the device
+    "tests/unit/ops/test_head_accumulator.py",  # the loss head's bf16 / fp32 dW sum (cuBLAS)
 ]
 # -k: the never-run tests of those files (the FP8 and checkpoint files run whole: on a GPU
 # their device cases run for the first time)
 FIRST_GPU_K = "varlen or fla or sinks or rollout or fp8 or mxfp4 or quantized or dequantize"
+FIRST_GPU_K += " or cuda_weight_sum"
 _LADDER_PLAN = ["+ compile", "+ fused loss", "+ selective AC", "full AC"]
 _LADDER_PLAN += ["+ offload activations"]
 # The loss head with each weight-gradient sum (bf16, fp32, bf16 at about Liger's memory) and its

@@ -14,6 +14,7 @@ The bound is 15% above the first line; the naive sum, run here too, must exceed 
 Sizes are tiny (bf16 matmuls on CPUs without native bf16 are slow).
 """
 
+import importlib.util
 import math
 
 import pytest
@@ -27,6 +28,7 @@ from compiletune.ops.op_memory import internal_bytes
 
 N, D, V = 1024, 32, 512  # dW [V, d] has 16k entries: enough for the error norms to settle
 MARGIN = 1.15
+CUDA = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +67,7 @@ def run(inputs, k: int = 1, fn=linear_cross_entropy, **kw):
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(a).all()
-    return ((a.double() - ref).norm() / ref.norm()).item()
+    return ((a.double().cpu() - ref).norm() / ref.norm()).item()
 
 
 def added_roundings(dw: torch.Tensor, dw_one_chunk: torch.Tensor, ref_dw: torch.Tensor) -> float:
@@ -78,9 +80,7 @@ def naive_sum(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.add_(a @ b)  # the product rounded to bf16, then added and rounded again
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_bf16_sum_adds_the_stated_error_and_the_naive_sum_more(case, k, monkeypatch):
-    inputs, ref = case
+def check_bf16_sum(inputs, ref, k: int, monkeypatch) -> None:
     one = run(inputs, 1, accumulator="bf16")[2]
     bound = MARGIN * math.sqrt((k - 1) / 2)
     ours = added_roundings(run(inputs, k, accumulator="bf16")[2], one, ref[2])
@@ -90,15 +90,41 @@ def test_bf16_sum_adds_the_stated_error_and_the_naive_sum_more(case, k, monkeypa
     assert naive > bound, (naive, bound)
 
 
-@pytest.mark.parametrize("k", [2, 8])
-def test_fp32_sum_error_does_not_grow_with_chunks(case, k):
-    inputs, ref = case
+@pytest.mark.parametrize("k", [2, 4])
+def test_bf16_sum_adds_the_stated_error_and_the_naive_sum_more(case, k, monkeypatch):
+    check_bf16_sum(*case, k, monkeypatch)
+
+
+def check_fp32_sum(inputs, ref, k: int) -> None:
     one = run(inputs, 1, accumulator="fp32")[2]
     added = added_roundings(run(inputs, k, accumulator="fp32")[2], one, ref[2])
     assert added <= MARGIN, added
     # the bf16 sum over 8 chunks adds sqrt(3.5) roundings: why auto stops at 4
     if k == 8:
         assert added_roundings(run(inputs, k, accumulator="bf16")[2], one, ref[2]) > 1.5
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_fp32_sum_error_does_not_grow_with_chunks(case, k):
+    check_fp32_sum(*case, k)
+
+
+# On a GPU the sums are cuBLAS's: the bf16 one in addmm's epilogue, the fp32 one through
+# addmm(out_dtype=fp32) (no rounded product). Run by bench/gpu_check.py's first-gpu-tests.
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("k", [2, 4])
+def test_cuda_weight_sum_bf16(case, k, monkeypatch):
+    inputs, ref = case
+    check_bf16_sum([x.cuda() for x in inputs], ref, k, monkeypatch)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("k", [2, 8])
+def test_cuda_weight_sum_fp32(case, k):
+    inputs, ref = case
+    check_fp32_sum([x.cuda() for x in inputs], ref, k)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
