@@ -12,7 +12,9 @@ memory, not device memory. Whether it fits, the ladder and the advice: fit.py.
 
 What is approximated (stated in the output's `notes`):
     --compile            the step runs eagerly: the compiled blocks' saved tensors are close to
-                         the eager ones (the same policy), not identical
+                         the eager ones (the same policy), not identical; under --ac selective
+                         the matmul outputs a block's backward never reads are not counted past
+                         the block's forward (selective_saves.py), as no compiled block saves them
     --ac budget=F        interpolated between `--ac none` (F = 1) and `--ac full` (F = 0): the
                          partitioner's budget is that fraction of the activation memory
     --offload-activations  what each block saves is moved to the host category after the
@@ -48,6 +50,7 @@ from compiletune.config import TrainConfig, fill_defaults
 from compiletune.errors import UserError
 from compiletune.estimate import depth as depth_
 from compiletune.estimate import memory_internals as mi
+from compiletune.estimate.selective_saves import follow_selective_blocks
 from compiletune.estimate.tracker import (
     ACT,
     ACT_HOST,
@@ -508,6 +511,9 @@ def run_step(
     offload = None
     if tracker is not None:
         _mark_blocks(tracker, run.model)
+        if cfg.techniques.compile:  # what the eager selective blocks cache and never read
+            policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
+            follow_selective_blocks(run.model, policy, tracker)
     if cfg.techniques.offload_activations and tracker is not None:
         n = offloaded(cfg, resolve_model_args(cfg).n_layers)
         offload = _host_activation_hooks(tracker, run.model.layers[:n])

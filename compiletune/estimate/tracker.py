@@ -243,6 +243,14 @@ class Tracker(mi.TorchDispatchMode):
         entry = self.entries.get(t.untyped_storage()._cdata)
         return None if entry is None else (entry[1], entry[2])
 
+    def forget(self, t: Tensor) -> None:
+        """Stop counting t's storage from now on, as if it were freed: a tensor the eager step
+        keeps that the compiled step it stands for does not (selective_saves.py)."""
+        entry = self.entries.get(t.untyped_storage()._cdata)
+        if entry is not None and entry[0]:
+            self._change(entry[1], -entry[0])
+            entry[0] = 0
+
     def transient(self, nbytes: int) -> None:
         """Temporaries an opaque op holds while it runs (not seen as tensors)."""
         if nbytes > 0:
