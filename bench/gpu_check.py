@@ -9,9 +9,9 @@ docs/development.md says (`.whl/` holds the peers' wheels and COMMIT):
     BENCH_COMMIT=$(cat .whl/COMMIT) python3 bench/gpu_check.py --part 7 --deadline 320 --copy-to "$OUT"
 
 and the same with `--part 8`. Part 7: the CUDA tests of every path never run on a GPU, then
-the 1B compiled baseline and the ladder. Part 8: the loss head beside its peers, FP8, the 8B
-rows and the 24 GB recipe, the MoE blocks, the rollout, fla (what the deadline skips is
-recorded as skipped).
+the 1B compiled baseline and the ladder, then the offload a 16 GiB target needs. Part 8: the
+loss head beside its peers, FP8, the 8B rows and the 24 GB recipe, the MoE blocks, the
+rollout, fla (what the deadline skips is recorded as skipped).
 
 Earlier parts:
 
@@ -445,7 +445,12 @@ FIRST_GPU_TESTS = [
 FIRST_GPU_K = "varlen or fla or sinks or rollout or fp8 or mxfp4 or quantized or dequantize"
 FIRST_GPU_K += " or cuda_weight_sum"
 _LADDER_PLAN = ["+ compile", "+ fused loss", "+ selective AC", "full AC"]
-_LADDER_PLAN += ["+ offload activations"]
+# Offload as a memory target needs it (bench/offload_plan.py: --offload-activations auto in a
+# process held to 16 GiB, beside the copy time the measured host link implies), in place of the
+# ladder's every-block rung
+_OFFLOAD_1B = ["bench/offload_plan.py", "--model", "llama3_2_1b", "--device-memory", "16"]
+_OFFLOAD_DRY = ["bench/offload_plan.py", "--model", "debug", "--n-layers", "2", "--seq-len", "64"]
+_OFFLOAD_DRY += ["--steps", "2", "--dtype", "fp32", "--compile-backend", "aot_eager"]
 # The loss head with each weight-gradient sum (bf16, fp32, bf16 at about Liger's memory) and its
 # two-op form beside Liger and cut-cross-entropy (each skipped, and recorded so, where its
 # package is missing). `fused` (auto) is left out: at hidden 4096, vocab 128256 it is
@@ -490,6 +495,16 @@ STEPS += [
         240,
         120,
         result="ladder-plan-cuda-{dev}.json",
+    ),
+    Step(
+        7,
+        "offload-1b-plan",
+        [PY, *_OFFLOAD_1B, "--out", "{results}/offload-plan-cuda-{dev}.json"],
+        [PY, *_OFFLOAD_DRY, "--device-memory", "3"]
+        + ["--out", "{results}/offload-plan-cuda-{dev}.json"],
+        200,
+        120,
+        result="offload-plan-cuda-{dev}.json",
     ),
     Step(8, "env-8", [PY, "-c", ENV_SNIPPET], [PY, "-c", ENV_SNIPPET], 60, 10),
     Step(
