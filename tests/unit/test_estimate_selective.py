@@ -22,7 +22,7 @@ import torch
 from compiletune.compiler.ac_policy import parse_ac
 from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.config import resolve
-from compiletune.estimate import estimator, tracker
+from compiletune.estimate import depth, estimator, tracker
 from compiletune.loss.head import LossHead
 from compiletune.models import build_model, from_name
 from compiletune.models.lora import LoRASpec, apply_lora
@@ -85,3 +85,17 @@ def test_the_eager_step_keeps_the_cache_it_holds() -> None:
     first, second = (t.segments[("forward", 1, "block", i)].peak for i in (1, 2))
     # the down projection's base and adapter outputs, [b * s, d] each
     assert second - first - compiled == 2 * BATCH * SEQ * from_name("debug").dim * 4
+
+
+def test_depth_shortcut_keeps_what_each_block_forgets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 8B estimate runs two short models and extends them: each block forgets the same
+    bytes, so the extended step equals the whole one."""
+    flags = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype": "fp32"}
+    cfg = resolve({}, {**flags, **CASES["qlora"], "ac": "selective", "compile": True})
+    short = estimator.estimate_memory(cfg).to_dict()
+    assert any("repeating blocks" in n for n in short["notes"]), short["notes"]
+    monkeypatch.setattr(depth, "shortcut_depths", lambda cfg, args: None)
+    whole = estimator.estimate_memory(cfg).to_dict()
+    for d in (short, whole):
+        d.pop("seconds"), d.pop("notes")
+    assert short == whole
