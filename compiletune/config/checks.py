@@ -12,7 +12,6 @@ from typing import Literal, get_args, get_origin
 
 from compiletune import hub, recipes
 from compiletune.choices import Bf16Compensation, OptimizerKind, choices
-from compiletune.compiler.ac_policy import parse_ac
 from compiletune.config.schema import (
     SECTIONS,
     DataConfig,
@@ -161,7 +160,7 @@ def check_optimizer_flags(
 
 def check_techniques(section: TechniquesConfig, cfg: TrainConfig) -> None:
 
-    policy = parse_ac(section.ac, section.ac_every)
+    policy = section.activation_policy  # parsed here, once: a bad value is refused
     if policy.kind == "budget" and not section.compile:
         raise UserError(
             f"--ac {section.ac} is a setting of the compiler's partitioner; add --compile"

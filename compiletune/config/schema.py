@@ -7,6 +7,7 @@ command-line flags in flags.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -30,6 +31,7 @@ from compiletune.choices import (
     Sharding,
     Truncation,
 )
+from compiletune.compiler.ac_policy import ActivationPolicy, parse_ac
 from compiletune.compiler.offload_target import OffloadTarget
 
 # Defaults that depend on other choices: `fill_defaults` applies these, and --help shows them
@@ -300,6 +302,13 @@ class TechniquesConfig:
         metavar="N|all|auto",
         on_resume="free",
     )
+
+    @functools.cached_property
+    def activation_policy(self) -> ActivationPolicy:
+        """--ac and --ac-every as one typed value, parsed once, at the first read (the config's
+        checks, `check_techniques`, which refuse a bad value in one line). Every reader takes
+        this; none parses the text. A config made anew (`cfg.replace`) parses its own."""
+        return parse_ac(self.ac, self.ac_every)
 
 
 @dataclass

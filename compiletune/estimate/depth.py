@@ -11,7 +11,6 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from compiletune.compiler.activation import parse_ac
 from compiletune.config import TrainConfig
 from compiletune.estimate.tracker import Key, Segment
 from compiletune.models import ModelArgs
@@ -105,7 +104,7 @@ def _kinds(cfg: TrainConfig, args: ModelArgs) -> list[tuple[str, bool, bool]]:
     """Each block's kind: its layer type (e.g. Gemma's sliding and global layers), whether
     the activation policy checkpoints it (--ac-every) and whether it offloads what it saves
     (the first --offload-activations N)."""
-    policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
+    policy = cfg.techniques.activation_policy
     target = cfg.techniques.offload_activations
     offloaded = target.count(args.n_layers) if target else 0
     return [

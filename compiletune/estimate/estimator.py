@@ -45,7 +45,6 @@ from torch.utils._pytree import tree_leaves
 
 from compiletune import distributed as dist_
 from compiletune import recipes
-from compiletune.compiler.activation import parse_ac
 from compiletune.config import TrainConfig, fill_defaults
 from compiletune.errors import UserError
 from compiletune.estimate import depth as depth_
@@ -158,7 +157,7 @@ def estimate_memory(
     if _DERIVED and (found := _DERIVED.pop(_cache_key(cfg, gpus, round_bytes), None)):
         return found
     t0 = time.perf_counter()
-    policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
+    policy = cfg.techniques.activation_policy
     notes = []
     if cfg.techniques.compile:
         notes.append(
@@ -454,7 +453,7 @@ def run_step(
     `others` (under a tracker): for each optimizer named in it, the segments of the same step
     with that optimizer (`_OptimizerSwap`), or None where they could not be had."""
     cfg = cfg.replace()  # the build fills derived defaults in; the caller's config stays as is
-    if parse_ac(cfg.techniques.ac, cfg.techniques.ac_every).kind == "budget":
+    if cfg.techniques.activation_policy.kind == "budget":
         raise ValueError("run_step takes --ac none|full|selective; estimate_memory interpolates")
     env = None
     if world is not None:
@@ -512,7 +511,7 @@ def run_step(
     if tracker is not None:
         _mark_blocks(tracker, run.model)
         if cfg.techniques.compile:  # what the eager selective blocks cache and never read
-            policy = parse_ac(cfg.techniques.ac, cfg.techniques.ac_every)
+            policy = cfg.techniques.activation_policy
             follow_selective_blocks(run.model, policy, tracker)
     if cfg.techniques.offload_activations and tracker is not None:
         n = offloaded(cfg, resolve_model_args(cfg).n_layers)

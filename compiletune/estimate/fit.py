@@ -249,7 +249,7 @@ def longest_seq_len(
 def _todo(cfg: TrainConfig, changes: dict[str, Any]) -> dict[str, Any]:
     """The part of a rung's flags that `cfg` does not already have (any --ac policy counts as
     activation checkpointing being on)."""
-    if "ac" in changes and cfg.techniques.ac != "none":
+    if "ac" in changes and cfg.techniques.activation_policy.kind != "none":
         return {}
     return {k: v for k, v in changes.items() if cfg.get(k) != v}
 

@@ -27,7 +27,7 @@ from compiletune import distributed as dist_
 from compiletune import fp8, hardware, weight_init
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
-from compiletune.compiler.activation import apply_eager_checkpointing, parse_ac
+from compiletune.compiler.activation import apply_eager_checkpointing
 from compiletune.compiler.regions import CompiledRegions, CompileOptions, compile_regions
 from compiletune.config import RunFacts, TrainConfig, fill_defaults
 from compiletune.data.rows import (
@@ -321,7 +321,7 @@ def apply_techniques(
     """
     t = cfg.techniques
     hooks = StepHooks()
-    policy = parse_ac(t.ac, t.ac_every)
+    policy = t.activation_policy
     device = device or model_device(env)
     if t.fp8:
         emulate = True if probe else fp8.check_device(device)
