@@ -384,13 +384,12 @@ def model_device(env: dist_.DistEnv | None) -> torch.device:
 
 
 def offloaded_blocks(cfg: TrainConfig, n_layers: int, device: torch.device) -> int:
-    """How many blocks (the first ones) --offload-activations offloads, where it means
-    something: on a CPU the device memory is host memory, and offloading would copy every saved
-    activation into a second buffer of the same memory and back, for nothing."""
+    """How many blocks (the first) --offload-activations offloads; none on a CPU, whose device
+    memory is host memory (a copy would duplicate it), though a count past `n_layers` is
+    refused there too."""
     target = cfg.techniques.offload_activations
-    if device.type == "cpu":  # a count past the model's depth is refused all the same
-        return 0 if target.auto else min(target.count(n_layers), 0)
-    return target.count(n_layers)
+    n = 0 if target.auto and device.type == "cpu" else target.count(n_layers)
+    return n if device.type != "cpu" else 0
 
 
 def materialise(
