@@ -16,10 +16,13 @@ threads.
 
 One process, one rank of a gloo group (the recipe's one GPU), `--model` cut to `--layers`
 blocks (llama3_1_8b with 1 block: 1.27B parameters, its embedding and head whole). Each phase
-reports its fastest of `--rounds`. The column at `--cores` cores divides by cores / threads
-only for phases that the 1 -> 2 thread run showed parallel (a ratio under 0.75) and keeps the
-seconds of the others (serial): an extrapolation, stated as such. Writes
-bench/results/host-setup-cpu.json.
+reports its fastest of `--rounds`, in wall seconds and in CPU seconds of the process (the work
+done, whatever share of the cores other processes leave it: on a shared machine the wall time
+of 2 threads says more about the neighbours than about the code). The column at `--cores`
+cores divides the CPU seconds by the cores for phases whose code splits the work over threads
+(`PARALLEL`) and keeps them for the others: an extrapolation, linear in parameters and cores,
+and an upper bound on the speed of the parallel ones (a fill runs out of memory bandwidth
+before 16 cores), stated as such. Writes bench/results/host-setup-cpu.json.
 
     python bench/host_setup.py                      # llama3_1_8b, 1 block, bf16
     python bench/host_setup.py --layers 0 --rounds 1
@@ -58,23 +61,35 @@ def _sharded(args, dtype: torch.dtype, env: DistEnv) -> Transformer:
     return model
 
 
+# Whether a phase's work is split over threads, by its code: OpenMP over independent chunks
+# (the hashed draws) or ATen's parallel fills and copies; a seeded generator is one stream.
+PARALLEL = {
+    "draw whole (old)": False,
+    "shard + place": False,
+    "hand out shards (old)": True,
+    "draw shards (new)": True,
+    "8-bit AdamW state": True,
+}
+
+
 class _Clock:
-    """Seconds since the last `lap`, recorded under a phase's name."""
+    """(wall seconds, CPU seconds of this process) since the last `lap`, under a phase's name.
+    CPU seconds are the work done whatever share of the cores other processes leave us."""
 
     def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-        self.last = time.perf_counter()
+        self.times: dict[str, tuple[float, float]] = {}
+        self.start()
 
     def start(self) -> None:
-        self.last = time.perf_counter()
+        self.last = (time.perf_counter(), time.process_time())
 
     def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.times[name] = now - self.last
+        now = (time.perf_counter(), time.process_time())
+        self.times[name] = (now[0] - self.last[0], now[1] - self.last[1])
         self.last = now
 
 
-def one_round(args, dtype: torch.dtype, env: DistEnv) -> dict[str, float]:
+def one_round(args, dtype: torch.dtype, env: DistEnv) -> dict[str, tuple[float, float]]:
     """Seconds of each phase, old path then new, with the memory of each freed between."""
     clock = _Clock()
     whole = build_model(args, dtype=dtype, init=True, seed=0)
@@ -121,35 +136,35 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     env = DistEnv(0, 1, 0, 1, torch.device("cpu"), owns_group=False)
     weight_init.hashed_normal_(torch.empty(8, dtype=dtype), 0.02, 0)  # builds the kernel
-    per_b: dict[int, dict[str, float]] = {}
+    per_b: dict[int, dict[str, tuple[float, float]]] = {}  # threads -> phase -> (wall, cpu)
     threads = [int(t) for t in a.threads.split(",")]
     for n in threads:
         torch.set_num_threads(n)
-        best: dict[str, float] = {}
+        best: dict[str, tuple[float, float]] = {}
         for _ in range(a.rounds):
             for name, sec in one_round(args, dtype, env).items():
-                best[name] = min(best.get(name, float("inf")), sec)
-        per_b[n] = {k: v * 1e9 / n_params for k, v in best.items()}
+                best[name] = min(best.get(name, (float("inf"), 0.0)), sec)
+        per_b[n] = {k: (w * 1e9 / n_params, c * 1e9 / n_params) for k, (w, c) in best.items()}
     dist.destroy_process_group()
 
-    lo, hi = min(threads), max(threads)
-    head = " | ".join(f"s/B, {n} thr" for n in threads)
+    lo = min(threads)
+    head = " | ".join(f"wall / CPU s per B, {n} thr" for n in threads)
     print(f"{a.model}, {a.layers} blocks: {n_params / 1e9:.2f}B parameters, {a.dtype}")
     print(f"| phase | {head} | s/B at {a.cores} cores (extrapolated) | s at 8.03B |")
     print("|---|" + "---:|" * (len(threads) + 2))
     rows = []
     for name in per_b[lo]:
-        ratio = per_b[hi][name] / per_b[lo][name] if hi != lo else 1.0
-        parallel = ratio < 0.75
-        at_cores = per_b[hi][name] * (hi / a.cores if parallel else 1.0)
-        cells = " | ".join(f"{per_b[n][name]:.2f}" for n in threads)
-        kind = "" if parallel else " (serial)"
+        cpu = per_b[lo][name][1]  # the work, from the fewest threads' run
+        at_cores = cpu / a.cores if PARALLEL[name] else cpu
+        cells = " | ".join(f"{per_b[n][name][0]:.2f} / {per_b[n][name][1]:.2f}" for n in threads)
+        kind = "" if PARALLEL[name] else " (serial)"
         print(f"| {name} | {cells} | {at_cores:.2f}{kind} | {at_cores * 8.03:.1f} |")
         rows.append(
             {
                 "phase": name,
-                "s_per_billion": {str(n): per_b[n][name] for n in threads},
-                "parallel": parallel,
+                "wall_s_per_billion": {str(n): per_b[n][name][0] for n in threads},
+                "cpu_s_per_billion": {str(n): per_b[n][name][1] for n in threads},
+                "parallel": PARALLEL[name],
                 f"s_per_billion_{a.cores}_cores_extrapolated": at_cores,
             }
         )
