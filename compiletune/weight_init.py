@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from compiletune import torch_internals
 from compiletune.ops import cpu_kernels
+from compiletune.optim import mix32
 
 # The two streams drawn from each value's hash: the golden-ratio and another odd constant.
 _A, _B = 0x9E3779B9, 0x7F4A7C15
@@ -138,19 +139,11 @@ def _kernel(dtype: torch.dtype) -> Callable[..., None] | None:
 def param_key(seed: int, name: str) -> int:
     """The 32-bit key of a parameter's draws: a hash of (seed, its name)."""
     mixed = (int(seed) % (1 << 62) * 1_000_003 + zlib.crc32(name.encode())) * 1_000_003
-    return int(_mix32_int((mixed ^ (mixed >> 32)) & 0xFFFFFFFF))
-
-
-def _mix32_int(x: int) -> int:
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    return (x >> 16) ^ x
+    return int(mix32((mixed ^ (mixed >> 32)) & 0xFFFFFFFF))
 
 
 def _torch_draws(n: int, start: int, key: int, std: float, device: torch.device) -> Tensor:
     """fp32 [n]: the kernel's formula in torch ops (int64 arithmetic never overflows here)."""
-    from compiletune.optim import mix32  # optim imports the trainer's config: kept off import
-
     i = torch.arange(start, start + n, dtype=torch.int64, device=device)
     h = mix32((i & 0xFFFFFFFF) ^ mix32((i >> 32) ^ key))
     u1 = ((mix32(h ^ _A) >> 8).float() + 0.5) * 2.0**-24
@@ -182,8 +175,8 @@ def shard_offset(p: Tensor) -> int:
     plain tensor; for a DTensor sharded on dim 0 (FSDP2's layout, possibly replicated over
     another mesh dimension) the rows before this rank's, as torch.chunk splits them."""
     placements = getattr(p, "placements", None)
-    if placements is None:
-        return 0
+    if placements is None:  # whole, or --ep's slice of the experts (expert_parallel.py)
+        return getattr(p, "first_row", 0) * (p.numel() // max(p.shape[0], 1))
     row = 0
     coordinate = p.device_mesh.get_coordinate()
     for mesh_dim, placement in enumerate(placements):

@@ -64,6 +64,17 @@ def test_a_shard_draws_the_values_of_its_indices() -> None:
     torch.testing.assert_close(strided.flatten(), _draws(1200, torch.float32), rtol=1e-6, atol=1e-8)
 
 
+def test_a_slice_of_rows_draws_the_rows_of_the_whole() -> None:
+    """A plain parameter holding rows first_row.. of the whole (--ep's experts on one rank)
+    draws those rows' values."""
+    whole = torch.empty(8, 3, 5)
+    weight_init.hashed_normal_(whole, 0.02, 5)
+    part = torch.nn.Parameter(torch.empty(2, 3, 5))
+    part.first_row = 4
+    weight_init.hashed_normal_(part.detach(), 0.02, 5, weight_init.shard_offset(part))
+    assert torch.equal(part.detach(), whole[4:6])
+
+
 def _one_process_weights() -> dict[str, torch.Tensor]:
     args = from_name("debug")
     args.n_layers = 2
