@@ -43,7 +43,7 @@ from torch import nn
 from compiletune import faults, torch_internals
 from compiletune.choices import Sharding, choices
 from compiletune.errors import UserError
-from compiletune.expert_parallel import load_experts
+from compiletune.expert_parallel import gather_experts, global_view, load_experts, local_view
 from compiletune.launch import launched_world_size as launched_world_size  # re-exported
 from compiletune.torch_internals import fsdp_completes_partial_groups
 
@@ -223,6 +223,8 @@ def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly sharded) parameter; a collective: every rank calls it."""
+    if getattr(t, "expert_group", None) is not None:  # --ep: this rank's experts
+        return gather_experts(t)
     if not hasattr(t, "full_tensor"):
         return t
     if t.device.type == "cpu" and torch.cuda.is_available():  # --cpu-offload shards: gather
@@ -306,7 +308,7 @@ def save_sharded(folder: Path, model: nn.Module | None, optimizer_sd: dict[str, 
 
     state: dict[str, Any] = {"optimizer": {f"rank{dist.get_rank()}": optimizer_sd}}
     if model is not None:
-        state["model"] = get_model_state_dict(model)
+        state["model"] = global_view(model, get_model_state_dict(model))
     dcp.save(state, storage_writer=_shard_writer_class()(str(folder)))
 
 
@@ -337,10 +339,10 @@ def load_sharded(
     key = f"rank{dist.get_rank()}"
     state: dict[str, Any] = {"optimizer": {key: optimizer_sd}}
     if model is not None:
-        state["model"] = get_model_state_dict(model)
+        state["model"] = global_view(model, get_model_state_dict(model))
     dcp.load(state, checkpoint_id=str(folder))
     if model is not None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, local_view(model, state["model"]))
     return state["optimizer"][key]
 
 

@@ -12,7 +12,7 @@ The mesh (torchtitan's layout, expert ranks borrowed from the data-parallel ones
 
 Each rank trains its own rows, as under FSDP. An expert's gradient on its rank already sums
 the rows every rank of its group sent it (the backward of the exchange brings theirs back);
-`finish_grads` adds the other groups' (an all-reduce over `dp_shard_mod_ep`, nothing when W = N)
+`finish_grad` adds the other groups' (an all-reduce over `dp_shard_mod_ep`, nothing when W = N)
 and divides by W, which is what FSDP's mean does to the other weights after the trainer's loss
 scaling by W. Gradient norms add the two kinds: the non-expert norm over FSDP's shards, the
 expert norm summed over one ep group (each expert counted once).
@@ -20,6 +20,8 @@ expert norm summed over one ep group (each expert counted once).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,23 +39,21 @@ class ExpertParallel:
     """What `apply_expert_parallel` did to a model (kept as `model.expert_parallel`)."""
 
     shards: ExpertShards
+    mesh: Any  # [dp_shard_mod_ep, ep]
     replicas: Any  # the dp_shard_mod_ep process group: the other holders of these experts
     world: int
     held: list[nn.Parameter] = field(default_factory=list)  # this rank's expert weights
     params: list[nn.Parameter] = field(default_factory=list)  # the trainable ones of them
     names: dict[str, slice] = field(default_factory=dict)  # state-dict name -> experts held
 
-    def finish_grads(self) -> None:
-        """Expert gradients summed over every rank that holds the same experts, divided by the
-        world size (see the module docstring). Once per optimizer step, before the norm."""
-        for p in self.params:
-            if p.grad is not None:
-                self._finish(p)
-
-    def _finish(self, p: nn.Parameter) -> None:
+    def finish_grad(self, grad: Tensor) -> Tensor:
+        """An expert gradient as it arrives (a tensor hook, so once per backward, before it
+        is accumulated): summed over every rank that holds the same experts, divided by the
+        world size (see the module docstring)."""
         if dist.get_world_size(self.replicas) > 1:
-            dist.all_reduce(p.grad, group=self.replicas)
-        p.grad.div_(self.world)
+            grad = grad.clone()
+            dist.all_reduce(grad, group=self.replicas)
+        return grad / self.world
 
     def grad_norm(self, params: list[nn.Parameter]) -> Tensor:
         """The L2 norm of the gradients of `params` (the run's trainable ones) as one process
@@ -105,24 +105,25 @@ def check_ep(ep: int, world: int, n_experts: int) -> None:
         )
 
 
-def apply_expert_parallel(
-    model: nn.Module, ep: int, device_type: str, in_backward: bool = False
-) -> ExpertParallel:
-    """Split every MoE layer's experts over groups of `ep` consecutive ranks (the model still
-    on the meta device, or real: each rank keeps its slice). `in_backward`: the optimizer
-    steps inside backward, so each expert gradient is finished by a hook as it is ready."""
+def apply_expert_parallel(model: nn.Module, ep: int, device: torch.device | str) -> ExpertParallel:
+    """Split every MoE layer's experts over groups of `ep` consecutive ranks, before FSDP,
+    which leaves them out. A real model keeps each rank's slice; a meta one gets its slice
+    allocated on `device` now (uninitialised, filled by the run's load or init), so that
+    `to_empty` keeps these parameters, their gradient hooks and their `first_row` (where the
+    slice starts among the experts, for the hashed random init)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     n_experts = model.args.n_experts
     check_ep(ep, world, n_experts)
+    device = torch.device(device)
     mesh = init_device_mesh(
-        device_type, (world // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep")
+        device.type, (world // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep")
     )
     shards = ExpertShards(
         register_group(mesh.get_group("ep")), ep, mesh.get_local_rank("ep"), n_experts
     )
-    state = ExpertParallel(shards, mesh.get_group("dp_shard_mod_ep"), world)
+    state = ExpertParallel(shards, mesh, mesh.get_group("dp_shard_mod_ep"), world)
     for path, moe in model.named_modules():
         if not isinstance(moe, MoE):
             continue
@@ -131,14 +132,19 @@ def apply_expert_parallel(
         for name, p in list(experts.named_parameters(recurse=False)):
             if p.shape[0] != n_experts:
                 raise ValueError(f"{path}.experts.{name} {tuple(p.shape)}: not one row per expert")
-            local = nn.Parameter(p.detach()[shards.local].clone(), requires_grad=p.requires_grad)
+            rows = p.detach()[shards.local]
+            rows = torch.empty_like(rows, device=device) if rows.is_meta else rows.clone()
+            local = nn.Parameter(rows, requires_grad=p.requires_grad)
+            local.first_row = shards.local.start
+            local.expert_group = shards.group  # `gather_experts` reads it
             setattr(experts, name, local)
             state.names[f"{path}.experts.{name}"] = shards.local
             state.held.append(local)
             if local.requires_grad:
                 state.params.append(local)
-                if in_backward:  # before the optimizer's own hook, registered later
-                    local.register_post_accumulate_grad_hook(state._finish)
+                # before accumulation: each micro-batch's part is finished once, and an
+                # optimizer stepping in backward (its hook runs after) sees the final gradient
+                local.register_hook(state.finish_grad)
         experts.n_experts = n_experts // ep
     model.expert_parallel = state
     return state
@@ -159,3 +165,66 @@ def load_experts(model: nn.Module, full_sd: dict[str, Tensor] | None) -> None:
         dist.broadcast(t, src=0)
         with torch.no_grad():
             p.copy_(t[rows])
+
+
+def gather_experts(t: Tensor) -> Tensor:
+    """A parameter split by `apply_expert_parallel` whole again ([E/N, ...] -> [E, ...]), on
+    every rank of its group (a collective)."""
+    group = process_group(t.expert_group)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def global_view(model: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
+    """A model state dict (`get_model_state_dict`) whose --ep experts are DTensors of the whole
+    [E, ...] (split over `ep`, replicated over `dp_shard_mod_ep`) sharing this rank's storage:
+    what a sharded checkpoint saves, so that it holds every expert once and a load fills each
+    rank's in place. Unchanged without --ep."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    state: ExpertParallel | None = getattr(model, "expert_parallel", None)
+    if state is None:
+        return sd
+    for name in state.names:
+        if name in sd:
+            local = sd[name]
+            sd[name] = DTensor.from_local(
+                local, state.mesh, [Replicate(), Shard(0)], run_check=False
+            )
+    return sd
+
+
+def local_view(model: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
+    """`global_view` undone: each expert DTensor back to this rank's tensor (the same storage)."""
+    state: ExpertParallel | None = getattr(model, "expert_parallel", None)
+    for name in state.names if state is not None else ():
+        if hasattr(sd.get(name), "to_local"):
+            sd[name] = sd[name].to_local()
+    return sd
+
+
+@contextlib.contextmanager
+def whole_experts(model: nn.Module) -> Iterator[None]:
+    """Inside, every MoE layer holds all its experts (gathered from the ranks of its `ep`
+    group, a collective; frozen copies), as one process would: for the HF export and the
+    adapter folder. Every rank enters it. It gathers every layer's experts at once."""
+    state: ExpertParallel | None = getattr(model, "expert_parallel", None)
+    if state is None:
+        yield
+        return
+    saved = []
+    for name in state.names:
+        path, attr = name.rsplit(".", 1)
+        experts = model.get_submodule(path)
+        local = getattr(experts, attr)
+        saved.append((experts, attr, local, experts.n_experts))
+        whole = nn.Parameter(gather_experts(local), requires_grad=False)
+        experts._parameters[attr] = whole
+        experts.n_experts = state.shards.n_experts
+    try:
+        yield
+    finally:
+        for experts, attr, local, n in saved:
+            experts._parameters[attr] = local
+            experts.n_experts = n

@@ -470,7 +470,14 @@ class Optimizer:
 
     def _new_torch_fused(self) -> None:
         """torch's fused AdamW: one instance, or one per parameter when stepped in backward."""
-        groups = [[p] for p in self._params] if self._in_backward else [self._params]
+        if self._in_backward:
+            groups = [[{"params": [p]}] for p in self._params]
+        else:  # FSDP's DTensors and plain tensors (--ep's experts): one fused call cannot mix
+            # them, and each param group of the instance is one call
+            kinds = [
+                [p for p in self._params if hasattr(p, "to_local") is d] for d in (True, False)
+            ]
+            groups = [[{"params": ps} for ps in kinds if ps]]
         for group in groups:
             self._torch.append(
                 torch.optim.AdamW(

@@ -45,6 +45,7 @@ from compiletune.distributed import (
     sharded_model_tensors,
 )
 from compiletune.errors import UserError
+from compiletune.expert_parallel import whole_experts
 from compiletune.models import (
     Transformer,
     args_from_hf_config,
@@ -252,10 +253,12 @@ def save_sharded_checkpoint(
         save_sharded(tmp / SHARDED_DIR, None if lora else model, optimizer_state)
 
     def weights() -> None:
-        if lora:  # the adapter folder a single process writes
-            save_adapter(model, tmp, tokenizer=tokenizer, writer=is_main)
-        elif export_hf:
-            save_hf(model, tmp, tokenizer=tokenizer, writer=is_main)
+        if lora or export_hf:
+            with whole_experts(model):  # --ep: every expert, as one process holds them
+                if lora:  # the adapter folder a single process writes
+                    save_adapter(model, tmp, tokenizer=tokenizer, writer=is_main)
+                else:
+                    save_hf(model, tmp, tokenizer=tokenizer, writer=is_main)
         elif is_main:
             dtype = next(model.parameters()).dtype
             cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))

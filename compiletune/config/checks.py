@@ -212,11 +212,30 @@ def check_parallel(section: ParallelConfig, cfg: TrainConfig) -> None:
             f"--seq-len {cfg.data.seq_len} must be a multiple of --cp {section.cp} (each "
             "process holds an equal piece of every row)"
         )
+    check_ep_flags(section, world)
     if section.cp > 1 and cfg.objective.objective == "grpo":
         raise UserError(
             "--objective grpo with --cp: generation does not split sequences; drop --cp "
             "(GRPO's rows are prompts plus --max-new-tokens)"
         )
+
+
+def check_ep_flags(section: ParallelConfig, world: int) -> None:
+    """--ep's own settings (the model's experts are checked when it is built)."""
+    if section.ep < 1:
+        raise UserError(f"--ep must be a positive process count, got {section.ep}")
+    if section.ep == 1:
+        return
+    if not section.fsdp:
+        raise UserError(
+            f"--ep {section.ep} splits the experts over {section.ep} processes; add --fsdp and "
+            f"launch with torchrun (--nproc-per-node a multiple of {section.ep})"
+        )
+    if world > 1 and world % section.ep:
+        raise UserError(f"--ep {section.ep} must divide the {world} processes launched")
+    for flag, on in (("--cp", section.cp > 1), ("--cpu-offload", section.cpu_offload)):
+        if on:
+            raise UserError(f"--ep with {flag} is not supported yet; drop one of them")
 
 
 def check_lora(section: LoRAConfig, cfg: TrainConfig) -> None:

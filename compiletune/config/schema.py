@@ -336,6 +336,12 @@ class ParallelConfig:
         "heads; N divides the processes and the heads)",
         on_resume="fixed",
     )
+    ep: int = opt(
+        1,
+        "expert parallelism: split each MoE layer's experts over N processes, tokens sent to "
+        "their experts' processes (N divides the processes and the experts)",
+        on_resume="fixed",
+    )
 
 
 @dataclass

@@ -37,6 +37,7 @@ from compiletune.data.rows import (
 )
 from compiletune.data.tokenizer import byte_tokenizer, load_tokenizer
 from compiletune.errors import UserError
+from compiletune.expert_parallel import apply_expert_parallel
 from compiletune.loss.head import LossHead, head_kind
 from compiletune.models import (
     ModelArgs,
@@ -369,6 +370,10 @@ def shard_model(
     keeps gathered after forward, so a frozen model reshards after each block as full does)."""
     p = cfg.parallel
     sharding = "full" if frozen and p.sharding == "grad-op" else p.sharding
+    if p.ep > 1:  # --ep: each rank's experts first, which FSDP then leaves out
+        if cfg.model.dtype == "bf16-mixed":
+            raise UserError("--ep with --dtype bf16-mixed is not supported yet; use bf16 or fp32")
+        apply_expert_parallel(model, p.ep, env.device)
     dist_.apply_fsdp(
         model,
         dist_.build_mesh(env, p.sharding, p.shard_size),

@@ -159,12 +159,17 @@ def optimizer_step(run: Run, done: Backward, accept: Accept | None = None) -> St
     run.observe("step")
     max_norm = cfg.optim.max_grad_norm or 0.0
     grad_norm = None
-    if max_norm > 0:
+    split = getattr(run.model, "expert_parallel", None)  # --ep: torch's norm cannot mix them
+    if max_norm > 0 and split is not None:
+        grad_norm = split.clip_grad_norm(run.params, max_norm)
+    elif max_norm > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm)
     else:  # the norm alone: a non-finite one is caught. None when no gradient is left (an
         # optimizer that steps in backward has dropped each one; its hook reports instead)
         grads = [p.grad for p in run.params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        if grads and split is not None:
+            grad_norm = split.grad_norm(run.params)
     extras = {k: torch.as_tensor(v).detach() for k, v in sums.items()}
     moe = None
     if router:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,7 +133,6 @@ def compare(case: str, lora: bool, skew: bool) -> dict[str, float]:
     apply_fsdp(model, mesh)
     obj, ce = local_objective(model, batch[rank * ROWS : (rank + 1) * ROWS], n_targets)
     obj.backward()
-    ep.finish_grads()
     dist.all_reduce(ce := ce.detach())
     errors = {"loss": rel(ce / n_targets, ref_ce / n_targets)}
     want = dict(ref.named_parameters())
@@ -188,6 +189,39 @@ def bias_update_is_global() -> dict[str, float]:
     return {"bias": max(rel(a, b) for a, b in zip(got, want, strict=True)), "moved": moved}
 
 
+def sharded_round_trip(folder: str) -> dict[str, float]:
+    """A sharded checkpoint of an --ep model holds every expert once, whole (read back without
+    a process group), and loads into another --ep model exactly."""
+    from compiletune.distributed import load_sharded, read_sharded_tensor, save_sharded
+
+    torch.manual_seed(0)
+    ref = make_model("gpt_oss", lora=False)
+    models = []
+    for seed in (0, 1):  # the saved model, and one with other weights to load into
+        torch.manual_seed(seed)
+        m = make_model("gpt_oss", lora=False)
+        ep = apply_expert_parallel(m, 2, "cpu")
+        mesh = torch.distributed.device_mesh.init_device_mesh(
+            "cpu", (WORLD,), mesh_dim_names=("shard",)
+        )
+        apply_fsdp(m, mesh)
+        models.append((m, ep))
+    save_sharded(Path(folder), models[0][0], {})
+    dist.barrier()
+    model, ep = models[1]
+    load_sharded(Path(folder), model, {})
+    want = dict(ref.named_parameters())
+    errors = {}
+    for name, p in model.named_parameters():
+        got = p.detach() if name in ep.names else p.full_tensor()
+        expected = want[name].detach()[ep.names[name]] if name in ep.names else want[name]
+        errors[name] = rel(got, expected)
+    for name in ep.names:  # whole in the files: E experts, this process alone reads them
+        whole = read_sharded_tensor(Path(folder), name, tuple(want[name].shape), torch.float32)
+        errors[f"whole {name}"] = rel(whole, want[name].detach())
+    return errors
+
+
 def worker(rank: int, port: int, out: str, jobs: list[tuple[str, bool, bool]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # a failed rank must not leave the other waiting for gloo's 30-minute default
@@ -200,6 +234,7 @@ def worker(rank: int, port: int, out: str, jobs: list[tuple[str, bool, bool]]) -
         for case, lora, skew in jobs:
             results[f"{case} lora={lora} skew={skew}"] = compare(case, lora, skew)
         results["bias update"] = bias_update_is_global()
+        results["sharded checkpoint"] = sharded_round_trip(f"{out}-sharded")
         dist.barrier()
     finally:
         close_group()
@@ -240,3 +275,110 @@ def test_bad_ep_is_one_line_naming_the_fix(ep, world, experts, says):
     with pytest.raises(UserError, match=says):
         check_ep(ep, world, experts)
     check_ep(2, 4, 6)  # fine
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        ({"ep": 0}, "--ep must be a positive process count"),
+        ({"ep": 2}, "add --fsdp"),
+        ({"ep": 2, "fsdp": True, "cpu_offload": True}, "--ep with --cpu-offload"),
+    ],
+)
+def test_bad_ep_flags_are_one_line(flags, says):
+    from compiletune.config import resolve
+
+    with pytest.raises(UserError, match=says):
+        resolve({}, {"model": "debug_moe", **flags})
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+TEXT = "\n".join(f"Row {i}: a line about experts, number {i * 11 % 17}." for i in range(200))
+BASE = {"seq_len": 32, "batch_size": 2, "max_steps": 2, "n_layers": 2, "lr": 3e-3}
+BASE |= {"model": "debug_moe", "router_aux_coef": 0.1, "packing": "stream"}
+# name -> flags of both runs (the 2-rank one adds --fsdp --ep 2). The reference runs the two
+# ranks' rows as two accumulated micro-batches: the load-balancing loss is each rank's own, as
+# under FSDP alone. Stepping in backward takes no accumulation: no load-balancing loss there.
+TRAINER_CASES = {
+    "compiled-selective-lora": {"compile": True, "compile_backend": "aot_eager"}
+    | {"ac": "selective", "lora_rank": 4, "lora_targets": "q,v,gate,up,down"},
+    "in-backward-8bit": {"optimizer_in_backward": True, "max_grad_norm": 0.0}
+    | {"optimizer": "adamw8bit", "router_aux_coef": 0.0},
+    # sigmoid router, groups, shared expert, a dense first layer; the bias nudged by the loads
+    # of both ranks' rows
+    "deepseek-bias-update": {"model": "debug_deepseek", "router_bias_update_rate": 1e-2},
+}
+
+
+def trainer_worker(rank: int, port: int, tmp: str) -> None:
+    from compiletune.config import resolve
+    from compiletune.train.loop import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120)
+    )
+    torch.set_num_threads(1)
+    try:
+        for name, flags in TRAINER_CASES.items():
+            values = {**BASE, **flags, "data": f"{tmp}/corpus.txt", "fsdp": True, "ep": 2}
+            train(resolve({}, {**values, "output_dir": f"{tmp}/{name}"}))
+            torch.compiler.reset()
+        dist.barrier()
+    finally:
+        close_group()
+
+
+def exported(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in a checkpoint folder."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def losses(folder) -> list[float]:
+    from compiletune.metrics import read_metrics
+
+    return [r["loss"] for r in read_metrics(folder / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.slow
+def test_trainer_ep2_matches_one_process(tmp_path):
+    """`train --fsdp --ep 2` on 2 ranks (compiled with an activation policy and LoRA on the
+    experts; 8-bit AdamW stepping in backward; DeepSeek's router with its bias update, eager,
+    clipped) against one process with the whole batch: the second step's loss shows the first
+    update."""
+    from compiletune.config import resolve
+    from compiletune.train.loop import train
+
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    mp.spawn(trainer_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    failures = []
+    for name, flags in TRAINER_CASES.items():
+        out = tmp_path / f"ref-{name}"
+        values = {**BASE, **flags, "data": str(tmp_path / "corpus.txt")}
+        if not flags.get("optimizer_in_backward"):
+            values["grad_accum"] = 2
+        else:
+            values["batch_size"] = 4
+        train(resolve({}, {**values, "output_dir": str(out)}))
+        want, got = losses(out), losses(tmp_path / name)
+        if len(got) != 2 or got != pytest.approx(want, rel=1e-5):
+            failures.append(f"{name}: {got} vs one process {want}")
+    assert not failures, "\n".join(failures)
+    # the final checkpoint gathers the experts: the HF weights of a full fine-tune and the
+    # adapter folder of a LoRA run are one process's
+    for name in ("deepseek-bias-update", "compiled-selective-lora"):
+        got, want = (
+            exported(tmp_path / name / "step_2"),
+            exported(tmp_path / f"ref-{name}" / "step_2"),
+        )
+        assert got.keys() == want.keys() and any("experts" in k for k in got), name
+        bad = {k: rel(got[k], want[k]) for k in got if not rel(got[k], want[k]) <= 1e-4}
+        assert not bad, (name, bad)
+    summary = json.loads((tmp_path / "compiled-selective-lora" / "summary.json").read_text())
+    assert summary["compile"]["recompiles"] == 0 and summary["processes"] == 2, summary
