@@ -24,7 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(tmp_path: Path, **flags):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"Line {i}: a fox counts to {i * 7 % 13}." for i in range(200)))
-    values = {"data": str(corpus), "seq_len": 16, "batch_size": 2, "max_steps": 3, "seed": 3, "packing": "stream"}
+    values = {
+        "data": str(corpus),
+        "seq_len": 16,
+        "batch_size": 2,
+        "max_steps": 3,
+        "seed": 3,
+        "packing": "stream",
+    }
     values |= {"output_dir": str(tmp_path / "run"), "dtype": "fp32", **flags}
     return build_run(resolve({}, values), None)
 
