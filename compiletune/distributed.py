@@ -43,7 +43,13 @@ from torch import nn
 from compiletune import faults, torch_internals
 from compiletune.choices import Sharding, choices
 from compiletune.errors import UserError
-from compiletune.expert_parallel import gather_experts, global_view, load_experts, local_view
+from compiletune.expert_parallel import (
+    apply_expert_parallel,
+    gather_experts,
+    global_view,
+    load_experts,
+    local_view,
+)
 from compiletune.launch import launched_world_size as launched_world_size  # re-exported
 from compiletune.torch_internals import fsdp_completes_partial_groups
 
@@ -156,13 +162,16 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
     grad_hooks: bool = False,
+    ep: int = 1,
 ) -> None:
     """`fully_shard` the blocks, the embedding, the head (norm + output) and then the root.
 
     param_dtype: the compute dtype of gathered parameters (bf16 mixed precision keeps fp32
     master weights and reduces gradients in fp32); None computes in the storage dtype.
     grad_hooks: parameters carry post-accumulate-grad hooks (--optimizer-in-backward).
-    Expert-parallel experts (`apply_expert_parallel`, applied first) stay out of FSDP.
+    ep: --ep, each MoE layer's experts split over this many ranks first
+    (`expert_parallel.apply_expert_parallel`; a model that has them split already keeps them),
+    and left out of FSDP.
     """
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -184,9 +193,11 @@ def apply_fsdp(
     pin = torch.cuda.is_available() and not grad_hooks
     offload = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else None
     common = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload or OffloadPolicy()}
-    ep = getattr(model, "expert_parallel", None)
-    if ep is not None:  # each rank's own experts: never gathered, never sharded further
-        common["ignored_params"] = set(ep.held)
+    if ep > 1 and getattr(model, "expert_parallel", None) is None:
+        apply_expert_parallel(model, ep, torch.device(mesh.device_type))
+    split = getattr(model, "expert_parallel", None)
+    if split is not None:  # each rank's own experts: never gathered, never sharded further
+        common["ignored_params"] = set(split.held)
     # grad-op (SHARD_GRAD_OP) keeps gathered parameters from forward to backward: less
     # communication, more memory. With one shard per rank ("none") there is nothing to free.
     reshard = sharding in ("full", "hybrid")

@@ -212,7 +212,7 @@ def check_parallel(section: ParallelConfig, cfg: TrainConfig) -> None:
             f"--seq-len {cfg.data.seq_len} must be a multiple of --cp {section.cp} (each "
             "process holds an equal piece of every row)"
         )
-    check_ep_flags(section, world)
+    check_ep_flags(cfg, world)
     if section.cp > 1 and cfg.objective.objective == "grpo":
         raise UserError(
             "--objective grpo with --cp: generation does not split sequences; drop --cp "
@@ -220,8 +220,9 @@ def check_parallel(section: ParallelConfig, cfg: TrainConfig) -> None:
         )
 
 
-def check_ep_flags(section: ParallelConfig, world: int) -> None:
+def check_ep_flags(cfg: TrainConfig, world: int) -> None:
     """--ep's own settings (the model's experts are checked when it is built)."""
+    section = cfg.parallel
     if section.ep < 1:
         raise UserError(f"--ep must be a positive process count, got {section.ep}")
     if section.ep == 1:
@@ -233,7 +234,11 @@ def check_ep_flags(section: ParallelConfig, world: int) -> None:
         )
     if world > 1 and world % section.ep:
         raise UserError(f"--ep {section.ep} must divide the {world} processes launched")
-    for flag, on in (("--cp", section.cp > 1), ("--cpu-offload", section.cpu_offload)):
+    for flag, on in (
+        ("--cp", section.cp > 1),
+        ("--cpu-offload", section.cpu_offload),
+        ("--dtype bf16-mixed", cfg.model.dtype == "bf16-mixed"),  # experts outside FSDP's mp
+    ):
         if on:
             raise UserError(f"--ep with {flag} is not supported yet; drop one of them")
 

@@ -37,7 +37,6 @@ from compiletune.data.rows import (
 )
 from compiletune.data.tokenizer import byte_tokenizer, load_tokenizer
 from compiletune.errors import UserError
-from compiletune.expert_parallel import apply_expert_parallel
 from compiletune.loss.head import LossHead, head_kind
 from compiletune.models import (
     ModelArgs,
@@ -370,10 +369,6 @@ def shard_model(
     keeps gathered after forward, so a frozen model reshards after each block as full does)."""
     p = cfg.parallel
     sharding = "full" if frozen and p.sharding == "grad-op" else p.sharding
-    if p.ep > 1:  # --ep: each rank's experts first, which FSDP then leaves out
-        if cfg.model.dtype == "bf16-mixed":
-            raise UserError("--ep with --dtype bf16-mixed is not supported yet; use bf16 or fp32")
-        apply_expert_parallel(model, p.ep, env.device)
     dist_.apply_fsdp(
         model,
         dist_.build_mesh(env, p.sharding, p.shard_size),
@@ -381,6 +376,7 @@ def shard_model(
         param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16-mixed" else None,
         cpu_offload=p.cpu_offload,
         grad_hooks=cfg.optim.optimizer_in_backward and not frozen,
+        ep=p.ep,
     )
 
 

@@ -283,6 +283,7 @@ def test_bad_ep_is_one_line_naming_the_fix(ep, world, experts, says):
         ({"ep": 0}, "--ep must be a positive process count"),
         ({"ep": 2}, "add --fsdp"),
         ({"ep": 2, "fsdp": True, "cpu_offload": True}, "--ep with --cpu-offload"),
+        ({"ep": 2, "fsdp": True, "dtype": "bf16-mixed"}, "--ep with --dtype bf16-mixed"),
     ],
 )
 def test_bad_ep_flags_are_one_line(flags, says):
