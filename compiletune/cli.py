@@ -23,7 +23,7 @@ from compiletune.interrupt import EXIT_INTERRUPTED
 from compiletune.sampling import Sampling, check_prompt  # no torch: cheap at start-up
 
 if TYPE_CHECKING:  # annotations only: the estimator loads with its subcommand
-    from compiletune.estimate.fit import Capacity
+    from compiletune.estimate.fit.capacity import Capacity
 
 EXIT_BAD_INPUT = 2
 _STARTED = time.perf_counter()  # as soon as the command's own code runs (the closing lines' time)
@@ -326,15 +326,15 @@ def _longest_seq_len(ns: argparse.Namespace, cfg: TrainConfig, capacity: Capacit
     the estimate (each search bounded in its number of estimates)."""
     import json
 
-    from compiletune.estimate import fit  # lazy: a subcommand's cost
+    from compiletune.estimate.fit import ladder, printing  # lazy: a subcommand's cost
 
     gib = f"{capacity.device_bytes / 2**30:g} GiB"
     if ns.ladder:
         _to_stderr(
             f"searching the longest --seq-len that fits {gib} as configured and with each "
-            f"rung (at most {fit.LADDER_ESTIMATES} estimates)..."
+            f"rung (at most {ladder.LADDER_ESTIMATES} estimates)..."
         )
-        rows = fit.length_ladder(cfg, ns.gpus, capacity, _to_stderr)
+        rows = ladder.length_ladder(cfg, ns.gpus, capacity, _to_stderr)
         if ns.json:
             out = [
                 {"rung": r.name, "flags": r.flags, "max_seq_len": r.longest}
@@ -343,25 +343,25 @@ def _longest_seq_len(ns: argparse.Namespace, cfg: TrainConfig, capacity: Capacit
             ]
             print(json.dumps(out, indent=2))
         else:
-            print(fit.format_length_ladder(rows, fit.positions(cfg)))
+            print(printing.format_length_ladder(rows, ladder.positions(cfg)))
         return 0
-    bound = fit.Bound(fit.SEARCH_ESTIMATES)
+    bound = ladder.Bound(ladder.SEARCH_ESTIMATES)
     _to_stderr(
         f"searching the longest --seq-len that fits {gib} (at most {bound.limit} estimates)..."
     )
-    longest, est = fit.longest_seq_len(
-        cfg, ns.gpus, capacity, _to_stderr, fit.MEMORY_LIMIT, bound=bound
+    longest, est = ladder.longest_seq_len(
+        cfg, ns.gpus, capacity, _to_stderr, ladder.MEMORY_LIMIT, bound=bound
     )
-    positions = fit.positions(cfg)
+    positions = ladder.positions(cfg)
     cut = f"the search stopped at its bound of {bound.limit} estimates: a longer --seq-len may fit"
     if ns.json:
         out = {"max_seq_len": min(longest, positions), "memory_max_seq_len": longest}
         out |= {"search_cut": cut} if bound.cut else {}
         print(json.dumps({**out, **(est.to_dict() if est is not None else {})}, indent=2))
     elif est is None:
-        print(fit.no_length_line(capacity))
+        print(printing.no_length_line(capacity))
     else:
-        print(fit.longest_line(longest, est, positions, capacity))
+        print(printing.longest_line(longest, est, positions, capacity))
     if bound.cut and not ns.json:
         print(cut)
     return 0
@@ -402,7 +402,13 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         )
     check_inputs(cfg, estimate=True)  # and a missing model or teacher folder
     from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
-    from compiletune.estimate import fit  # lazy: a subcommand's cost
+    from compiletune.estimate.fit import advice, ladder, printing  # lazy: a subcommand's cost
+    from compiletune.estimate.fit.capacity import (  # lazy: a subcommand's cost
+        Capacity,
+        fits,
+        machine_host_bytes,
+        parse_device_memory,
+    )
     from compiletune.train.build import resolve_model_args  # lazy: a subcommand's cost
 
     # config.json's own errors are the one line, before any progress line
@@ -411,13 +417,13 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         cfg.techniques.offload_activations.count(n_layers)
     capacity = None
     if ns.device_memory:
-        host = ns.host_memory * 2**30 if ns.host_memory else fit.machine_host_bytes()
-        capacity = fit.Capacity(fit.parse_device_memory(ns.device_memory), int(host))
+        host = ns.host_memory * 2**30 if ns.host_memory else machine_host_bytes()
+        capacity = Capacity(parse_device_memory(ns.device_memory), int(host))
         cfg = _plan_offload(cfg, ns.gpus, capacity)
     if ns.max_seq_len and capacity is not None:
         return _longest_seq_len(ns, cfg, capacity)
     if ns.ladder:
-        rows = fit.ladder(cfg, ns.gpus, _to_stderr)
+        rows = ladder.ladder(cfg, ns.gpus, _to_stderr)
         if ns.json:
             out = [
                 {"rung": r.name, "flags": r.flags, **(r.est.to_dict() if r.est else {"why": r.why})}
@@ -425,18 +431,18 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
             ]
             print(json.dumps(out, indent=2))
         else:
-            print(fit.format_ladder(rows, capacity))
+            print(printing.format_ladder(rows, capacity))
         return 0
     # With a capacity the advice may follow: its first rungs come from this step.
-    also = fit.search_optimizers(cfg) if capacity is not None else ()
+    also = ladder.search_optimizers(cfg) if capacity is not None else ()
     _to_stderr("estimating one training step on fake tensors...")  # seconds for a large model
     est = est_.estimate_memory(cfg, ns.gpus, also=also)
     fix = None
-    if capacity is not None and not fit.fits(est, capacity):
+    if capacity is not None and not fits(est, capacity):
         print(
             "does not fit; estimating the ladder's rungs for the cheapest fix...", file=sys.stderr
         )
-        fix = fit.advice(cfg, ns.gpus, capacity, _to_stderr)
+        fix = advice.advice(cfg, ns.gpus, capacity, _to_stderr)
     if ns.json:
         out = est.to_dict()
         if capacity is not None:
@@ -444,7 +450,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         out["total_seconds"] = round(time.perf_counter() - _STARTED, 2)
         print(json.dumps(out, indent=2))
     else:
-        print(fit.format_estimate(est, capacity, fix, time.perf_counter() - _STARTED))
+        print(printing.format_estimate(est, capacity, fix, time.perf_counter() - _STARTED))
     return 0
 
 

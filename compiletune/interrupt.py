@@ -5,7 +5,7 @@ a half-imported module in `sys.modules` that later fails with an unrelated error
 before `cli.main` can catch it. So the `compiletune` program replaces Python's SIGINT handler
 first thing with one that prints one line and exits: nothing has been published then, and
 whatever a build writes is only ever published whole (checkpoint/atomic.py). The training loop takes
-SIGINT over while it runs (run_dir.StopSignal: finish the step, checkpoint, return) and hands
+SIGINT over while it runs (`StopSignal`: finish the step, checkpoint, return) and hands
 this handler back after. SIGTERM is handled the same way (exit status 143).
 
 Once a run's work is saved (`run_finished`: its checkpoint and summary written, the closing

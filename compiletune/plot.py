@@ -38,7 +38,7 @@ from compiletune import faults
 from compiletune.errors import UserError
 from compiletune.metrics import parse_metrics
 
-PLOT_FILES = ("plot.png", "plot.html")  # what a run folder gets (run_dir.py knows them)
+PLOT_FILES = ("plot.png", "plot.html")  # what a run folder gets (run_dir/contents.py knows them)
 COLUMNS = 3
 PANEL_PX = (400, 300)  # width, height of one panel
 DPI = 100

@@ -66,7 +66,7 @@ def opt(
     --accept-changes), "fixed" if the checkpoint itself holds it (the model, the adapters, the
     optimizer's state: never changed on resume), "free" if it changes only logging, saving or
     how the same numbers are computed (the compile and memory techniques, equal by the
-    numerics contract), "length" for the run's length (judged by `run_dir.judge_resume`)."""
+    numerics contract), "length" for the run's length (judged by `run_dir/resume.judge_resume`)."""
     meta = {"help": help, "key": key, "shows": shows, "estimate": estimate, "negate": negate}
     return field(default=default, metadata={**meta, "metavar": metavar, "on_resume": on_resume})
 

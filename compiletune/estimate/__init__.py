@@ -4,7 +4,8 @@ estimator.py         the estimate itself: the run built on fake tensors, one ste
                      the memory model
 tracker.py           the memory model: storages by category, the step's segments and peaks
 depth.py             a deep model of repeating blocks from two short ones, exactly
-fit.py               whether it fits: capacity, the ladder, the advice, train's pre-flight
+fit/                 whether it fits: capacity, the ladder, the advice, train's pre-flight,
+                     the printed tables (one module each)
 memory_internals.py  the PyTorch internals the memory model reads (fake tensors, the fake
                      process group, storage resizes), behind one module
 """

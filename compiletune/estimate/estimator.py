@@ -8,7 +8,7 @@ and cuts the step into segments at block marks, each with its peak; the peak of 
 highest, with its breakdown at that moment. A deep model of repeating blocks runs at two small
 depths and its segments are extended to the full depth (depth.py). With `--cpu-offload` the
 sharded parameters, gradients and optimizer state live in host memory and are reported as host
-memory, not device memory. Whether it fits, the ladder and the advice: fit.py.
+memory, not device memory. Whether it fits, the ladder and the advice: fit/.
 
 What is approximated (stated in the output's `notes`):
     --compile            the step runs eagerly: the compiled blocks' saved tensors are close to
@@ -23,7 +23,7 @@ What is approximated (stated in the output's `notes`):
                          one_pass_chunk_tokens for the one-pass head) plus the weight-gradient
                          buffers, added while the op runs (all tokens counted as targets)
 Not seen at all: the CUDA context and library workspaces (cuBLAS, NCCL), communication
-buffers inside the process group, and allocator fragmentation (`fit.RESERVE_BYTES` covers
+buffers inside the process group, and allocator fragmentation (`fit/capacity.RESERVE_BYTES` covers
 them in the pre-flight check).
 """
 

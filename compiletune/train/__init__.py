@@ -5,7 +5,8 @@ step.py      train_step = backward_pass + optimizer_step -> StepResult; evaluate
 hooks.py     step hooks: each technique's per-step work, registered by apply_techniques
 strategy.py  StepStrategy: an objective's step as the loop calls it (grpo.py's GrpoStep too)
 loop.py      train(cfg) -> Trainer(cfg, env).train(): the loop, logging, the summary
-run_dir.py   the run folder: checks, config.yaml, checkpoint cadence, summary, signals
+run_dir/     the run folder: lock, checks, config.yaml, resume judging, disk errors, signals,
+             Hub pinning, the closing line (one module each)
 """
 
 from compiletune.train.build import Probe, Run, build_run

@@ -30,7 +30,7 @@ from compiletune import distributed as dist_
 from compiletune.data.prompts import Prompt
 from compiletune.errors import UserError
 from compiletune.estimate.estimator import rollout_bytes
-from compiletune.estimate.fit import machine_host_bytes
+from compiletune.estimate.fit.capacity import machine_host_bytes
 from compiletune.loss.grpo import GrpoOptions, advantages, grpo_loss
 from compiletune.loss.head import IGNORE_INDEX
 from compiletune.metrics import peak_memory_gib
@@ -41,7 +41,7 @@ from compiletune.train import nonfinite
 from compiletune.train.build import Run
 from compiletune.train.forward import forward_hidden
 from compiletune.train.objective import frozen_eager, logprobs, reference_model
-from compiletune.train.run_dir import StopSignal
+from compiletune.train.run_dir.signals import StopSignal
 from compiletune.train.step import lr_factor
 from compiletune.train.strategy import StepOutcome
 

@@ -2,7 +2,7 @@
 
 The loop reads as calls: draw a batch -> `train_step` -> (evaluate) -> log -> (checkpoint) ->
 stop on a signal or at the last step. Building is `build.py`'s, the step is `step.py`'s, and
-the run folder's duties are `run_dir.py`'s.
+the run folder's duties are `run_dir/`'s.
 """
 
 from __future__ import annotations
@@ -26,16 +26,20 @@ from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.config import TrainConfig
 from compiletune.errors import UserError, show
-from compiletune.estimate import fit, offload_plan
+from compiletune.estimate import offload_plan
+from compiletune.estimate.fit.capacity import Capacity, machine_host_bytes
+from compiletune.estimate.fit.preflight import preflight
 from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
 from compiletune.models.hf_config import brief
 from compiletune.rl.rewards import load_rewards
-from compiletune.train import grpo, objective, run_dir
+from compiletune.train import grpo, objective
 from compiletune.train.build import Run, build_run, pick_device
 from compiletune.train.nonfinite import Facts, advice
 from compiletune.train.objective import evaluate_pairs
+from compiletune.train.run_dir import closing, contents, disk, hub_pin, resume, signals
+from compiletune.train.run_dir.lock import OutputLock
 from compiletune.train.step import evaluate, weights_norm
 from compiletune.train.strategy import StepStrategy, SupervisedStep
 
@@ -51,7 +55,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     the config and the summary, and prints.
     """
     recipes.check_no_placeholders(cfg)
-    cfg = run_dir.align_hub_specs(cfg)  # --resume naming a Hub repo again: the run's commit
+    cfg = hub_pin.align_hub_specs(cfg)  # --resume naming a Hub repo again: the run's commit
     estimate_gib = None
     if pick_device().type == "cuda":  # --offload-activations auto: N from the estimate
         cfg = offload_plan.plan_for_this_gpu(cfg)
@@ -61,7 +65,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     main = env is None or env.is_main
     try:
         # One run per folder: rank 0 holds the lock; every rank learns whether it got it.
-        lock = run_dir.OutputLock(Path(cfg.run.output_dir), enabled=main, say=print)
+        lock = OutputLock(Path(cfg.run.output_dir), enabled=main, say=print)
         refusal = None
         try:
             lock.__enter__()
@@ -92,7 +96,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def _train_locked(
     cfg: TrainConfig,
     env: dist_.DistEnv | None,
-    lock: run_dir.OutputLock,
+    lock: OutputLock,
     estimate_gib: float | None,
 ) -> dict[str, Any]:
     trainer = Trainer(cfg, env, lock)
@@ -114,13 +118,13 @@ def _eval_text(record: dict[str, Any]) -> str:
 
 def pin_hub_specs(cfg: TrainConfig, env: dist_.DistEnv | None) -> TrainConfig:
     """Hub models and datasets downloaded once the options are known good, and pinned to their
-    commit (run_dir.pin_hub_specs). Every process resolves them; should a branch move while the
+    commit (hub_pin.pin_hub_specs). Every process resolves them; should a branch move while the
     job starts, the processes would train on different commits: refused."""
     box: list[TrainConfig] = []
-    dist_.agree(dist_.attempt(lambda: box.append(run_dir.pin_hub_specs(cfg))), str)
+    dist_.agree(dist_.attempt(lambda: box.append(hub_pin.pin_hub_specs(cfg))), str)
     pinned = box[0]
     if env is not None and env.world > 1:
-        key = hashlib.sha256(run_dir.hub_specs(pinned).encode()).digest()[:6]
+        key = hashlib.sha256(hub_pin.hub_specs(pinned).encode()).digest()[:6]
         if len(set(dist_.gather_floats(float(int.from_bytes(key, "big")), env.device))) > 1:
             raise UserError(
                 "the processes resolved different Hub commits (a repository changed while the "
@@ -131,16 +135,16 @@ def pin_hub_specs(cfg: TrainConfig, env: dist_.DistEnv | None) -> TrainConfig:
 
 def preflight_check(cfg: TrainConfig) -> float | None:
     """Before anything is allocated: refuse a step that cannot fit this GPU, naming flags that
-    would make it fit (estimate/fit.py, fake tensors; seconds for an 8B model). Runs before the
-    process group exists, since the estimate simulates its own. An estimator failure (a torch
-    version without one of its private APIs, say) warns and lets the run go on. Returns the
+    would make it fit (estimate/fit/preflight.py, fake tensors; seconds for an 8B model). Runs
+    before the process group exists, since the estimate simulates its own. An estimator failure (a
+    torch version without one of its private APIs, say) warns and lets the run go on. Returns the
     estimated peak in GiB (None when the estimate failed)."""
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    capacity = fit.Capacity(torch.cuda.mem_get_info(local)[1], fit.machine_host_bytes())
+    capacity = Capacity(torch.cuda.mem_get_info(local)[1], machine_host_bytes())
     world = dist_.launched_world_size() if cfg.parallel.fsdp else 1
     try:
-        return fit.preflight(cfg, world, capacity).peak_bytes / 2**30
+        return preflight(cfg, world, capacity).peak_bytes / 2**30
     except UserError:
         raise
     except Exception as e:  # the estimate is advice; never block a run on its own bug
@@ -156,7 +160,7 @@ class Trainer:
     """One process's part of a training job: set up, then `train()`."""
 
     def __init__(
-        self, cfg: TrainConfig, env: dist_.DistEnv | None, lock: run_dir.OutputLock | None = None
+        self, cfg: TrainConfig, env: dist_.DistEnv | None, lock: OutputLock | None = None
     ) -> None:
         self.cfg, self.env = cfg, env
         self.estimate_peak_gib: float | None = None
@@ -164,7 +168,7 @@ class Trainer:
         self.main = env is None or env.is_main
         self.graphs_before = torch_internals.dynamo_graphs_compiled()
         # Everything that can be wrong is checked before anything is written.
-        self.out, resume_notes = run_dir.check_output_dir(cfg)
+        self.out, resume_notes = contents.check_output_dir(cfg)
         self.log_names = parse_loggers(cfg.run.log)
         check_available(self.log_names)
         # --eval-tasks: lm-eval's task names looked up now, so a wrong one is refused here
@@ -185,15 +189,15 @@ class Trainer:
             else SupervisedStep(self.run, env, self.peak_gib)
         )
         if self.run.resume_from is not None:
-            pending = run_dir.merge_pending(cfg, self.out)
-            run_dir.check_length(cfg.run.max_steps, self.run.start_step, pending)
+            pending = resume.merge_pending(cfg, self.out)
+            resume.check_length(cfg.run.max_steps, self.run.start_step, pending)
             if pending and self.run.start_step == cfg.run.max_steps:
                 resume_notes.append(
                     f"--resume: the run is at its last step ({cfg.run.max_steps}); writing the "
                     f"merged model it did not finish ({self.out / 'merged'})"
                 )
         if self.main:
-            run_dir.prepare_output_dir(cfg, self.out)
+            contents.prepare_output_dir(cfg, self.out)
             if lock is not None:
                 lock.keep_folder()
         for note in resume_notes:
@@ -205,9 +209,9 @@ class Trainer:
         self.last_good: Path | None = self.run.resume_from
         self.start_norm: float | None = None
         self.skipped_steps = 0
-        self.checkpoint_bytes = run_dir.checkpoint_bytes(self.run, self.last_saved)
+        self.checkpoint_bytes = disk.checkpoint_bytes(self.run, self.last_saved)
         if self.main:
-            warning = run_dir.space_warning(self.out, self.checkpoint_bytes)
+            warning = disk.space_warning(self.out, self.checkpoint_bytes)
             if warning:
                 self.say(warning)
         self.first_loss = self.last_loss = float("nan")
@@ -243,7 +247,7 @@ class Trainer:
         self.start_norm = weights_norm(run.params)
         self.t_start = time.perf_counter()
         try:
-            with run_dir.StopSignal(distributed=self.env is not None) as stop:
+            with signals.StopSignal(distributed=self.env is not None) as stop:
                 run.model.train()
                 while self.step < cfg.run.max_steps and not stop.should_stop():
                     compile_t0 = self.announce_compile()
@@ -265,7 +269,7 @@ class Trainer:
                     self.progress(record, bar, interactive)
                     if self.step == run.start_step + 1:
                         self.write_dump()  # every region has compiled by now
-                    if cfg.run.save and run_dir.checkpoint_due(cfg, self.step):
+                    if cfg.run.save and contents.checkpoint_due(cfg, self.step):
                         self.last_saved = self.save(final=False)
                         self.run_tasks(final=False)
                 train_peaks = self.gather_peaks()  # before the final save adds its own
@@ -278,7 +282,7 @@ class Trainer:
                 logger.close()
         # A stop signal from here on finds the run finished: it waits for the summary, and is
         # then answered with a line instead of ending the process silently.
-        with run_dir.LateSignal() as late:
+        with signals.LateSignal() as late:
             summary = self.summarise(time.perf_counter() - self.t_start, train_peaks, merged)
             late.finished(summary["interrupted"])
             if late.received is not None:
@@ -288,7 +292,7 @@ class Trainer:
                 )
         return summary
 
-    def one_step(self, stop: run_dir.StopSignal) -> dict[str, Any] | None:
+    def one_step(self, stop: signals.StopSignal) -> dict[str, Any] | None:
         """One optimizer step through the objective's strategy (strategy.py), its counters kept
         here, and its metrics line. None: grpo's step was abandoned, a reward having stopped
         the run (`stop` is set)."""
@@ -448,11 +452,11 @@ class Trainer:
         except UserError:  # every rank's one line (FSDP)
             raise
         except Exception as e:  # OSError, torch's RuntimeError, SafetensorError, ...
-            full = run_dir.disk_full_error(self.out, self.step, e, self.checkpoint_bytes)
+            full = disk.disk_full_error(self.out, self.step, e, self.checkpoint_bytes)
             if full is None:
                 raise
             raise full from e
-        self.checkpoint_bytes = run_dir.folder_bytes(path) or self.checkpoint_bytes
+        self.checkpoint_bytes = disk.folder_bytes(path) or self.checkpoint_bytes
         if self.start_norm is not None and norm <= GOOD_NORM_GROWTH * self.start_norm:
             self.last_good = path
         return path
@@ -482,7 +486,7 @@ class Trainer:
 
     def _save_error(self, e: BaseException) -> str:
         """One line for a checkpoint that could not be written (the line every rank prints)."""
-        full = run_dir.disk_full_error(self.out, self.step, e, self.checkpoint_bytes)
+        full = disk.disk_full_error(self.out, self.step, e, self.checkpoint_bytes)
         if full is not None:
             return str(full)
         return f"step_{self.step} could not be written ({type(e).__name__}: {brief(e, 300)})"
@@ -508,7 +512,7 @@ class Trainer:
             try:
                 merge()
             except Exception as e:  # OSError, SafetensorError: a full disk is one line
-                if not run_dir.is_disk_full(e):
+                if not disk.is_disk_full(e):
                     raise
                 raise UserError(self._merge_error(e)) from e
         else:  # every rank joins the gathers; a failure on one is every rank's one line
@@ -516,7 +520,7 @@ class Trainer:
         return path
 
     def _merge_error(self, e: BaseException) -> str:
-        return run_dir.merge_error(self.out, e, self.last_saved)
+        return disk.merge_error(self.out, e, self.last_saved)
 
     def announce_compile(self) -> float | None:
         """Before the first step under --compile: a line, since it compiles every region (tens
@@ -653,7 +657,7 @@ class Trainer:
             "fill_ratio": getattr(getattr(run.batches, "data", None), "fill_ratio", None),
         }
         if self.main:
-            run_dir.write_summary(self.out, summary)
+            closing.write_summary(self.out, summary)
             plot.after_run(self.out, self.say)  # with matplotlib; a failure is a warning line
-        self.say(run_dir.closing_line(summary))
+        self.say(closing.closing_line(summary))
         return summary

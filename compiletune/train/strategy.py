@@ -19,7 +19,7 @@ from compiletune import distributed as dist_
 from compiletune import faults
 from compiletune.train.build import Run
 from compiletune.train.nonfinite import cause, finite
-from compiletune.train.run_dir import StopSignal
+from compiletune.train.run_dir.signals import StopSignal
 from compiletune.train.step import lr_factor, next_batch, read_once, train_step
 from compiletune.train.step_result import RouterStep
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from compiletune.errors import UserError
-from compiletune.train import run_dir
+from compiletune.train.run_dir.lock import LOCK_FILE, OutputLock
 
 TRIALS = 500
 DEAD_PID = 4_194_303 + 12_345  # above Linux's largest pid: never a live process
@@ -21,7 +21,7 @@ DEAD_PID = 4_194_303 + 12_345  # above Linux's largest pid: never a live process
 def _contender(folders: list[str], barrier, wins, me: int, k: int) -> None:
     for trial, folder in enumerate(folders):
         barrier.wait()
-        lock = run_dir.OutputLock(Path(folder), say=lambda s: None)
+        lock = OutputLock(Path(folder), say=lambda s: None)
         try:
             lock.__enter__()
             wins[trial * k + me] = 1
@@ -41,7 +41,7 @@ def test_exactly_one_of_k_racing_processes_holds_the_lock(tmp_path, mode, k):
         if mode == "dead-owner":  # a run killed while it held the folder
             folder.mkdir()
             record = {"pid": DEAD_PID, "host": socket.gethostname(), "start": "1"}
-            (folder / run_dir.LOCK_FILE).write_text(json.dumps(record))
+            (folder / LOCK_FILE).write_text(json.dumps(record))
         folders.append(str(folder))
     ctx = mp.get_context("fork")
     barrier, wins = ctx.Barrier(k), ctx.Array("b", TRIALS * k)
@@ -53,17 +53,17 @@ def test_exactly_one_of_k_racing_processes_holds_the_lock(tmp_path, mode, k):
     assert [p.exitcode for p in procs] == [0] * k
     held = [sum(wins[t * k : (t + 1) * k]) for t in range(TRIALS)]
     assert held == [1] * TRIALS, f"{sum(h != 1 for h in held)} of {TRIALS} trials"
-    assert not any((Path(f) / run_dir.LOCK_FILE).exists() for f in folders)  # all released
+    assert not any((Path(f) / LOCK_FILE).exists() for f in folders)  # all released
 
 
 def test_only_rank_0_takes_the_lock(tmp_path):
     """FSDP ranks other than 0 check the path and never touch the lock, so they cannot race
     rank 0 (nor refuse because rank 0 holds it)."""
     out = tmp_path / "run"
-    with run_dir.OutputLock(out, say=lambda s: None):
-        with run_dir.OutputLock(out, enabled=False) as other:
+    with OutputLock(out, say=lambda s: None):
+        with OutputLock(out, enabled=False) as other:
             assert not other.held
         with pytest.raises(UserError, match="is in use by the run of process"):
-            run_dir.OutputLock(out, say=lambda s: None).__enter__()
-    with run_dir.OutputLock(out, enabled=False):
-        assert not (out / run_dir.LOCK_FILE).exists()
+            OutputLock(out, say=lambda s: None).__enter__()
+    with OutputLock(out, enabled=False):
+        assert not (out / LOCK_FILE).exists()

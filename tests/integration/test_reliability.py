@@ -22,7 +22,10 @@ from safetensors.torch import load_file
 from compiletune.checkpoint import steps as ckpt
 from compiletune.cli import main
 from compiletune.metrics import read_metrics
-from compiletune.train import loop, run_dir, strategy
+from compiletune.train import loop, strategy
+from compiletune.train.run_dir import closing
+from compiletune.train.run_dir.disk import space_warning
+from compiletune.train.run_dir.lock import LOCK_FILE, OutputLock, _start_time
 
 TEXT = "\n".join(f"Line {i}: a fox counts to {i * 7 % 13} and back again." for i in range(300))
 TINY = ["--seq-len", "32", "--batch-size", "2"]
@@ -73,7 +76,7 @@ def test_diverged_run_stops_and_never_saves_nonfinite_weights(tmp_path, corpus, 
     records = _strict(out / "metrics.jsonl")
     assert records[-1]["step"] == step and records[-1]["applied"] is False
     assert "nonfinite" in records[-1]
-    assert not (out / run_dir.LOCK_FILE).exists()
+    assert not (out / LOCK_FILE).exists()
     # The checkpoints are finite but no good (lr 1e10 moved every weight by ~1e10): none is
     # named, and the advice, followed, trains the run to its end.
     assert "no good checkpoint was written before it" in line
@@ -237,17 +240,17 @@ def test_resume_continues_from_the_saved_config_and_judges_changes(tmp_path, cor
 def test_second_run_refused_while_first_lives_stale_lock_taken_over(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     out.mkdir()
-    lock = out / run_dir.LOCK_FILE
+    lock = out / LOCK_FILE
     # a live owner: this very process
     live = {
         "pid": os.getpid(),
         "host": os.uname().nodename,
-        "start": run_dir._start_time(os.getpid()),
+        "start": _start_time(os.getpid()),
     }
     lock.write_text(json.dumps(live))
     assert _train(out, corpus, "--max-steps", "1") == 2
     assert f"in use by the run of process {os.getpid()}" in _one_error_line(capsys)
-    assert sorted(p.name for p in out.iterdir()) == [run_dir.LOCK_FILE]  # nothing written
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing written
     # a dead owner (a process that has exited) on this host: taken over, with a message
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -465,7 +468,7 @@ def test_kill_9_between_the_renames_of_a_resave_is_recovered(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(out)], env=env, timeout=60)
     assert done.returncode == -9
     assert not (out / "step_2").exists() and (out / ".old-step_2").is_dir()
-    with run_dir.OutputLock(out, say=lambda s: None):
+    with OutputLock(out, say=lambda s: None):
         pass
     assert (out / "step_2" / "v").read_text() == "first"
     assert sorted(p.name for p in out.iterdir()) == ["step_2"]
@@ -494,13 +497,13 @@ def _start(out: Path, corpus: str) -> subprocess.Popen:
 def test_sigterm_after_the_run_finished_is_answered(tmp_path, corpus, capsys, monkeypatch):
     """A SIGTERM while the finished run writes its summary: the summary and closing line are
     still written, then one line says that nothing was lost; the exit status is success."""
-    real = run_dir.write_summary
+    real = closing.write_summary
 
     def write_then_signal(out, summary):
         real(out, summary)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(run_dir, "write_summary", write_then_signal)
+    monkeypatch.setattr(closing, "write_summary", write_then_signal)
     out = tmp_path / "run"
     assert _train(out, corpus, "--max-steps", "1") == 0
     said = capsys.readouterr().out.strip().splitlines()
@@ -590,8 +593,8 @@ def test_a_second_ctrl_c_stops_at_once_leaving_only_whole_checkpoints(tmp_path, 
 
 
 def test_free_space_below_one_checkpoint_is_warned_before_the_first_save(tmp_path):
-    assert run_dir.space_warning(tmp_path, 1) is None
-    warning = run_dir.space_warning(tmp_path, 1 << 60)
+    assert space_warning(tmp_path, 1) is None
+    warning = space_warning(tmp_path, 1 << 60)
     assert warning.startswith(f"warning: {tmp_path} has ") and "needs about" in warning
 
 

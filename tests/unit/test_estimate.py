@@ -24,8 +24,11 @@ from gloo import free_port, run_in_gloo
 from compiletune.cli import main
 from compiletune.config import resolve
 from compiletune.errors import UserError
-from compiletune.estimate import depth, fit, tracker
+from compiletune.estimate import depth, tracker
 from compiletune.estimate import estimator as estimate
+from compiletune.estimate.fit import advice, ladder, printing
+from compiletune.estimate.fit.capacity import RESERVE_BYTES, Capacity
+from compiletune.estimate.fit.preflight import preflight
 from compiletune.train.build import resolve_model_args
 
 SMALL = {"model": "debug", "n_layers": 2, "seq_len": 128, "batch_size": 4, "dtype": "fp32"}
@@ -205,21 +208,20 @@ def test_fake_world_of_two_matches_gloo_world_of_two() -> None:
 def test_preflight_refuses_a_step_that_cannot_fit_and_names_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    Capacity = fit.Capacity
     cfg = _cfg(loss="plain", seq_len=512)  # activations dominate: --ac full saves the most
     peak = estimate.estimate_memory(cfg).peak_bytes
-    roomy = Capacity(peak + fit.RESERVE_BYTES + 2**20)
-    assert fit.preflight(cfg, 1, roomy).peak_bytes == peak
+    roomy = Capacity(peak + RESERVE_BYTES + 2**20)
+    assert preflight(cfg, 1, roomy).peak_bytes == peak
     ac = estimate.estimate_memory(cfg.replace(ac="full")).peak_bytes
     cheap = estimate.estimate_memory(cfg.replace(optimizer="adamw8bit", loss="fused")).peak_bytes
     assert ac < cheap
-    tight = Capacity(ac + fit.RESERVE_BYTES)
+    tight = Capacity(ac + RESERVE_BYTES)
     # The cheaper rungs (fused loss, 8-bit states) are tried first and do not fit; with --ac
     # full the step fits, and then the cheaper rungs are dropped again: --ac full alone is enough.
     with pytest.raises(UserError, match=r"but the GPU has .*; add --ac full \(then about .*"):
-        fit.preflight(cfg, 1, tight)
+        preflight(cfg, 1, tight)
     with pytest.raises(UserError, match="use more GPUs"):
-        fit.preflight(cfg, 1, Capacity(fit.RESERVE_BYTES + 2**20))
+        preflight(cfg, 1, Capacity(RESERVE_BYTES + 2**20))
     # The trainer's check reads the GPU's capacity; here a fake one.
     from compiletune.train import loop
 
@@ -237,12 +239,12 @@ def test_advice_is_the_cheapest_fit_and_judges_host_memory() -> None:
         cfg.replace(ac="full", optimizer="adamw8bit", loss="fused", fsdp=True, cpu_offload=True)
     )
     assert offloaded.host_bytes > 0 and offloaded.peak_bytes < full.peak_bytes
-    device = offloaded.peak_bytes + fit.RESERVE_BYTES + 2**20  # in-backward rounds up
-    flags, est = fit.suggest(cfg, 1, fit.Capacity(device))
+    device = offloaded.peak_bytes + RESERVE_BYTES + 2**20  # in-backward rounds up
+    flags, est = advice.suggest(cfg, 1, Capacity(device))
     assert "--cpu-offload" in flags and est.peak_bytes <= offloaded.peak_bytes
-    short_host = fit.Capacity(device, host_bytes=offloaded.host_bytes // 2)
-    assert fit.suggest(cfg, 1, short_host) is None
-    line = fit.verdict(offloaded, short_host)
+    short_host = Capacity(device, host_bytes=offloaded.host_bytes // 2)
+    assert advice.suggest(cfg, 1, short_host) is None
+    line = printing.verdict(offloaded, short_host)
     assert "fits in" in line and "host memory" in line and "does NOT fit" in line
 
 
@@ -252,10 +254,10 @@ def test_advice_splits_the_micro_batch_when_no_technique_is_enough() -> None:
     cfg = _cfg(loss="plain", seq_len=256, batch_size=8)
     every = {"ac": "full", "optimizer": "adamw8bit", "loss": "fused"}
     at = {b: estimate.estimate_memory(cfg.replace(batch_size=b, **every)) for b in (8, 4)}
-    device = (at[8].peak_bytes + at[4].peak_bytes) // 2 + fit.RESERVE_BYTES
-    capacity = fit.Capacity(device, host_bytes=2**20)
+    device = (at[8].peak_bytes + at[4].peak_bytes) // 2 + RESERVE_BYTES
+    capacity = Capacity(device, host_bytes=2**20)
     lines: list[str] = []
-    text = fit.advice(cfg, 1, capacity, lines.append)
+    text = advice.advice(cfg, 1, capacity, lines.append)
     assert text.startswith("add --batch-size 4 --grad-accum 2 ") and "same 8 rows" in text, text
     flags = text.removeprefix("add --batch-size 4 --grad-accum 2 ").split(" (")[0]
     assert flags and "--batch-size 2" not in text
@@ -264,9 +266,9 @@ def test_advice_splits_the_micro_batch_when_no_technique_is_enough() -> None:
     assert sum(line.endswith("does not fit") for line in lines[:5]) == 5, lines
     # nothing fits even one row at a time: the advice says so, from every rung together at
     # --batch-size 1, without climbing the ladder at each micro-batch
-    tiny = fit.Capacity(fit.RESERVE_BYTES + 2**20, host_bytes=2**20)
+    tiny = Capacity(RESERVE_BYTES + 2**20, host_bytes=2**20)
     lines = []
-    text = fit.advice(cfg, 1, tiny, lines.append)
+    text = advice.advice(cfg, 1, tiny, lines.append)
     assert "even at --batch-size 1: use more GPUs" in text, text
     assert [line.split(":")[0] for line in lines[5:]] == [
         "  --batch-size 1 --grad-accum 8 with --loss fused --optimizer adamw8bit --ac full --fsdp "
@@ -280,10 +282,10 @@ def test_advice_splits_the_micro_batch_when_no_technique_is_enough() -> None:
         for off in (False, True)
     }
     assert ones[True].peak_bytes < ones[False].peak_bytes
-    gpu = (ones[True].peak_bytes + ones[False].peak_bytes) // 2 + fit.RESERVE_BYTES
-    short_host = fit.Capacity(gpu, host_bytes=2**20)
+    gpu = (ones[True].peak_bytes + ones[False].peak_bytes) // 2 + RESERVE_BYTES
+    short_host = Capacity(gpu, host_bytes=2**20)
     for start in (cfg.replace(batch_size=2), cfg.replace(batch_size=1, grad_accum=2)):
-        text = fit.advice(start, 1, short_host)  # (from --batch-size 1 itself too)
+        text = advice.advice(start, 1, short_host)  # (from --batch-size 1 itself too)
         assert "fits the GPU but not the host memory (--host-memory)" in text, text
 
 
@@ -307,12 +309,12 @@ def test_cli_json_ladder_and_bad_input(capsys: pytest.CaptureFixture) -> None:
     assert table.startswith("| rung |") and "+ 8-bit states" in table
     assert "--optimizer-in-backward" in table
     assert "--lora-rank 16" in table and "--quantize-base nf4" in table
-    rows = {r.name: r for r in fit.ladder(_cfg(seq_len=64, batch_size=2), 1)}
+    rows = {r.name: r for r in ladder.ladder(_cfg(seq_len=64, batch_size=2), 1)}
     # The ladder starts from what train runs: a small vocabulary trains with the plain head...
     assert rows["as configured"].est.setup["loss"] == "plain" and rows["+ fused loss"].est
     # ...a large one with the fused head, which is then on from the start.
-    big = fit.as_trained(_cfg(model="debug_128k"), 1)
-    assert big.techniques.loss == "fused" and not fit._todo(big, {"loss": "fused"})
+    big = estimate.as_trained(_cfg(model="debug_128k"), 1)
+    assert big.techniques.loss == "fused" and not ladder.flags_to_add(big, {"loss": "fused"})
     peak = {name: r.est.peak_bytes for name, r in rows.items() if r.est is not None}
     assert peak["+ QLoRA (NF4 base)"] < peak["+ LoRA r16 (adapters only)"] < peak["+ 8-bit states"]
     assert peak["+ activation checkpointing"] < peak["as configured"]
@@ -363,7 +365,7 @@ def test_fused_head_never_costs_more_than_plain_or_chunked(gpus: int, seq_len: i
     base = {"model": "llama3_150m", "n_layers": 1, "seq_len": seq_len, "batch_size": 1}
     base |= {"dtype": "bf16", "fsdp": gpus > 1}
     flags: dict = {}
-    for name, changes in [("start", {})] + [r for r in fit.LADDER if r[0] != "+ fused loss"]:
+    for name, changes in [("start", {})] + [r for r in ladder.LADDER if r[0] != "+ fused loss"]:
         if gpus == 1 and changes.get("fsdp"):
             continue
         flags |= changes
@@ -578,7 +580,10 @@ def test_other_optimizers_from_one_step_give_their_whole_estimates(
 
     assert state(derived) != state(mine)  # the state did change
     # A search asks with the defaults the build fills in written out: the same key.
-    assert estimate._cache_key(fit.as_trained(theirs, gpus), gpus, estimate.GPU_ROUND_BYTES) == key
+    assert (
+        estimate._cache_key(estimate.as_trained(theirs, gpus), gpus, estimate.GPU_ROUND_BYTES)
+        == key
+    )
 
 
 def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
@@ -618,7 +623,6 @@ def test_max_seq_len_is_the_longest_length_that_fits(capsys) -> None:
     """`estimate-memory --max-seq-len`: a multiple of 256 that fits (peak + the 2 GiB reserve
     within --device-memory) while 256 more does not; without --device-memory, one line."""
     from compiletune.cli import main
-    from compiletune.estimate import fit
 
     flags = ["--model", "debug", "--batch-size", "2", "--dtype", "fp32", "--n-layers", "2"]
     assert (
@@ -626,11 +630,11 @@ def test_max_seq_len_is_the_longest_length_that_fits(capsys) -> None:
     )
     out = json.loads(capsys.readouterr().out)
     n = out["max_seq_len"]
-    assert n > 0 and n % fit.SEQ_STEP == 0
-    assert out["peak_bytes"] + fit.RESERVE_BYTES <= 2.3 * 2**30
+    assert n > 0 and n % ladder.SEQ_STEP == 0
+    assert out["peak_bytes"] + RESERVE_BYTES <= 2.3 * 2**30
     cfg = resolve({}, {"model": "debug", "batch_size": 2, "dtype": "fp32", "n_layers": 2})
-    longer = estimate.estimate_memory(cfg.replace(seq_len=n + fit.SEQ_STEP), 1)
-    assert longer.peak_bytes + fit.RESERVE_BYTES > 2.3 * 2**30
+    longer = estimate.estimate_memory(cfg.replace(seq_len=n + ladder.SEQ_STEP), 1)
+    assert longer.peak_bytes + RESERVE_BYTES > 2.3 * 2**30
     assert main(["estimate-memory", *flags, "--max-seq-len"]) == 2
     assert "--device-memory" in capsys.readouterr().err
 
@@ -641,7 +645,6 @@ def test_length_ladder_reaches_further_with_each_rung(capsys) -> None:
     256 that fits while 256 more does not (checked on the checkpointing rung), and --cp's peak
     counts each GPU's half of the row (the header says so)."""
     from compiletune.cli import main
-    from compiletune.estimate import fit
 
     flags = ["--model", "debug", "--batch-size", "2", "--dtype", "fp32", "--n-layers", "2"]
     flags += ["--device-memory", "2.2", "--gpus", "2", "--max-seq-len", "--ladder", "--json"]
@@ -658,13 +661,13 @@ def test_length_ladder_reaches_further_with_each_rung(capsys) -> None:
     ]
     base = {"model": "debug", "batch_size": 2, "dtype": "fp32", "n_layers": 2, "fsdp": True}
     cfg = resolve({}, {**base, "loss": "fused", "optimizer": "adamw8bit", "ac": "full"})
-    room = 2.2 * 2**30 - fit.RESERVE_BYTES
+    room = 2.2 * 2**30 - RESERVE_BYTES
     assert estimate.estimate_memory(cfg.replace(seq_len=ac), 2).peak_bytes <= room
-    assert estimate.estimate_memory(cfg.replace(seq_len=ac + fit.SEQ_STEP), 2).peak_bytes > room
+    assert estimate.estimate_memory(cfg.replace(seq_len=ac + ladder.SEQ_STEP), 2).peak_bytes > room
     half = estimate.estimate_memory(cfg.replace(seq_len=4096, cp=2), 2)
     whole = estimate.estimate_memory(cfg.replace(seq_len=4096), 2)
     assert half.peak_bytes < whole.peak_bytes
-    assert "seq 4096 (2048 each, --cp 2)" in fit.format_estimate(half)
+    assert "seq 4096 (2048 each, --cp 2)" in printing.format_estimate(half)
 
 
 @pytest.mark.skipif(

@@ -16,7 +16,9 @@ from compiletune.compiler.offload_target import OffloadTarget
 from compiletune.compiler.regions import CompileOptions, compile_regions
 from compiletune.config import read_saved_config, resolve, save_yaml
 from compiletune.errors import UserError
-from compiletune.estimate import estimator, fit, offload_plan
+from compiletune.estimate import estimator, offload_plan
+from compiletune.estimate.fit import ladder
+from compiletune.estimate.fit.capacity import RESERVE_BYTES, Capacity, fits
 from compiletune.estimate.offload_plan import plan_offload
 from compiletune.loss.head import LossHead
 from compiletune.models import build_model, from_name
@@ -172,14 +174,14 @@ def test_auto_picks_the_fewest_blocks_that_fit(monkeypatch, capsys):
         estimator.estimate_memory(cfg.replace(offload_activations=n)).peak_bytes for n in range(5)
     ]
     assert peaks[1] > peaks[2] > peaks[3], peaks
-    room = (peaks[1] + peaks[2]) // 2 + fit.RESERVE_BYTES  # between N = 1 and N = 2
-    capacity = fit.Capacity(room, 1 << 40)
+    room = (peaks[1] + peaks[2]) // 2 + RESERVE_BYTES  # between N = 1 and N = 2
+    capacity = Capacity(room, 1 << 40)
     auto = resolve({}, {**FOUR, "offload_activations": "auto"})
     planned, est = plan_offload(auto, 1, capacity)
     assert planned.techniques.offload_activations == OffloadTarget(2)
-    assert fit.fits(est, capacity) and est.peak_bytes == peaks[2]
+    assert fits(est, capacity) and est.peak_bytes == peaks[2]
     below = estimator.estimate_memory(cfg.replace(offload_activations=1))
-    assert not fit.fits(below, capacity)
+    assert not fits(below, capacity)
     assert any("auto: 2 of 4 blocks" in n for n in est.notes)
     # the estimate asked for next (estimate-memory's, after the plan) is the plan's
     assert estimator.estimate_memory(planned) is est
@@ -191,23 +193,23 @@ def test_auto_picks_the_fewest_blocks_that_fit(monkeypatch, capsys):
     assert offload_plan.plan_for_this_gpu(auto).techniques.offload_activations == OffloadTarget(2)
     assert "the first 2 of 4 blocks offload" in capsys.readouterr().out
     # room for the step with no offload: none
-    none, _ = plan_offload(auto, 1, fit.Capacity(peaks[0] + fit.RESERVE_BYTES, 1 << 40))
+    none, _ = plan_offload(auto, 1, Capacity(peaks[0] + RESERVE_BYTES, 1 << 40))
     assert none.techniques.offload_activations == OffloadTarget(0)
 
 
 def test_auto_says_what_would_fit_when_no_number_of_blocks_does():
     cfg = resolve({}, {**FOUR, "offload_activations": "auto"})
     every = estimator.estimate_memory(cfg.replace(offload_activations=True))
-    tight = fit.Capacity(every.peak_bytes + fit.RESERVE_BYTES - (1 << 20), 1 << 40)
+    tight = Capacity(every.peak_bytes + RESERVE_BYTES - (1 << 20), 1 << 40)
     with pytest.raises(UserError, match=r"even with all 4 blocks offloaded .*; add --") as e:
         plan_offload(cfg, 1, tight)
     assert "\n" not in str(e.value)
 
 
 def test_a_run_that_offloads_every_block_has_the_length_ladders_offload_rung():
-    (changes,) = [c for name, c in fit.LENGTH_RUNGS if "offload_activations" in c]
+    (changes,) = [c for name, c in ladder.LENGTH_RUNGS if "offload_activations" in c]
     every = resolve({}, {"compile": True, "offload_activations": True})
-    assert fit._todo(every, changes) == {}
+    assert ladder.flags_to_add(every, changes) == {}
     some = resolve({}, {"compile": True, "offload_activations": 2})
-    assert fit._todo(some, changes) == {"offload_activations": OffloadTarget(None)}
-    assert fit.flags_text(changes) == "--compile --offload-activations"
+    assert ladder.flags_to_add(some, changes) == {"offload_activations": OffloadTarget(None)}
+    assert ladder.flags_text(changes) == "--compile --offload-activations"

@@ -167,14 +167,14 @@ def test_a_training_run_draws_its_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COMPILETUNE_PLOT", "1")  # conftest turns the end-of-run plot off
     from tiny_run import tiny_run  # here: the trainer's imports are seconds
 
-    from compiletune.train import run_dir  # here: the trainer's imports are seconds
+    from compiletune.train.run_dir import contents  # here: the trainer's imports are seconds
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n\n".join(f"Note {i}: the fox counts {i % 7} hens." for i in range(200)))
     out = tmp_path / "run"
     out.mkdir()
     (out / "plot.html").write_text("an old run's")  # a run's file: the folder is a run's
-    assert run_dir.foreign_files(out) == []
+    assert contents.foreign_files(out) == []
     tiny_run(tmp_path, str(corpus), max_steps=3, val_split=0.1, eval_every=2)
     assert "warning" not in capsys.readouterr().out
     records = plot.read_run(out)

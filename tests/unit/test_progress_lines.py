@@ -25,7 +25,8 @@ from compiletune.data import sources, token_cache
 from compiletune.data.token_cache import cached_store
 from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.errors import UserError
-from compiletune.estimate import fit
+from compiletune.estimate.fit import advice, ladder, printing
+from compiletune.estimate.fit.capacity import RESERVE_BYTES, Capacity, fits
 from compiletune.loss.head import LossHead
 from compiletune.models import build_model, from_name, resolve_model_path
 from compiletune.progress import Progress
@@ -259,13 +260,13 @@ def test_a_hub_that_never_answers_ends_in_one_line(tmp_path, monkeypatch):
 
 def _counted_estimates(monkeypatch, marks: list[str]) -> None:
     """Each estimate the searches run leaves a mark in `marks`, in order with their lines."""
-    real = fit.estimate_memory
+    real = ladder.estimate_memory
 
     def counted(*args, **kwargs):
         marks.append("<estimate>")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fit, "estimate_memory", counted)
+    monkeypatch.setattr(ladder, "estimate_memory", counted)
 
 
 def _small(**values):
@@ -278,16 +279,16 @@ def test_the_length_search_stops_at_its_bound_and_says_so(monkeypatch, capsys):
     a search runs at most SEARCH_ESTIMATES, and an answer the bound cut says so."""
     marks: list[str] = []
     _counted_estimates(monkeypatch, marks)
-    bound = fit.Bound(2)
-    capacity = fit.Capacity(fit.RESERVE_BYTES + 2**30)
-    longest, est = fit.longest_seq_len(
-        _small(), 1, capacity, marks.append, fit.MEMORY_LIMIT, None, bound
+    bound = ladder.Bound(2)
+    capacity = Capacity(RESERVE_BYTES + 2**30)
+    longest, est = ladder.longest_seq_len(
+        _small(), 1, capacity, marks.append, ladder.MEMORY_LIMIT, None, bound
     )
     assert marks.count("<estimate>") == 2 and bound.cut
-    assert est is not None and fit.fits(est, capacity) and longest == est.setup["seq_len"]
+    assert est is not None and fits(est, capacity) and longest == est.setup["seq_len"]
     # each estimate's line follows it: the search is never silent between two
     assert marks[0] == "<estimate>" and marks[1].startswith("  --seq-len ")
-    monkeypatch.setattr(fit, "SEARCH_ESTIMATES", 2)
+    monkeypatch.setattr(ladder, "SEARCH_ESTIMATES", 2)
     argv = ["estimate-memory", "--model", "debug", "--n-layers", "2", "--dtype", "fp32"]
     assert main([*argv, "--device-memory", "3", "--max-seq-len"]) == 0
     got = capsys.readouterr()
@@ -300,25 +301,25 @@ def test_the_length_search_stops_at_its_bound_and_says_so(monkeypatch, capsys):
 def test_the_length_ladder_has_one_bound_for_all_its_searches(monkeypatch, capsys):
     marks: list[str] = []
     _counted_estimates(monkeypatch, marks)
-    monkeypatch.setattr(fit, "LADDER_ESTIMATES", 7)
-    capacity = fit.Capacity(fit.RESERVE_BYTES + 2**30)
-    rows = fit.length_ladder(_small(), 1, capacity, marks.append)
+    monkeypatch.setattr(ladder, "LADDER_ESTIMATES", 7)
+    capacity = Capacity(RESERVE_BYTES + 2**30)
+    rows = ladder.length_ladder(_small(), 1, capacity, marks.append)
     assert marks.count("<estimate>") <= 7
     # the line before the first estimate, and one before each rung's
     assert marks[0] == "  estimating as configured..." and marks[1] == "<estimate>"
     skipped = [r for r in rows if r.why.startswith("not estimated (the bound of 7 estimates)")]
     assert skipped and rows[-1] in skipped
     assert marks[-1].startswith("  the search stopped at its bound of 7 estimates")
-    table = fit.format_length_ladder(rows, 1024)
+    table = printing.format_length_ladder(rows, 1024)
     assert "not estimated (the bound of 7 estimates)" in table
 
 
 def test_the_advice_has_a_bound_on_its_estimates(monkeypatch):
     marks: list[str] = []
     _counted_estimates(monkeypatch, marks)
-    monkeypatch.setattr(fit, "ADVICE_ESTIMATES", 3)
-    tiny = fit.Capacity(fit.RESERVE_BYTES + 2**20, host_bytes=2**20)  # nothing fits
-    text = fit.advice(_small(batch_size=8), 1, tiny, marks.append)
+    monkeypatch.setattr(advice, "ADVICE_ESTIMATES", 3)
+    tiny = Capacity(RESERVE_BYTES + 2**20, host_bytes=2**20)  # nothing fits
+    text = advice.advice(_small(batch_size=8), 1, tiny, marks.append)
     assert marks.count("<estimate>") == 3
     assert text.startswith("no technique flag found to fit within the search's bound of 3 ")
     # each candidate estimated is a line, right after its estimate

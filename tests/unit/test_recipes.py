@@ -12,7 +12,8 @@ from compiletune import recipes
 from compiletune.cli import main
 from compiletune.config import load_yaml, resolve
 from compiletune.estimate import estimator as estimate
-from compiletune.estimate import fit
+from compiletune.estimate.fit.capacity import Capacity, fits
+from compiletune.estimate.fit.printing import verdict
 
 RECIPES = recipes.all_recipes()
 
@@ -33,8 +34,8 @@ def test_recipe_fits_its_gpus(recipe: recipes.Recipe) -> None:
     est = estimate.estimate_memory(cfg, recipe.gpus)
     gib = 2**30
     host = int(recipe.host_gib * gib) if recipe.host_gib else None
-    capacity = fit.Capacity(int(recipe.gpu_gib * gib), host)
-    assert fit.fits(est, capacity), fit.verdict(est, capacity)
+    capacity = Capacity(int(recipe.gpu_gib * gib), host)
+    assert fits(est, capacity), verdict(est, capacity)
     if est.host_bytes:
         assert host is not None, "a recipe that offloads declares its host memory"
     assert abs(est.peak_bytes / gib - recipe.estimate_gib) <= max(0.05 * recipe.estimate_gib, 0.1)
