@@ -1,22 +1,17 @@
-"""What each model family is in llama.cpp's terms: its GGUF architecture, metadata and tensors.
+"""What a model family is in llama.cpp's terms: its GGUF architecture, metadata and tensors.
 
 The families exported are the dense decoders that both llama.cpp runs and transformers' GGUF loader
-reads back (so the export is tested by a round trip):
+reads back (so the export is tested by a round trip); each says so in its module's `Gguf` data
+(models/families/): the general.architecture it is written as, and what changes on the way.
 
-    config.json model_type   general.architecture   what changes on the way
-    llama, mistral           llama                  q/k rows interleaved per head (below)
-    qwen2, qwen3             qwen2, qwen3           names only
-    phi3                     phi3                   names only (fused qkv and gate_up stay fused)
-    gemma2, gemma3_text      gemma2, gemma3         norms stored as 1 + w
-
-llama.cpp's "llama" graph applies rotary embeddings to adjacent pairs (x0, x1), (x2, x3), ... where
-HF Llama rotates the two halves of each head; the converter reorders each head's q and k rows from
-[half 0 | half 1] to [r0 of half 0, r0 of half 1, r1 of half 0, ...], which makes both the same
-function. The NEOX-style families (qwen, phi3, gemma) rotate halves in llama.cpp too: no reorder.
-Gemma's RMSNorm multiplies by (1 + w); llama.cpp's by w, so the file holds 1 + w.
-
-Mistral is written as llama (as llama.cpp does): its sliding window, if any, is not applied.
-Every value a family's llama.cpp graph fixes rather than reads (Gemma's attention scale and
+llama.cpp's LLAMA graph applies rotary embeddings to adjacent pairs (x0, x1), (x2, x3), ... where
+the HF checkpoints it reads rotate the two halves of each head; with `interleave_qk` the converter
+reorders each head's q and k rows from [half 0 | half 1] to [r0 of half 0, r0 of half 1, r1 of
+half 0, ...], which makes both the same function. The NEOX-style graphs rotate halves in
+llama.cpp too: no reorder. A family whose RMSNorm multiplies by (1 + w) (`norm_plus_one`) has
+1 + w written, since llama.cpp's multiplies by w. A family written as another's architecture
+keeps only what that graph has (a sliding window the LLAMA graph lacks is not applied).
+Every value a family's llama.cpp graph fixes rather than reads (an attention scale, a
 sliding-window pattern) is checked against the config, and a config that differs is refused.
 """
 
@@ -78,7 +73,8 @@ def head_dim(cfg: dict[str, Any]) -> int:
 
 def rope_parameters(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(the global layers' rope parameters, the sliding layers' ones or None), from either the
-    transformers 5 `rope_parameters` (per layer kind for Gemma 3) or the older keys."""
+    transformers 5 `rope_parameters` (per layer kind where the sliding layers have their own) or the
+    older keys."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if "full_attention" in params:
         return params["full_attention"], params.get("sliding_attention")
@@ -110,8 +106,9 @@ def llama3_rope_factors(cfg: dict[str, Any]) -> list[float]:
     return out
 
 
-def _check_gemma(cfg: dict[str, Any], fam: Family, folder: object) -> None:
-    """Refuse a Gemma config whose attention scale or layer pattern llama.cpp would not follow."""
+def _check_fixed_pattern(cfg: dict[str, Any], fam: Family, folder: object) -> None:
+    """Refuse a config whose attention scale or layer pattern llama.cpp's graph (one with a fixed
+    sliding-window pattern) would not follow."""
     model_type, layers = cfg["model_type"], cfg["num_hidden_layers"]
     scalar = cfg.get("query_pre_attn_scalar", head_dim(cfg))
     wide = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -161,7 +158,7 @@ def metadata(cfg: dict[str, Any], fam: Family, folder: object) -> dict[str, Any]
             "linear, llama3)"
         )
     if fam.swa_every:
-        _check_gemma(cfg, fam, folder)
+        _check_fixed_pattern(cfg, fam, folder)
         keys["add_sliding_window"] = cfg["sliding_window"]
         if local:
             keys["add_rope_freq_base_swa"] = local["rope_theta"]

@@ -13,14 +13,14 @@ ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "proportional")
 class RopeScaling:
     """Rope frequency scaling (HF `rope_scaling` / `rope_parameters`), by `rope_type`:
 
-    llama3    Llama 3.1: low frequencies divided by `factor`, high ones kept, smooth between
+    llama3    low frequencies divided by `factor`, high ones kept, smooth between
               (`low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`)
     linear    every frequency divided by `factor`
-    yarn      Qwen2.5/Qwen3 long context: interpolation blended with extrapolation over a ramp
+    yarn      interpolation blended with extrapolation over a ramp
               set by `beta_fast` / `beta_slow`; cos/sin scaled by `attention_factor`
-    longrope  Phi-3: per-frequency `short_factor` (up to `original_max_position_embeddings`
+    longrope  per-frequency `short_factor` (up to `original_max_position_embeddings`
               positions) or `long_factor` (beyond); cos/sin scaled by `attention_factor`
-    proportional  Gemma 4's full layers: the first `partial` of the head's frequency pairs
+    proportional  (full layers) the first `partial` of the head's frequency pairs
               rotate at the frequencies of the whole head dim, the rest not at all; all
               divided by `factor`
 
@@ -39,7 +39,7 @@ class RopeScaling:
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
     partial: float = 1.0  # proportional: the fraction of frequency pairs that rotate
-    # yarn (DeepSeek-V3): with both set, cos/sin are scaled by m(mscale) / m(mscale_all_dim),
+    # yarn: with both set, cos/sin are scaled by m(mscale) / m(mscale_all_dim),
     # m(x) = 0.1 x ln(factor) + 1; and MLA's scores by m(mscale_all_dim) ** 2
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
@@ -80,7 +80,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 4096  # HF max_position_embeddings
-    qkv_bias: bool = False  # Qwen2
+    qkv_bias: bool = False  # biases on the q/k/v projections
     tie_embeddings: bool = False
     # The checkpoint's pad_token_id: as transformers' padding_idx, lookups of it give its
     # embedding row no gradient (a zero pad row used as bos would otherwise get ~1e27: a zero
@@ -89,42 +89,42 @@ class ModelArgs:
     # Tokens a query sees in a sliding layer, itself included (None: no sliding layers).
     sliding_window: int | None = None
     # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else
-    # every layer full. Gemma 2 alternates, Gemma 3 has one full layer in six.
+    # every layer full.
     layer_types: tuple[str, ...] | None = None
-    family: str = "llama"  # the HF architecture save_hf writes (see hf.py)
-    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before rope
-    norm_plus_one: bool = False  # Gemma: norms scale by (1 + w), in fp32
-    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(dim)
-    activation: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
-    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and after the MLP too
-    pre_norms: bool = True  # norms before attention and the MLP (OLMo 3: none; sandwich's only)
-    norm_weight_fp32: bool = False  # OLMo 3: the weight multiplies in fp32, then the cast back
-    qk_norm_whole: bool = False  # OLMo 3: the q/k norms span the whole projection, not a head
-    nope_layers: tuple[int, ...] = ()  # layers without rope (SmolLM3: every fourth)
-    attn_output_gate: bool = False  # Qwen3.5/Qwen3-Next: o = attn * sigmoid(gate from q_proj)
-    # Gated DeltaNet on the "linear" layers (Qwen3.5/Qwen3-Next; models/linear_attention.py)
+    family: str = "llama"  # the HF family save_hf writes (models/families/; the registry's default)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rope
+    norm_plus_one: bool = False  # norms scale by (1 + w), in fp32
+    embed_scale: bool = False  # embeddings multiplied by sqrt(dim)
+    activation: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too
+    pre_norms: bool = True  # norms before attention and the MLP (False: the sandwich's only)
+    norm_weight_fp32: bool = False  # the norm weight multiplies in fp32, then the cast back
+    qk_norm_whole: bool = False  # the q/k norms span the whole projection, not a head
+    nope_layers: tuple[int, ...] = ()  # layers without rope (NoPE)
+    attn_output_gate: bool = False  # o = attn * sigmoid(gate from q_proj)
+    # Gated DeltaNet on the "linear" layers (models/linear_attention.py)
     linear_k_heads: int = 0
     linear_v_heads: int = 0
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     linear_conv: int = 4  # the causal convolution's kernel
-    linear_fused: bool = False  # Qwen3-Next: in_proj_qkvz / in_proj_ba, grouped per key head
-    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not hd
-    attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c)
-    final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
-    local_rope_theta: float | None = None  # Gemma 3: sliding layers' rope base (no scaling)
-    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): leading dims rotated; None: hd
-    fused_projections: bool = False  # Phi-3: one qkv and one gate_up projection
-    # Mixture of experts (Mixtral, Qwen3-MoE; see moe.py). n_experts 0: a dense model.
+    linear_fused: bool = False  # fused in_proj_qkvz / in_proj_ba, grouped per key head
+    query_pre_attn_scalar: float | None = None  # scores scaled by this**-0.5, not hd
+    attn_softcap: float | None = None  # scores -> c * tanh(scores / c)
+    final_softcap: float | None = None  # logits -> c * tanh(logits / c)
+    local_rope_theta: float | None = None  # sliding layers' rope base (no scaling)
+    rotary_dim: int | None = None  # partial rotary: leading dims rotated; None: hd
+    fused_projections: bool = False  # one qkv and one gate_up projection
+    # Mixture of experts (see moe.py). n_experts 0: a dense model.
     n_experts: int = 0  # routed experts per MoE layer
     top_k: int = 0  # experts per token
     moe_ffn_dim: int = 0  # each expert's hidden width
-    norm_topk: bool = True  # top-k weights renormalised to sum 1 (Mixtral; Qwen3 norm_topk_prob)
-    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE mlp_only_layers)
+    norm_topk: bool = True  # top-k weights renormalised to sum 1 (norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (mlp_only_layers)
     router_aux_coef: float = 0.0  # the checkpoint's router_aux_loss_coef (--router-aux-coef)
-    shared_ffn_dim: int = 0  # a shared expert beside the routed ones (Qwen3.5-MoE); 0: none
+    shared_ffn_dim: int = 0  # a shared expert beside the routed ones; 0: none
     shared_expert_gate: bool = False  # ... scaled per token by sigmoid(x . gate)
-    # Gemma 4: full layers with a head size and kv heads of their own, values from the key
+    # Full layers with a head size and kv heads of their own, values from the key
     # projection there; values RMS-normed (no weight); the last `kv_shared_layers` layers attend
     # over the keys and values of the last earlier layer of their kind (and may have an MLP
     # twice as wide); a small embedding per layer fed into each block; a stored scalar per block
@@ -137,17 +137,17 @@ class ModelArgs:
     ple_dim: int = 0  # per-layer input width (0: none)
     ple_vocab: int = 0  # ... and its vocabulary
     layer_scalar: bool = False
-    # gpt-oss: a learned sink logit per head in every softmax's denominator; a bias on o_proj
+    # A learned sink logit per head in every softmax's denominator; a bias on o_proj
     attn_sinks: bool = False
     o_bias: bool = False
     # ... and its experts: biases on the router and on both projections, a clamped SwiGLU
     expert_bias: bool = False
     swiglu_limit: float = 0.0  # 0: the plain activation
     swiglu_alpha: float = 1.702
-    # Gemma 4's MoE (26B-A4B): every layer keeps its dense MLP beside the experts, each output
+    # Experts beside the MLP: every layer keeps its dense MLP beside the experts, each output
     # normed, their sum normed; the router reads the un-normed residual (see `MLPAndExperts`)
     mlp_beside_experts: bool = False
-    # DeepSeek-V3's multi-head latent attention (models/mla.py; kv_rank > 0): keys and values of
+    # Multi-head latent attention (models/mla.py; kv_rank > 0): keys and values of
     # every head from one shared latent of kv_rank (normed) per token, plus one rope key of
     # `rotary_dim` shared by the heads; queries through a latent of q_rank (0: one projection).
     # hd is the q/k head dim (nope part + rotary_dim rope part), v_head_dim the values'.
@@ -155,7 +155,7 @@ class ModelArgs:
     q_rank: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the rope dims come in pairs (x0, x1), (x2, x3) ...
-    # DeepSeek-V3 / GLM-4.5 routers: sigmoid scores, a correction bias that only picks experts,
+    # Sigmoid routers: sigmoid scores, a correction bias that only picks experts,
     # picks limited to the `topk_groups` best of `n_groups` groups, weights times `routed_scale`
     router_score: str = "softmax"  # "softmax" | "sigmoid"
     n_groups: int = 1
@@ -191,7 +191,7 @@ class ModelArgs:
 
     def kv_mode(self, index: int) -> str | None:
         """None, "store" (a later layer attends over this layer's keys and values) or "reuse"
-        (this layer attends over those of the last "store" layer of its kind), as Gemma 4."""
+        (this layer attends over those of the last "store" layer of its kind)."""
         first = self.n_layers - self.kv_shared_layers
         if not self.kv_shared_layers:
             return None

@@ -3,10 +3,10 @@
     documents      doc_ids [b, s] numbers the examples of a packed row (0, 1, 2 ... contiguous);
                    token i attends to token j only when both belong to the same document, so each
                    example sees exactly what it would see alone.
-    sliding window window W > 0 (Mistral v0.1, Phi-3, Gemma's local layers): token i attends to
+    sliding window window W > 0: token i attends to
                    j only when i - W < j <= i (HF's convention: W tokens, itself included).
                    Composes with documents: a token sees its own document within the window.
-    soft-capping   softcap c > 0 (Gemma 2): scores become c * tanh(scores / c) before the
+    soft-capping   softcap c > 0: scores become c * tanh(scores / c) before the
                    softmax. SDPA cannot do this, so it has its own exact kernel (below).
 
 `attention(q, k, v, scale, doc_ids, window, softcap)` runs plain causal SDPA when none of the
@@ -374,8 +374,8 @@ _HALF = (torch.float16, torch.bfloat16)
 def find_varlen_api(module: Any) -> tuple[Any, str] | None:
     """(varlen_attn, how it takes causality) of `module` (torch.nn.attention.varlen, or None
     where this torch lacks it) when it takes a `scale`, else None. The signature moved between
-    releases: 2.9's documented one takes `is_causal=` and no scale (a model's own scale, e.g.
-    Gemma's, would be lost: not used); the later documented ones (main from late 2025, 2.12,
+    releases: 2.9's documented one takes `is_causal=` and no scale (a model's own scale would
+    be lost: not used); the later documented ones (main from late 2025, 2.12,
     and this CPU's 2.13) take keyword-only `scale=` and `window_size=(-1, 0)` for causal.
     2.11's page was not found: its form is decided here by the signature, both accepted, and
     the GPU check's CUDA tests print which one ran (tests/gpu/test_cuda_varlen.py)."""
@@ -611,7 +611,7 @@ def causal_attention(
     sinks: Tensor | None = None,
 ) -> Tensor:
     """q, k, v [b, h, s, hd] -> [b, h, s, hd]: causal; within documents when `doc_ids`; within
-    `window` tokens when > 0; scores soft-capped at `softcap` when > 0; with `sinks` [h] (gpt-oss)
+    `window` tokens when > 0; scores soft-capped at `softcap` when > 0; with `sinks` [h]
     one more logit per head in every softmax's denominator (`_with_sinks`).
 
     With none of them this is plain causal SDPA, the same call as before any of them existed,
@@ -646,7 +646,7 @@ def _with_sinks(
     softcap: float,
     sinks: Tensor,
 ) -> Tensor:
-    """Attention with a sink logit per head (gpt-oss): softmax over the visible scores and the
+    """Attention with a sink logit per head: softmax over the visible scores and the
     sink, the sink's share dropped. With lse the log-sum-exp of the visible scores, that is the
     plain attention times exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink). Both
     attention paths give the output and a differentiable log-sum-exp: FlexAttention (on CUDA;

@@ -36,7 +36,7 @@ class KVCache:
         kinds = [args.layer_kind(i) for i in range(args.n_layers)]
         linear = [kind == "linear" for kind in kinds]
         none = torch.zeros(0, dtype=dtype, device=device)
-        # a "reuse" layer (Gemma 4) reads the cache of the "store" layer of its kind
+        # a "reuse" layer reads the cache of the "store" layer of its kind
         self.source = [args.kv_source(i) for i in range(args.n_layers)]
         own = [not lin and self.source[i] == i for i, lin in enumerate(linear)]
 

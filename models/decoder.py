@@ -1,21 +1,18 @@
-"""One decoder for every supported family (Llama 2/3/3.x, Qwen2.5, Qwen3, Mistral, Gemma 2/3/4,
-Phi-3/4, SmolLM3, OLMo 3, Qwen3.5 / Qwen3-Next with their Gated DeltaNet layers
-(linear_attention.py), and the mixture-of-experts Mixtral, Qwen3-MoE, Qwen3.5-MoE, gpt-oss,
-DeepSeek-V3 and GLM-4.5, whose MoE feed-forward is moe.py).
+"""One decoder for every supported family (models/families/), with Gated DeltaNet layers
+(linear_attention.py) and mixture-of-experts feed-forwards (moe.py) where a family has them.
 
 The families differ only in data (`ModelArgs`): sizes, GQA ratio, rope base, scaling and
-rotary fraction, layers without rope (SmolLM3), q/k/v bias (Qwen2), q/k norms per head (Qwen3,
-Gemma 3) or over the whole projection (OLMo 3), Gemma's (1 + w) norms, scaled embeddings, GeGLU,
-sandwich norms or norms after attention and MLP only (OLMo 3) and soft-capping, sliding windows
-and their layer pattern, fused q/k/v and gate/up projections (Phi-3), tied embeddings, Gemma
-4's per-kind head sizes, per-layer inputs and keys/values shared across layers, and DeepSeek-V3's
-multi-head latent attention (mla.py). Parameter layout
+rotary fraction, layers without rope, q/k/v bias, q/k norms per head or over the whole
+projection, (1 + w) norms, scaled embeddings, GeGLU, sandwich norms or norms after attention and
+MLP only, and soft-capping, sliding windows and their layer pattern, fused q/k/v and gate/up
+projections, tied embeddings, per-kind head sizes, per-layer inputs and keys/values shared
+across layers, and multi-head latent attention (mla.py). Parameter layout
 follows the HF checkpoints, including the "rotate_half" rope convention, so HF weights load by
 renaming alone (see `hf.py`).
 
 Shapes: b = batch, s = sequence, d = dim, h = n_heads, k = n_kv_heads, hd = head dim, v = vocab.
 
-The model holds parameters only, no buffers (Gemma 4's per-block scalars are frozen parameters):
+The model holds parameters only, no buffers (per-block output scalars are frozen parameters):
 it is built on the meta device and materialised later, and rope cos/sin are recomputed from
 `args` in `forward`, so every block of a kind is the same module with the same inputs (one
 compiled graph serves all of them).
@@ -48,7 +45,7 @@ class Attention(nn.Module):
     """Causal grouped-query attention with rope; a sliding window and score soft-capping when
     the layer has them, q/k norms when the family has them.
 
-    Projections: wq, wk, wv, or (fused_projections, Phi-3) one wqkv whose output rows are q,
+    Projections: wq, wk, wv, or (fused_projections) one wqkv whose output rows are q,
     then k, then v, as in the checkpoint."""
 
     def __init__(self, args: ModelArgs, layer: int = 0):
@@ -61,7 +58,7 @@ class Attention(nn.Module):
         self.window = args.window(layer)
         self.softcap = args.attn_softcap or 0.0
         self.backend: str | None = None  # masked attention's kernel; None: attention_backend
-        # None, or (Gemma 4) "store": return this layer's keys and values for later layers, or
+        # None, or "store": return this layer's keys and values for later layers, or
         # "reuse": attend over those instead of projecting its own
         self.kv_mode = args.kv_mode(layer)
         own_kv = self.kv_mode != "reuse"
@@ -82,7 +79,7 @@ class Attention(nn.Module):
         self.rope = args.rope(layer)
         self.qk_norm_whole = args.qk_norm_whole
         self.q_norm = self.k_norm = None
-        if args.qk_norm:  # per head, or (OLMo 3) over the whole projection
+        if args.qk_norm:  # per head, or (qk_norm_whole) over the whole projection
             self.q_norm = norm_for(args, q_out if args.qk_norm_whole else hd)
             if own_kv:
                 self.k_norm = norm_for(args, kv_out if args.qk_norm_whole else hd)
@@ -131,7 +128,7 @@ class Attention(nn.Module):
         if self.v_norm_eps:
             v = unit_rms(v, self.v_norm_eps)
         q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
-        if not self.rope:  # a NoPE layer (SmolLM3)
+        if not self.rope:  # a NoPE layer
             return q, kk, v, gate
         return apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v, gate
 
@@ -270,8 +267,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Gated MLP: w2(act(w1 x) * w3 x), act = silu (SwiGLU) or tanh-GELU (Gemma's GeGLU).
-    w1 = gate, w3 = up, w2 = down; fused (Phi-3): one w13 whose rows are gate, then up."""
+    """Gated MLP: w2(act(w1 x) * w3 x), act = silu (SwiGLU) or tanh-GELU (GeGLU).
+    w1 = gate, w3 = up, w2 = down; fused: one w13 whose rows are gate, then up."""
 
     def __init__(self, dim: int, ffn_dim: int, activation: str = "silu", fused: bool = False):
         super().__init__()
@@ -313,9 +310,10 @@ def moe_options(args: ModelArgs) -> dict[str, Any]:
 
 
 class MLPAndExperts(MoE):
-    """Gemma 4's MoE feed-forward: the dense MLP (w1, w3, w2, as `FeedForward`) on the normed
-    input, beside the routed experts on the residual normed their own way, routed from the
-    residual itself; each output normed, then summed. `forward(x, residual)` -> (y, stats)."""
+    """Experts beside the MLP (`mlp_beside_experts`): the dense MLP (w1, w3, w2, as
+    `FeedForward`) on the normed input, beside the routed experts on the residual normed their
+    own way, routed from the residual itself; each output normed, then summed.
+    `forward(x, residual)` -> (y, stats)."""
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__(
@@ -354,9 +352,9 @@ def tiled(fn: Callable[[Tensor], Tensor], x: Tensor, tile: int) -> Tensor:
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then h + ffn(norm(h)); with sandwich norms
-    (Gemma) the attention and MLP outputs are normed again before each residual add; without
-    pre-norms (OLMo 3) only those after are there. Gemma 4 adds a third residual from the
-    block's per-layer input, and scales the block's output by a stored scalar.
+    the attention and MLP outputs are normed again before each residual add; without pre-norms
+    only those after are there. With per-layer inputs a third residual comes from the block's
+    own input, and with `layer_scalar` the block's output is scaled by a stored scalar.
 
     `kind` is the attention's ("full" / "sliding" / "linear", which rope it takes); `region`
     names the compiled graph the block shares with the blocks of the same shape of computation.
@@ -476,7 +474,7 @@ class TransformerBlock(nn.Module):
 
 
 class PerLayerInput(nn.Module):
-    """Gemma 4's per-layer input of one block: h -> norm(up(act(gate(h)) * ple)), added to the
+    """The per-layer input of one block: h -> norm(up(act(gate(h)) * ple)), added to the
     residual (gate [p, d], up [d, p]; the block's per-layer input ple [b, s, p])."""
 
     def __init__(self, args: ModelArgs):
@@ -494,7 +492,7 @@ class PerLayerInput(nn.Module):
 
 def rounded(value: float, dtype: torch.dtype) -> float:
     """`value` as a float32 tensor converted to `dtype` would hold it (round to nearest even),
-    as a Python float: Gemma's embedding scales, which HF keeps as tensors in the weights'
+    as a Python float: the embedding scales, which HF keeps as tensors in the weights'
     dtype. In plain Python, so a compiled graph takes it as a constant (no .item()), and the
     constant is already exact in `dtype` (a compiler need not round it)."""
     f32 = struct.unpack("<f", struct.pack("<f", value))[0]
@@ -508,7 +506,7 @@ def rounded(value: float, dtype: torch.dtype) -> float:
 
 
 class PerLayerInputs(nn.Module):
-    """Gemma 4's per-layer inputs of every block [b, s, L, p], from the tokens (an embedding
+    """The per-layer inputs of every block [b, s, L, p], from the tokens (an embedding
     of L * p per token, times sqrt(p)) and the embedded tokens (projected, times d**-0.5, then
     RMS-normed per layer), summed and scaled by 2**-0.5."""
 
@@ -533,7 +531,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.pad_id)
-        # Gemma 4: every block's per-layer input, made once from the tokens
+        # every block's per-layer input, made once from the tokens
         self.per_layer_inputs = PerLayerInputs(args) if args.ple_dim else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = norm_for(args, args.dim)
@@ -639,7 +637,7 @@ class Transformer(nn.Module):
         shape = (b, s * (self.seq.size if self.seq is not None else 1))  # the whole rows
         # FlexAttention block masks, one per window size, and the batch's varlen documents
         shared_masks = shared_masks_for(documents, doc_ids, tokens.device, h.dtype)
-        shared_kv: dict[str, tuple[Tensor, ...]] = {}  # a "store" layer's, per kind (Gemma 4)
+        shared_kv: dict[str, tuple[Tensor, ...]] = {}  # a "store" layer's, per kind
         for i, layer in enumerate(self.layers):
             mask = layer.attention.mask(doc_ids, shape, tokens.device, shared_masks)
             extra = () if ple is None else (ple[:, :, i],)
@@ -660,7 +658,7 @@ class Transformer(nn.Module):
 
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [b, s] -> [b, s, d], times sqrt(dim) rounded to the dtype when the family
-        scales embeddings (Gemma, as HF: its scale is a tensor in the weight's dtype)."""
+        scales embeddings (as HF: the scale is a tensor in the weight's dtype)."""
         h = self.tok_embeddings(tokens)
         if self.args.embed_scale:
             h = h * rounded(self.args.dim**0.5, h.dtype)

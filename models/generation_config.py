@@ -2,8 +2,7 @@
 and generation_config.json.
 
 transformers' `generate` stops at the end tokens of generation_config.json. Chat models list
-their end-of-turn token there (Llama 3 Instruct: <|end_of_text|> and <|eot_id|>; Gemma 3:
-<eos> and <end_of_turn>), so a fine-tuned checkpoint without that file talks past the end of
+their end-of-turn token there (<|end_of_text|> and <|eot_id|>, or <eos> and <end_of_turn>), so a fine-tuned checkpoint without that file talks past the end of
 its turn. The source's file is carried into every checkpoint, and the end-of-turn token of the
 tokenizer's chat template is added to its end tokens when the file lacks it.
 """
@@ -38,8 +37,8 @@ def load_generation_config(folder: str | Path | None) -> dict[str, Any] | None:
 
 
 def end_of_turn_id(tokenizer: Any) -> int | None:
-    """The special token the chat template closes an assistant reply with (Llama 3's
-    <|eot_id|>, Gemma's <end_of_turn>, ChatML's <|im_end|>), or None: no template, a template
+    """The special token the chat template closes an assistant reply with (<|eot_id|>,
+    <end_of_turn>, ChatML's <|im_end|>), or None: no template, a template
     that fails on a plain user/assistant exchange, or plain text after the reply."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         return None

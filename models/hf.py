@@ -33,6 +33,7 @@ from compiletune.errors import UserError
 
 from .args import ModelArgs
 from .decoder import Transformer, TransformerBlock
+from .families import FAMILIES
 from .generation_config import load_generation_config, write_side_files
 from .hf_config import (
     args_from_hf_config,
@@ -44,7 +45,6 @@ from .hf_config import (
 )
 from .hf_names import (
     HF_BLOCK,
-    SIGMOID_ROUTED,
     UNUSED_IN_REUSE,
     Index,
     hf_pieces,
@@ -161,7 +161,7 @@ def from_hf(
     on_block: Callable[[TransformerBlock], None] | None = None,
 ) -> Transformer:
     """Load an HF checkpoint folder of a supported architecture as a native `Transformer` (of
-    a Gemma 3 checkpoint with vision: its text model).
+    a multimodal checkpoint: its text model, `Family.multimodal`).
 
     dtype defaults to the config's torch_dtype/dtype, else fp32. Every tensor name and shape is
     checked before anything is allocated; then the model is allocated a part at a time
@@ -255,7 +255,7 @@ def _locate(
                     fp8[name[: -len(FP8_SCALE)]] = (file, stored)
                     continue
                 base, suffix = name[:-7], name[-7:]
-                if suffix in MX_SUFFIXES and base in expected:  # gpt-oss's MXFP4 experts
+                if suffix in MX_SUFFIXES and base in expected:  # MXFP4 experts
                     mx.setdefault(base, {})[suffix] = (file, stored)
                     if suffix == "_blocks":
                         shape = mxfp4_shape(tuple(f.get_slice(stored).get_shape()))
@@ -310,11 +310,13 @@ def _read_mxfp4(
 
 
 def _unused(name: str, args: ModelArgs) -> bool:
-    """Is checkpoint tensor `name` one the model leaves unused: Gemma 4's key/value weights in a
-    layer that attends over an earlier layer's keys and values, or the multi-token-prediction
-    layers DeepSeek-V3 and GLM-4.5 store after the last one (transformers skips them too)?"""
+    """Is checkpoint tensor `name` one the model leaves unused: key/value weights in a layer that
+    attends over an earlier layer's keys and values, or the multi-token-prediction layers some
+    families store after the last one (`Family.extra_layers_unused`; transformers skips them
+    too)?"""
     m = HF_BLOCK.fullmatch(name)
-    if m and int(m.group(1)) >= args.n_layers and args.family in SIGMOID_ROUTED:
+    fam = FAMILIES.get(args.family)
+    if m and int(m.group(1)) >= args.n_layers and fam is not None and fam.extra_layers_unused:
         return True
     return bool(m and args.kv_mode(int(m.group(1))) == "reuse" and m.group(2) in UNUSED_IN_REUSE)
 

@@ -26,12 +26,7 @@ from .families import BY_ARCHITECTURE, FAMILIES, MOE_FAMILIES, Family
 ARCHITECTURES = {arch: f.model_type for arch, f in BY_ARCHITECTURE.items()}
 _FAMILY_ARCH = {name: f.architecture for name, f in FAMILIES.items()}
 # Multimodal checkpoints whose text model is one of the above (weights renamed at load).
-_TEXT_OF = {
-    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
-}
+_TEXT_OF = {arch: f.architecture for f in FAMILIES.values() for arch in f.multimodal}
 # Expert-count fields: set in a config of a family without MoE support, they are refused.
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
@@ -130,7 +125,7 @@ _POSITIVE_INTS = (
     "global_head_dim",
     "num_global_key_value_heads",
     "vocab_size_per_layer_input",
-    # the families' own fields (models/family_hooks.py): transformers' strict configs refuse
+    # the families' own fields (models/families/): transformers' strict configs refuse
     # a string here, so ours must too, before a later reader (the tokenizer's) trips on it
     "n_routed_experts",
     "n_group",
@@ -210,7 +205,7 @@ def _check_rope(rope: Any, key: str) -> None:
         return
     if not isinstance(rope, dict):
         raise UserError(f"config.json {key!r} must be an object or null, got {_json_type(rope)}")
-    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma 3)
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
         for kind, sub in rope.items():
             _check_rope(sub, f"{key}.{kind}")
         return
@@ -309,7 +304,7 @@ def _check_field_types(cfg: dict) -> None:
 
 def text_config(cfg: dict) -> dict:
     """The decoder's config: `cfg` itself, or the `text_config` of a multimodal checkpoint whose
-    text weights map onto a supported decoder (Gemma 3 with vision)."""
+    text weights map onto a supported decoder (`Family.multimodal`)."""
     archs = cfg.get("architectures") or []
     if not archs or archs[0] not in _TEXT_OF:
         return cfg
@@ -352,7 +347,7 @@ def _family(cfg: dict) -> str:
 
 def _rope_params(cfg: dict, kind: str = "full_attention") -> dict:
     """The rope dict in either config style ({} when absent). 5.x gives `rope_scaling` priority.
-    A dict nested per layer type (Gemma 3, 5.x) gives the entry of `kind`."""
+    A dict nested per layer type (5.x) gives the entry of `kind`."""
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise UserError(f"config.json 'rope_scaling' must be an object or null, got {rope!r}")
@@ -386,10 +381,11 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
     for key in ("mscale", "mscale_all_dim", "long_mscale", "short_mscale"):
         if rope.get(key) and not (rope_type == "yarn" and key in ("mscale", "mscale_all_dim")):
             raise UserError(f"config.json rope_scaling.{key} is not supported; remove it")
-    # transformers gives the top-level key priority (Phi-3 keeps it there, default 4096)
+    # transformers gives the top-level key priority (a family may keep it there, with a class
+    # default of its own: `Family.defaults`)
     top = cfg.get("original_max_position_embeddings")
-    if top is None and _family(cfg) == "phi3":
-        top = 4096
+    if top is None:
+        top = FAMILIES[_family(cfg)].defaults.get("original_max_position_embeddings")
     original = int(top or rope.get("original_max_position_embeddings") or max_seq_len)
     if rope_type in ("linear", "proportional"):  # unused by these: the canonical default
         original = RopeScaling.original_max_position_embeddings
@@ -430,7 +426,7 @@ def _rope_scaling(rope: dict, cfg: dict, max_seq_len: int) -> RopeScaling | None
 
 
 def _layer_types(cfg: dict, family: Family, n_layers: int) -> tuple[str, ...] | None:
-    """Per-layer "full"/"sliding" for the families that mix them (Gemma), else None."""
+    """Per-layer "full"/"sliding"/"linear" for the families that mix them, else None."""
     listed = cfg.get("layer_types")
     if listed:
         kinds = ("full_attention", "sliding_attention")
@@ -458,7 +454,7 @@ def _check_unsupported(cfg: dict, fam: Family, get: Callable[..., Any]) -> None:
             "config.json sets mlp_bias: true, which is not supported; only bias-free MLPs are"
         )
     if not (fam.qkv_bias or fam.bias_flag) and get("attention_bias", False):
-        # Llama's attention_bias also puts a bias on o_proj, which the decoder does not have.
+        # attention_bias also puts a bias on o_proj there, which the decoder does not have.
         raise UserError(
             f"config.json sets attention_bias: true for {fam.model_type}, which is not "
             "supported; set it false"
@@ -470,11 +466,7 @@ def _check_unsupported(cfg: dict, fam: Family, get: Callable[..., Any]) -> None:
         )
     quant = cfg.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    if (
-        method is not None
-        and not (method == "mxfp4" and fam.model_type == "gpt_oss")
-        and method != "fp8"
-    ):
+    if method is not None and method not in fam.quantizations and method != "fp8":
         raise UserError(
             f"config.json quantization_config: {json.dumps(method)} weights are not read; "
             "gpt-oss's MXFP4 experts and block-scaled fp8 weights are (dequantized as they "
@@ -594,7 +586,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         fused_projections=fam.fused_projections,
         **_rotary(cfg, get, head_dim),
     )
-    # the family's own fields (a hook may also settle a shared one: Qwen3.5-MoE's ffn_dim)
+    # the family's own fields (a hook may also settle a shared one, such as ffn_dim)
     fields.update(fam.read_moe(cfg, n_layers, get) if fam.read_moe else {})
     fields.update(fam.read_extra(cfg, n_layers, get) if fam.read_extra else {})
     return ModelArgs(**fields)
@@ -602,7 +594,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
 
 def _pad_id(cfg: dict, defaults: dict[str, Any], vocab_size: int) -> int | None:
     """The pad token transformers makes its embedding's padding_idx: config.json's
-    pad_token_id, the class default when the key is absent (Gemma's 0), none when it is null
+    pad_token_id, the class default when the key is absent (`Family.defaults`), none when it is null
     or outside the vocabulary (transformers would refuse such a model; the ids are the
     tokenizer's business then)."""
     pad = cfg["pad_token_id"] if "pad_token_id" in cfg else defaults.get("pad_token_id")
@@ -612,8 +604,8 @@ def _pad_id(cfg: dict, defaults: dict[str, Any], vocab_size: int) -> int | None:
 
 
 def _local_theta(cfg: dict, get: Callable[..., Any]) -> float:
-    """The rope base of sliding layers (Gemma 3, OLMo 3): the config's sliding_attention entry,
-    else Gemma 3's rope_local_base_freq, else the model's base. Those layers take no scaling:
+    """The rope base of sliding layers (`Family.local_rope`): the config's sliding_attention
+    entry, else rope_local_base_freq, else the model's base. Those layers take no scaling:
     a sliding entry that asks for one is refused."""
     nested = [
         r
@@ -678,11 +670,16 @@ def _rope_config(args: ModelArgs, fam: Family, cfg: dict, rope_scaling: dict | N
             cfg["rope_local_base_freq"] = args.local_rope_theta
 
 
+def _dense_with_qkv_bias() -> str:
+    """The dense families whose q/k/v projections always have biases, quoted."""
+    return ", ".join(repr(n) for n, f in FAMILIES.items() if f.qkv_bias and not f.moe)
+
+
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None = None) -> dict:
     """A config.json dict that transformers (4.45+ and 5.x) loads as the same model.
 
     With `base` (the checkpoint's original config), its other fields (token ids, etc.) are kept.
-    A multimodal base (Gemma 3 with vision) is written as its text model.
+    A multimodal base (`Family.multimodal`) is written as its text model.
     """
     fam = FAMILIES.get(args.family)
     if fam is None:
@@ -692,7 +689,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
     if args.qkv_bias != fam.qkv_bias and not fam.bias_flag:
         raise UserError(
             f"family {fam.model_type!r} with qkv_bias={args.qkv_bias} has no HF architecture; "
-            "q/k/v bias is only saveable as family 'qwen2'"
+            f"q/k/v bias is only saveable as family {_dense_with_qkv_bias()}"
         )
     if args.n_experts and not fam.moe:
         raise UserError(
@@ -725,7 +722,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype, base: dict | None =
     )
     _rope_config(args, fam, cfg, rope_scaling)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        # not transformers' per-class defaults (SmolLM3's pad 128004 is outside a small vocab):
+        # not transformers' per-class defaults (a class's pad id may be outside a small vocab):
         # the tokenizer's ids go into generation_config.json (generation_config.py); the pad id
         # the model was read with stays, since transformers makes it the embedding's padding_idx
         cfg.setdefault(key, args.pad_id if key == "pad_token_id" else None)

@@ -1,4 +1,4 @@
-"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): the token mixer of a "linear" layer.
+"""Gated DeltaNet linear attention: the token mixer of a "linear" layer.
 
 x -> in_proj_qkv -> a short causal depthwise convolution (silu) -> q, k, v heads; q and k
 l2-normalised, q scaled by dk^-0.5; per head a decay g = -exp(A_log) softplus(in_proj_a x +
@@ -50,7 +50,7 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the last dim times silu(gate) (weight applied before the cast back, the
-    gate in fp32), as Qwen3-Next's gated norm."""
+    gate in fp32), as the HF checkpoints' gated norm of these layers."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -75,7 +75,7 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = args.linear_k_dim, args.linear_v_dim
         key_dim, value_dim = self.k_heads * self.dk, self.v_heads * self.dv
         self.conv_dim = 2 * key_dim + value_dim
-        self.fused = args.linear_fused  # Qwen3-Next: two projections, grouped per key head
+        self.fused = args.linear_fused  # two fused projections, grouped per key head
         if self.fused:
             self.in_proj_qkvz = nn.Linear(args.dim, 2 * key_dim + 2 * value_dim, bias=False)
             self.in_proj_ba = nn.Linear(args.dim, 2 * self.v_heads, bias=False)
@@ -100,8 +100,9 @@ class GatedDeltaNet(nn.Module):
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [b, s, d] -> (q|k|v [b, s, conv_dim] (all q, then all k, then all v), z [b, s,
-        v_heads, dv], the write strengths' and decays' inputs [b, s, v_heads]). Qwen3-Next's two
-        projections hold, per key head, its q, k, then its value heads' v and z (and b, a)."""
+        v_heads, dv], the write strengths' and decays' inputs [b, s, v_heads]). The two fused
+        projections (`linear_fused`) hold, per key head, its q, k, then its value heads' v and
+        z (and b, a)."""
         b, s, _ = x.shape
         if not self.fused:
             z = self.in_proj_z(x).view(b, s, self.v_heads, self.dv)

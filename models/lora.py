@@ -75,7 +75,7 @@ class LoRASpec:
 
 def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     """`targets` less the projections no layer of this model has: q/k/v/o live in attention
-    layers, in_proj_* / out_proj in linear-attention ones; MLA (DeepSeek-V3) has o, q or
+    layers, in_proj_* / out_proj in linear-attention ones; latent attention (MLA) has o, q or
     q_a/q_b, and kv_a/kv_b instead of k/v. A target none of the model's layers has is refused
     (one line naming it)."""
     kinds = {args.layer_kind(i) for i in range(args.n_layers)}
@@ -186,7 +186,7 @@ class FrozenLinear(nn.Module):
         else:
             self.weight = nn.Parameter(w.to(base_dtype), requires_grad=False)
             self.weight_codes = self.weight_scales = None
-        # Biases (Qwen2's q/k/v) are tiny: kept with the activations, never quantized.
+        # Biases (of q/k/v) are tiny: kept with the activations, never quantized.
         self.bias = linear.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -284,7 +284,7 @@ class FrozenExperts(Experts):
         self.n_experts, self.dim, self.ffn_dim = experts.n_experts, experts.dim, experts.ffn_dim
         self.activation = experts.activation
         self.clamp, self.alpha = experts.clamp, experts.alpha
-        self.b13, self.b2 = experts.b13, experts.b2  # gpt-oss's biases: frozen, as they are
+        self.b13, self.b2 = experts.b13, experts.b2  # the experts' biases: frozen, as they are
         for bias in (self.b13, self.b2):
             if bias is not None:
                 bias.requires_grad_(False)
@@ -460,7 +460,9 @@ def block_adapter(
             else:
                 new = FrozenLinear(linear, base_dtype, quantize)
             setattr(parent, attr, new)  # the old weight goes with the old module
-        per_layer = getattr(block, "per_layer", None)  # Gemma 4: frozen, NF4 where it divides
+        per_layer = getattr(
+            block, "per_layer", None
+        )  # per-layer input: frozen, NF4 where it divides
         if per_layer is not None and not isinstance(per_layer.gate, FrozenLinear):
             for attr in ("gate", "up"):
                 linear = getattr(per_layer, attr)
@@ -488,12 +490,12 @@ def _adapt_experts(
     frozen in the compute dtype (it is tiny, and routing decisions should not round)."""
     if isinstance(moe.experts, FrozenExperts):
         raise ValueError("this block has LoRA already")
-    for p in (moe.router_scale, moe.expert_scale):  # Gemma 4's router scales
+    for p in (moe.router_scale, moe.expert_scale):  # the router's scales (experts beside an MLP)
         if p is not None:
             p.data = p.data.to(dtype)
-    if moe.router.bias is not None:  # gpt-oss's (its experts' biases stay frozen)
+    if moe.router.bias is not None:  # (the experts' biases stay frozen)
         moe.router.bias.data = moe.router.bias.data.to(dtype)
-    if hasattr(moe, "w1"):  # Gemma 4: gate/up/down adapt the dense MLP beside frozen experts
+    if hasattr(moe, "w1"):  # experts beside an MLP: gate/up/down adapt the MLP, experts frozen
         moe.experts = FrozenExperts(moe.experts, base_dtype, quantize)
         moe.router.weight.data = moe.router.weight.data.to(dtype)
         return
@@ -552,7 +554,7 @@ def apply_lora(
             adapt(block)
     for p in (model.tok_embeddings.weight, model.norm.weight, model.output.weight):
         p.requires_grad_(False)
-    if model.per_layer_inputs is not None:  # Gemma 4's per-layer embedding: frozen too
+    if model.per_layer_inputs is not None:  # the per-layer embedding: frozen too
         model.per_layer_inputs.requires_grad_(False).to(dtype)
     model.norm.weight.data = model.norm.weight.data.to(dtype)
     # The head stays in the compute dtype: storing it narrower would need a full-size converted

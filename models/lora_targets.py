@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # short name -> (attribute path inside a block, HF module name). A block has the ones of its
 # kind: q/k/v/o in attention layers, in_proj_* / out_proj in linear-attention layers; the last
-# two exist only in models with fused projections (Phi-3), where they stand for q+k+v and gate+up.
+# two exist only in models with fused projections, where they stand for q+k+v and gate+up.
 TARGETS: dict[str, tuple[str, str]] = {
     "q": ("attention.wq", "q_proj"),
     "k": ("attention.wk", "k_proj"),
@@ -14,15 +14,15 @@ TARGETS: dict[str, tuple[str, str]] = {
     "gate": ("feed_forward.w1", "gate_proj"),
     "up": ("feed_forward.w3", "up_proj"),
     "down": ("feed_forward.w2", "down_proj"),
-    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their projections by PEFT's names
+    # Gated DeltaNet layers: their projections by PEFT's names
     "in_proj_qkv": ("attention.in_proj_qkv", "in_proj_qkv"),
     "in_proj_z": ("attention.in_proj_z", "in_proj_z"),
     "in_proj_b": ("attention.in_proj_b", "in_proj_b"),
     "in_proj_a": ("attention.in_proj_a", "in_proj_a"),
     "out_proj": ("attention.out_proj", "out_proj"),
-    "in_proj_qkvz": ("attention.in_proj_qkvz", "in_proj_qkvz"),  # Qwen3-Next's fused ones
+    "in_proj_qkvz": ("attention.in_proj_qkvz", "in_proj_qkvz"),  # the fused ones
     "in_proj_ba": ("attention.in_proj_ba", "in_proj_ba"),
-    # multi-head latent attention (DeepSeek-V3): its projections by PEFT's names
+    # multi-head latent attention: its projections by PEFT's names
     "q_a": ("attention.wq_a", "q_a_proj"),
     "q_b": ("attention.wq_b", "q_b_proj"),
     "kv_a": ("attention.wkv_a", "kv_a_proj_with_mqa"),

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values from a small latent.
+"""Multi-head latent attention: keys and values of every head from a small latent per token.
 
 Per token, with r = kv_rank, rd = the rope part, n = hd - rd the rest, hv = the value head dim:
 
@@ -11,9 +11,9 @@ Per token, with r = kv_rank, rd = the rope part, n = hd - rd the rest, hv = the 
 Training expands k and v per head and runs the same attention as every other layer (documents,
 FlexAttention or the segment op). Generation caches what MLA is for: the normed latent and the
 rotated rope key per token ([b, 1, max_len, r] and [b, 1, max_len, rd], in KVCache's k and v),
-and expands them for the tokens seen so far at each step. With `rope_interleave` (DeepSeek's
-checkpoints) the rope dims come in pairs (x0, x1), (x2, x3) ...; they are de-interleaved before
-the rotation, as transformers does, which gives the same scores.
+and expands them for the tokens seen so far at each step. With `rope_interleave` the rope dims
+come in pairs (x0, x1), (x2, x3) ...; they are de-interleaved before the rotation, as
+transformers does, which gives the same scores.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from .args import ModelArgs
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim. `plus_one` (Gemma): the weight is stored as w and applied as
-    (1 + w), in fp32 before the cast back; `weight_fp32` (OLMo): w applied in fp32 before the
-    cast back; otherwise (Llama) the weight multiplies after it."""
+    """RMSNorm over the last dim. `plus_one`: the weight is stored as w and applied as (1 + w),
+    in fp32 before the cast back; `weight_fp32`: w applied in fp32 before the cast back;
+    otherwise the weight multiplies after it."""
 
     def __init__(
         self, dim: int, eps: float = 1e-5, plus_one: bool = False, weight_fp32: bool = False
@@ -24,8 +24,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Same op order as HF (fp32 statistics; Llama casts back before the weight, Gemma after
-        # it) so bf16 runs round identically.
+        # Same op order as HF (fp32 statistics; cast back before the weight, or after it for
+        # (1 + w)) so bf16 runs round identically.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -59,11 +59,11 @@ def num_params(args: ModelArgs) -> int:
     moe = args.n_experts * (d + 3 * d * args.moe_ffn_dim)  # router row + SwiGLU, per expert
     if args.shared_ffn_dim:
         moe += 3 * d * args.shared_ffn_dim + d * args.shared_expert_gate
-    if args.mlp_beside_experts:  # Gemma 4: router scales, three norms (+ the dense MLP below)
+    if args.mlp_beside_experts:  # router scales, three norms (+ the dense MLP below)
         moe += d + args.n_experts + 3 * d
     if args.router_score == "sigmoid":  # the correction bias
         moe += args.n_experts
-    if args.expert_bias:  # gpt-oss: the router's and both projections' biases
+    if args.expert_bias:  # the router's and both projections' biases
         moe += args.n_experts * (1 + 2 * args.moe_ffn_dim + d)
     blocks = 0
     for i in range(args.n_layers):

@@ -1,10 +1,11 @@
 """Quantized checkpoint formats read at load time (dequantized as they load, a tensor at a time).
 
-MXFP4 (gpt-oss's experts): a weight [..., rows, cols] is stored as `<name>_blocks` uint8
-[..., rows, cols / 32, 16], two FP4 (E2M1) values a byte, the low nibble first, and
-`<name>_scales` uint8 [..., rows, cols / 32], one power-of-two scale (E8M0: 2 ** (s - 127)) per
-32 values. The hub's tensors hold [E, out, in] this way; the model's parameter is its transpose
-([E, in, out], transformers' gpt-oss layout), and hf.py maps that to the native one.
+MXFP4 (experts as some hub checkpoints store them): a weight [..., rows, cols] is stored as
+`<name>_blocks` uint8 [..., rows, cols / 32, 16], two FP4 (E2M1) values a byte, the low nibble
+first, and `<name>_scales` uint8 [..., rows, cols / 32], one power-of-two scale
+(E8M0: 2 ** (s - 127)) per 32 values. The hub's tensors hold [E, out, in] this way; the model's
+parameter is its transpose ([E, in, out], the family's stored layout), and hf.py maps that to
+the native one (`Family.layouts`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*lead, groups * 32, rows)
 
 
-# fp8 with block scales (DeepSeek-V3's checkpoints, Qwen3's -FP8 ones; quant_method "fp8"):
+# fp8 with block scales (quant_method "fp8", weight_block_size):
 # a weight [rows, cols] is stored as float8_e4m3fn beside `<name>_scale_inv` fp32
 # [ceil(rows / br), ceil(cols / bc)], one multiplier per block of br x bc values
 FP8_SCALE = "_scale_inv"

@@ -12,7 +12,7 @@ from .args import ModelArgs, RopeScaling
 
 
 def _llama3_scale(inv_freq: Tensor, rs: RopeScaling) -> Tensor:
-    # Llama 3.1: keep high frequencies (wavelength < original_ctx / high_freq_factor), divide low
+    # keep high frequencies (wavelength < original_ctx / high_freq_factor), divide low
     # frequencies (wavelength > original_ctx / low_freq_factor) by `factor`, and interpolate
     # smoothly in between.
     low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
@@ -55,8 +55,8 @@ def rope_type(args: ModelArgs, kind: str) -> str | None:
 
 
 def _rope_base(args: ModelArgs, kind: str) -> tuple[float, RopeScaling | None]:
-    """(base, scaling) of layers of `kind`: Gemma 3's sliding layers have their own base and
-    no scaling; every other layer uses the model's."""
+    """(base, scaling) of layers of `kind`: sliding layers with a base of their own
+    (`local_rope_theta`) take no scaling; every other layer uses the model's."""
     if kind == "sliding" and args.local_rope_theta is not None:
         return args.local_rope_theta, None
     return args.rope_theta, args.rope_scaling
@@ -72,7 +72,7 @@ def rope_inv_freq(
     configured scaling (`long`: longrope's long factors).
 
     Computed in the same order of fp32 operations as HF so that cos/sin match bit for bit.
-    Gemma 3's sliding layers use their own base (`local_rope_theta`) and no scaling.
+    Sliding layers with a base of their own (`local_rope_theta`) take no scaling.
     """
     theta, rs = _rope_base(args, kind)
     hd = args.head_dim_of(kind)

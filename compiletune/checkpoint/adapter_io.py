@@ -36,9 +36,11 @@ from compiletune.checkpoint.atomic import write_folder_atomically
 from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
 from compiletune.models import save_hf
+from compiletune.models.families import FAMILIES
 from compiletune.models.generation_config import write_side_files
 from compiletune.models.hf_config import brief, read_json
-from compiletune.models.hf_names import deinterleave, interleave, to_hf_name, to_native_name
+from compiletune.models.hf_names import to_hf_name, to_native_name
+from compiletune.models.layouts import deinterleave, interleave
 from compiletune.models.lora import (
     FUSED_PARTS,
     LINEAR_ATTENTION_TARGETS,
@@ -77,10 +79,11 @@ def _expert_keys(module: str, adapted: tuple[str, ...]) -> dict[str, str]:
 
 
 def _interleaved(model: nn.Module) -> set[str]:
-    """PEFT names of the expert adapters' B whose output rows the hub interleaves: gpt-oss keeps
-    gate_up_proj's columns as gate, up, gate, up ... (models/hf.py `interleave`), so the B of
-    its gate+up adapter is stored in that order."""
-    if model.args.family != "gpt_oss":
+    """PEFT names of the expert adapters' B whose output rows the hub interleaves: a family with
+    `gate_up_interleaved` keeps gate_up_proj's columns as gate, up, gate, up ...
+    (models/layouts.py `interleave`), so the B of its gate+up adapter is stored in that order."""
+    family = FAMILIES.get(model.args.family)
+    if family is None or not family.gate_up_interleaved:
         return set()
     return {
         _expert_keys(name, m.adapted)["w13"] + ".lora_B.weight"

@@ -190,3 +190,59 @@ def test_long_functions_say_why():
             if "over 100 lines" not in above.lower():
                 silent.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert not silent, "functions over 100 lines without a reason: " + ", ".join(silent)
+
+
+# --- a family in one place ------------------------------------------------------------------
+
+FAMILY_DIR = ROOT / "models" / "families"
+# Where a family's model_type may also be written, with why.
+FAMILY_NAME_ELSEWHERE = {
+    # ModelArgs' default family: args.py sits below the family modules (they build ModelArgs),
+    # so it cannot read the registry's DEFAULT_FAMILY
+    ("models/args.py", "llama"),
+    # llama.cpp's own names (tokenizer.ggml.model "llama", pre-tokenizer "qwen2"), not families
+    ("compiletune/gguf_vocab.py", "llama"),
+    ("compiletune/gguf_vocab.py", "qwen2"),
+}
+
+
+def _family_homes() -> dict[str, Path]:
+    """model_type -> the family module whose `Family(...)` entry names it."""
+    homes = {}
+    for path in FAMILY_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Family":
+                homes[node.args[0].value] = path
+    return homes
+
+
+def _family_literals(source: str, names: set[str]) -> set[str]:
+    """The family names `source` writes as a string: the whole string, or quoted inside one."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+            found |= {n for n in names if text == n or f"'{n}'" in text or f'"{n}"' in text}
+    return found
+
+
+def test_a_family_name_is_written_only_in_its_own_module():
+    """Each family's model_type appears, as a string, in its own module under models/families/
+    and the registry (models/families/__init__.py), in no other source module: what is
+    specific to a family is data of its module, and shared code reads that data."""
+    homes = _family_homes()
+    assert {"llama", "gpt_oss", "qwen3_5_moe_text"} <= set(homes) and len(homes) >= 18
+    registry = FAMILY_DIR / "__init__.py"
+    stray = sorted(
+        f"{path.relative_to(ROOT)}: {name!r}"
+        for path in _modules().values()
+        for name in _family_literals(path.read_text(), set(homes))
+        if path not in (homes[name], registry)
+        and (str(path.relative_to(ROOT)), name) not in FAMILY_NAME_ELSEWHERE
+    )
+    assert not stray, "family names outside their family module:\n" + "\n".join(stray)
+
+
+def test_the_family_name_check_finds_them():
+    source = 'a = "gpt_oss"\nb = f"family {x!r} is not \'mixtral\'"\nc = "gpt_oss_20b"\n# "qwen2"\n'
+    assert _family_literals(source, {"gpt_oss", "mixtral", "qwen2"}) == {"gpt_oss", "mixtral"}

@@ -14,6 +14,7 @@ from compiletune.models import (
     Transformer,
     args_from_hf_config,
     build_model,
+    families,
     from_name,
     hf_config_from_args,
     num_params,
@@ -263,3 +264,16 @@ def test_head_dim_override():
     model = build_model(args)
     assert model.layers[0].attention.wq.weight.shape == (4 * 32, 64)
     assert model(torch.randint(0, 96, (1, 4))).shape == (1, 4, 96)
+
+
+def test_the_family_registry_holds_each_family_once_with_its_presets():
+    """Every family module's entry is registered once (a second entry of one model_type or
+    architecture would silently replace the first), each preset is defined by the module of
+    the family it names, and a ModelArgs that names no family has the registry's default."""
+    entries = families._ALL
+    assert len({f.model_type for f in entries}) == len(entries) == len(families.FAMILIES)
+    assert len({f.architecture for f in entries}) == len(families.BY_ARCHITECTURE) == len(entries)
+    homes = {name: f.model_type for f in entries for name in f.presets}
+    assert len(homes) == sum(len(f.presets) for f in entries) == len(PRESETS)
+    assert {name: args.family for name, args in PRESETS.items()} == homes
+    assert ModelArgs(1, 1, 1, 1, 1, 1).family == families.DEFAULT_FAMILY
