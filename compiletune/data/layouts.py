@@ -25,11 +25,21 @@ then the rest of the conversation through the turn (target).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from compiletune.data.corpus import pydoc_corpus
+from compiletune.data.image_tokens import image_placeholder
+from compiletune.data.images import (
+    ImageError,
+    ImageRef,
+    has_image_parts,
+    has_images,
+    parse_image_messages,
+    row_images,
+)
 from compiletune.data.sources import source_items
 from compiletune.errors import UserError
 
@@ -45,7 +55,7 @@ LAYOUTS = ("text", "prompt-completion", "messages", "sharegpt", "alpaca")
 FIELDS = {
     "text": ("text",),
     "prompt-completion": ("prompt", "completion"),
-    "messages": ("messages", "role", "content"),
+    "messages": ("messages", "role", "content", "images"),
     "sharegpt": ("conversations", "from", "value"),
     "alpaca": ("instruction", "input", "output"),
 }
@@ -87,6 +97,7 @@ class RawExample:
     pieces: list[Piece]
     eos_is_target: bool  # whether an eos appended at the end is a target
     where: str = ""  # FILE:LINE, FILE:row N (or the source), for messages
+    images: list[ImageRef] = field(default_factory=list)  # in the order their tokens come
 
 
 def check_utf8(text: str, where: str, what: str) -> str:
@@ -263,6 +274,58 @@ def _messages(
     return out
 
 
+def _text_of(content: str | list[dict]) -> str:
+    """A message's text: its content, or the text of its parts."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text") or "" for p in content if p.get("type") == "text")
+
+
+_ROW_PLACE = re.compile(r"^(?P<file>.+):(?P<row>row )?(?P<n>\d+)$")
+
+
+def image_chat_examples(
+    row: dict, col: dict[str, str], where: str, roles: dict[str, str], processor: Any
+) -> list[RawExample]:
+    """A `messages` row whose content holds image parts, as examples rendered by the
+    checkpoint's processor (its chat template places the image markers), the assistant's text
+    the targets as in `chat_examples`, each example with the images its text holds."""
+    if processor is None:
+        raise UserError(
+            f"{where}: the row holds images, and the model has none of the image processor a "
+            "vision-language checkpoint ships (preprocessor_config.json): train a vision "
+            "checkpoint (Gemma 3 4B and up, Gemma 4, Qwen3.5) with --model-dir, or drop the "
+            "image parts"
+        )
+    _needs_template(processor, where, "messages")
+    list_col = col.get("messages", "messages")
+    role_col, content_col = col.get("role", "role"), col.get("content", "content")
+    messages = [
+        {"role": m.get(role_col), "content": m.get(content_col)}
+        | {k: v for k, v in m.items() if k not in (role_col, content_col)}
+        if isinstance(m, dict)
+        else m
+        for m in row[list_col]
+    ]
+    place = _ROW_PLACE.match(where)
+    data_file = place["file"] if place else where
+    in_table = (data_file, int(place["n"])) if place and place["row"] else None
+    images = row_images(row, data_file, in_table, col.get("images", "images"), list_col)
+    messages, refs = parse_image_messages(messages, data_file, where, images)
+    messages = check_roles(messages, processor, roles, where, list_col)
+    if messages[0]["role"] == "assistant":
+        raise UserError(
+            f"{where}: the conversation starts with an assistant message; put the user (or "
+            "system) message it answers before it"
+        )
+    examples = chat_examples(processor, messages, where)
+    full = _render_chat(processor, messages, False, where)
+    placeholder = image_placeholder(processor, full, len(refs), where)
+    for example in examples:  # each renders the conversation from its start
+        example.images = refs[: sum(text.count(placeholder) for text, _ in example.pieces)]
+    return examples
+
+
 def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
     try:
         return tokenizer.apply_chat_template(
@@ -288,7 +351,7 @@ def chat_examples(
     its own: that context (never a target), then the reply as the template renders it last.
     """
     full = _render_chat(tokenizer, messages, False, where)
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+    if not any(m["role"] == "assistant" and _text_of(m["content"]).strip() for m in messages):
         # Nothing to learn (no reply, or only empty ones): an example without a target, which
         # packing counts and leaves out.
         return [RawExample([(full, False)], False, where)]
@@ -357,9 +420,11 @@ def row_examples(
     col: dict[str, str],
     where: str,
     roles: dict[str, str] | None = None,
+    processor: Any = None,
 ) -> list[RawExample]:
     """The examples of one row in `layout` (checked; a UserError naming `where`); chat roles
-    mapped by `roles` (--data-roles)."""
+    mapped by `roles` (--data-roles); a conversation with images rendered by `processor` (the
+    checkpoint's, None for a model without a vision tower)."""
     if layout == "text":
         return [_learned("", _get_str(row, "text", col, where), where)]
     if layout == "prompt-completion":
@@ -380,6 +445,11 @@ def row_examples(
         prompt += "### Response:\n"
         return [_learned(prompt, messages[1]["content"], where)]
     # messages, sharegpt
+    conversation = row.get(col.get("messages", "messages"))
+    if layout == "messages" and (
+        has_images(conversation) or (processor is not None and has_image_parts(conversation))
+    ):
+        return image_chat_examples(row, col, where, roles or {}, processor)
     _needs_template(tokenizer, where, layout)
     messages = _messages(row, layout, col, where, roles or {})
     list_col = col.get(_KEY[layout][0], _KEY[layout][0])
@@ -444,9 +514,13 @@ def read_examples(
     columns: str | None = None,
     split: str | None = None,
     roles: str | None = None,
+    processor: Any = None,
+    skipped: list[str] | None = None,
 ) -> Iterator[RawExample]:
     """The examples of `source`, lazily, in order (chat roles mapped by `roles`,
-    --data-roles). A source with none is a UserError."""
+    --data-roles; image conversations rendered by `processor`). A source with none is a
+    UserError. With `skipped` (a list: --skip-bad-images) a row whose image is missing is left
+    out, its place appended there, instead of stopping the run."""
     col = parse_columns(columns)
     role_map = parse_roles(roles)
     layouts = _Layouts(fmt, col)
@@ -475,7 +549,14 @@ def read_examples(
         for row, where in items:
             count += 1
             layout = layouts.of(row, where)
-            yield from row_examples(row, layout, tokenizer, col, where, role_map)
+            try:
+                examples = row_examples(row, layout, tokenizer, col, where, role_map, processor)
+            except ImageError:
+                if skipped is None:
+                    raise
+                skipped.append(where)
+                continue
+            yield from examples
     if count == 0:
         what = f"split {split!r} of {source}" if split else source
         raise UserError(f"{what} has no examples; add data to it or pick another --data")

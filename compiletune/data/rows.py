@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from compiletune.data.image_batch import ImagePrep, join_batches
 from compiletune.data.layouts import read_examples
 from compiletune.data.token_cache import encode_arrays
 from compiletune.data.token_store import IGNORE_INDEX, ExampleRows, MemoryStore, PackedData, Store
@@ -160,13 +161,25 @@ def pack(
 
 
 def pack_store(
-    store: Store, seq_len: int, packing: str = "whole", truncation: str = "right", **kw: Any
+    store: Store,
+    seq_len: int,
+    packing: str = "whole",
+    truncation: str = "right",
+    images: ImagePrep | None = None,
+    **kw: Any,
 ) -> PackedData | ExampleRows:
     """A store's training rows: each example whole in a row (`packing="whole"`, `truncation`
-    for one longer than a row), or the stream cut into rows ("stream"; `kw`: `keep_tail`)."""
+    for one longer than a row; an image conversation with its images, pixels prepared by
+    `images` when a batch is taken), or the stream cut into rows ("stream"; `kw`:
+    `keep_tail`)."""
     if packing == "whole":
-        return ExampleRows(store, seq_len, truncation)
+        return ExampleRows(store, seq_len, truncation, images)
     if packing == "stream":
+        if store.images is not None:
+            raise UserError(
+                "--packing stream cuts examples across rows, and an image conversation must "
+                "stay whole with its images; use --packing whole (the default)"
+            )
         return PackedData(store, seq_len, **kw)
     raise ValueError(f"packing must be whole or stream, got {packing!r}")
 
@@ -323,11 +336,11 @@ class Mixture:
         picks = [self._source(self.draws + j) for j in range(self.batch_size)]
         self.draws += self.batch_size
         parts = []
-        for j, src in enumerate(picks):
+        for src in picks:
             rows = self.parts[src].next_rows(1).numpy()
             self.served_inputs += self.parts[src].data.real_inputs(rows)
-            parts.append((j, self.parts[src].data.take(rows)))
-        return {k: torch.cat([b[k] for _, b in parts]) for k in parts[0][1]}
+            parts.append(self.parts[src].data.take(rows))
+        return join_batches(parts)
 
     __next__ = next
 

@@ -26,6 +26,7 @@ What the rows hold (the layouts) is read in `compiletune.data.layouts`.
 from __future__ import annotations
 
 import csv
+import functools
 import glob as globlib
 import hashlib
 import json
@@ -148,6 +149,43 @@ def _read_arrow(path: Path) -> Iterator[tuple[dict, str]]:
             except Exception as e:
                 raise _arrow_error(path, e) from e
         yield from _batches_rows(path, batches)
+
+
+@functools.lru_cache(maxsize=8)
+def _table(path: Path) -> Any:
+    """A parquet file (read by row group) or an arrow file's table (memory-mapped, so the
+    table costs no memory of its own): what `read_cell` reads rows back from."""
+    pa = _pyarrow(path)
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path)
+        import pyarrow.ipc as ipc
+
+        source = pa.memory_map(str(path), "r")
+        try:
+            return ipc.open_file(source).read_all()
+        except pa.ArrowInvalid:  # the stream format (what datasets writes)
+            source.seek(0)
+            return ipc.open_stream(source).read_all()
+    except Exception as e:
+        raise _arrow_error(path, e) from e
+
+
+def read_cell(path: Path, row: int, column: str) -> Any:
+    """The value of `column` in row `row` (from 1, as messages name rows) of a parquet or arrow
+    file: how an image held in a row is read again when a batch needs its pixels."""
+    table = _table(path)
+    if path.suffix != ".parquet":
+        return table.column(column)[row - 1].as_py()
+    at = row - 1
+    for group in range(table.num_row_groups):
+        n = table.metadata.row_group(group).num_rows
+        if at < n:
+            return table.read_row_group(group, columns=[column]).column(0)[at].as_py()
+        at -= n
+    raise UserError(f"{path}: has no row {row}; the data changed since it was tokenised")
 
 
 def _read_csv(path: Path) -> Iterator[tuple[dict, str]]:

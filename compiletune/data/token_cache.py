@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,11 @@ from tqdm import tqdm
 
 from compiletune import faults
 from compiletune.checkpoint.atomic import make_folder, write_folder_atomically
+from compiletune.data.image_tokens import encode_image_pieces, image_token_ids
+from compiletune.data.images import ImageError
 from compiletune.data.layouts import read_examples
 from compiletune.data.sources import fingerprint, source_files
-from compiletune.data.token_store import DOCS, FLAGS, IDS, META, FileStore
+from compiletune.data.token_store import DOCS, FLAGS, IDS, IMAGES, META, FileStore
 from compiletune.errors import UserError
 from compiletune.progress import Progress
 
@@ -95,6 +98,19 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
+def processor_fingerprint(processor: Any) -> str:
+    """What decides an image conversation's tokens beyond the tokenizer: the image processor's
+    settings (sizes, patches), the processor's own (tokens per image) and its chat template."""
+    h = hashlib.sha256()
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is not None:
+        h.update(image_processor.to_json_string().encode())
+    for name in ("image_seq_length", "chat_template", "image_token", "boi_token"):
+        h.update(repr(getattr(processor, name, None)).encode())
+    h.update(type(processor).__name__.encode())
+    return h.hexdigest()
+
+
 def cache_key(
     source: str,
     tokenizer: Any,
@@ -102,6 +118,8 @@ def cache_key(
     columns: str | None,
     split: str | None,
     roles: str | None = None,
+    processor: Any = None,
+    skip_bad_images: bool = False,
 ) -> str:
     parts = {
         "format": FORMAT,
@@ -111,6 +129,9 @@ def cache_key(
     }
     if roles:  # (absent otherwise, so entries built before --data-roles keep their keys)
         parts["roles"] = roles
+    if processor is not None:  # how many tokens an image takes, and its chat template
+        parts["processor"] = processor_fingerprint(processor)
+        parts["skip_bad_images"] = skip_bad_images
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:40]
 
 
@@ -137,15 +158,20 @@ def cached_store(
     cache_dir: str | None = None,
     workers: int | None = None,
     say: Callable[[str], None] = print,
+    processor: Any = None,
+    skip_bad_images: bool = False,
 ) -> FileStore:
-    """The tokenised documents of `source`, from the cache (built first if missing)."""
+    """The tokenised documents of `source`, from the cache (built first if missing). Image
+    conversations go through `processor` (the checkpoint's; None: a model without a vision
+    tower, which refuses them); with `skip_bad_images` a row with a bad image is left out and
+    counted instead of stopping the run."""
     root = cache_root(cache_dir)
     make_folder(root, "--cache-dir")
     _mark(root / ROOT_MARK)
-    key = cache_key(source, tokenizer, fmt, columns, split, roles)
+    key = cache_key(source, tokenizer, fmt, columns, split, roles, processor, skip_bad_images)
     entry = root / key
     if entry.exists() and damage(entry) is None:
-        return FileStore(entry)
+        return _opened(FileStore(entry), source, say)
     with _locked(root / f".{key}.lock"):
         problem = damage(entry) if entry.exists() else None  # another process may have built it
         if problem is not None:
@@ -163,7 +189,12 @@ def cached_store(
                     entry,
                     _marked(
                         lambda tmp: _build(
-                            tmp, source, tokenizer, fmt, columns, split, n, say, roles
+                            tmp,
+                            source,
+                            _Tokens(tokenizer, processor, skip_bad_images),
+                            (fmt, columns, split, roles),
+                            n,
+                            say,
                         )
                     ),
                 )
@@ -177,7 +208,18 @@ def cached_store(
                     "removes old entries) or pass --cache-dir on a disk with room, then run the "
                     "same command again"
                 ) from e
-    return FileStore(entry)
+    return _opened(FileStore(entry), source, say)
+
+
+def _opened(store: FileStore, source: str, say: Callable[[str], None]) -> FileStore:
+    """`store`, with a line saying how many rows --skip-bad-images left out of it."""
+    skipped = int(store.meta.get("skipped_images", 0))
+    if skipped:
+        say(
+            f"{source}: {skipped} row{'s' if skipped > 1 else ''} with a missing, unreadable "
+            "or oversized image skipped (--skip-bad-images)"
+        )
+    return store
 
 
 # Entries whose files were hashed in this process (by path): later opens check sizes only.
@@ -208,6 +250,8 @@ def damage(entry: Path, rehash: bool | None = None) -> str | None:
     if meta.get("format") != FORMAT:
         return f"{META} is of format {meta.get('format')}, not {FORMAT}"
     expected = {IDS: 4 * tokens, FLAGS: tokens, DOCS: 8 * (docs + 1)}
+    if IMAGES in files:  # image conversations: their images' references, a line per document
+        expected[IMAGES] = files[IMAGES].get("bytes")
     for name, size in expected.items():
         path = entry / name
         if not path.is_file():
@@ -350,13 +394,23 @@ def _workers(source: str, split: str | None, asked: int | None) -> int:
     return min(os.cpu_count() or 1, 8)
 
 
-# A worker process's tokenizer, set once by `_init_worker`.
-_TOKENIZER: Any = None
+@dataclass
+class _Tokens:
+    """How a cache entry's text becomes tokens: the tokenizer, the checkpoint's processor for
+    image conversations (None: a model without a vision tower), and --skip-bad-images."""
+
+    tokenizer: Any
+    processor: Any = None
+    skip_bad_images: bool = False
 
 
-def _init_worker(tokenizer: Any) -> None:
-    global _TOKENIZER
-    _TOKENIZER = tokenizer
+# A worker process's tokenisation, set once by `_init_worker`.
+_TOKENS: _Tokens | None = None
+
+
+def _init_worker(tokens: _Tokens) -> None:
+    global _TOKENS
+    _TOKENS = tokens
 
 
 _TOKENIZE_CHUNK = 256  # texts per tokenizer call
@@ -390,30 +444,81 @@ def tokenize_pieces(
     return out
 
 
-def _encode_chunk(raw: list, tokenizer: Any = None) -> tuple[bytes, bytes, list[int]]:
-    """A chunk's token ids (int32 bytes), target flags (uint8 bytes) and lengths."""
-    ids, flags, lengths = encode_arrays(raw, tokenizer if tokenizer is not None else _TOKENIZER)
-    return ids.tobytes(), flags.tobytes(), lengths
+@dataclass
+class _Encoded:
+    """A chunk of documents tokenised: ids (int32 bytes), target flags (uint8 bytes), lengths,
+    each document's image references (a JSON line each) and the rows left out for a bad image."""
+
+    ids: bytes
+    flags: bytes
+    lengths: list[int]
+    images: list[str]
+    skipped: list[str]
+
+
+def _encode_chunk(raw: list, tokens: _Tokens | None = None) -> _Encoded:
+    """A chunk's documents tokenised (in a worker: its `_TOKENS`)."""
+    tokens = tokens if tokens is not None else _TOKENS
+    assert tokens is not None, "a worker is initialised with the tokenisation"
+    skipped: list[str] = []
+    ids, flags, lengths, kept = encode_documents(raw, tokens, skipped)
+    images = [json.dumps([ref.to_json() for ref in e.images]) + "\n" for e in kept]
+    return _Encoded(ids.tobytes(), flags.tobytes(), lengths, images, skipped)
 
 
 def encode_arrays(raw: list, tok: Any) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Raw examples to token ids (int32), target flags (uint8) and lengths, with array
+    """Raw text examples to token ids (int32), target flags (uint8) and lengths, with array
     operations (no Python step per token): bos first unless there, eos last unless there (a
     target unless a chat ends on a non-assistant turn). `data.encode` gives the same as lists."""
-    texts = [text for example in raw for text, _ in example.pieces]
-    wheres = [example.where for example in raw for _ in example.pieces]
-    pieces = tokenize_pieces(texts, tok, wheres)
-    bos, eos = tok.bos_token_id, tok.eos_token_id
-    ids_out, flags_out, lengths = [], [], []
-    k = 0
+    ids, flags, lengths, _ = encode_documents(raw, _Tokens(tok))
+    return ids, flags, lengths
+
+
+def _piece_ids(raw: list, tokens: _Tokens, skipped: list[str] | None) -> list:
+    """Each example's pieces as token ids, or None for an example left out for a bad image
+    (when `skipped` collects their places: --skip-bad-images)."""
+    plain = [e for e in raw if not e.images]
+    texts = [text for example in plain for text, _ in example.pieces]
+    wheres = [example.where for example in plain for _ in example.pieces]
+    flat = iter(tokenize_pieces(texts, tokens.tokenizer, wheres))
+    out = []
     for example in raw:
-        n = len(example.pieces)
-        parts = pieces[k : k + n]
-        k += n
+        if not example.images:
+            out.append([next(flat) for _ in example.pieces])
+            continue
+        try:
+            out.append(
+                encode_image_pieces(example.pieces, example.images, tokens.processor, example.where)
+            )
+        except ImageError:
+            if skipped is None:
+                raise
+            skipped.append(example.where)
+            out.append(None)
+    return out
+
+
+def encode_documents(
+    raw: list, tokens: _Tokens, skipped: list[str] | None = None
+) -> tuple[np.ndarray, np.ndarray, list[int], list]:
+    """`encode_arrays` for text and image examples: also the examples kept (an image example
+    whose image is bad is left out when `skipped` collects them, else an `ImageError`). Image
+    tokens are never targets."""
+    tok = tokens.tokenizer
+    skip = skipped if tokens.skip_bad_images else None
+    pieces = _piece_ids(raw, tokens, skip)
+    never = image_token_ids(tokens.processor) if tokens.processor is not None else []
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    ids_out, flags_out, lengths, kept = [], [], [], []
+    for example, parts in zip(raw, pieces, strict=True):
+        if parts is None:
+            continue
         ids = np.fromiter((t for p in parts for t in p), np.int64)
         flags = np.repeat(
             np.array([t for _, t in example.pieces], np.uint8), [len(p) for p in parts]
         )
+        if never:
+            flags[np.isin(ids, never)] = 0
         if bos is not None and (len(ids) == 0 or ids[0] != bos):
             ids, flags = np.concatenate([[bos], ids]), np.concatenate([[0], flags])
         if eos is not None and (len(ids) == 0 or ids[-1] != eos):
@@ -422,88 +527,133 @@ def encode_arrays(raw: list, tok: Any) -> tuple[np.ndarray, np.ndarray, list[int
         ids_out.append(ids.astype(np.int32))
         flags_out.append(flags.astype(np.uint8))
         lengths.append(len(ids))
+        kept.append(example)
     if not ids_out:
-        return np.empty(0, np.int32), np.empty(0, np.uint8), []
-    return np.concatenate(ids_out), np.concatenate(flags_out), lengths
+        return np.empty(0, np.int32), np.empty(0, np.uint8), [], []
+    return np.concatenate(ids_out), np.concatenate(flags_out), lengths, kept
+
+
+class _EntryWriter:
+    """Appends tokenised chunks to a new entry's files, in order, hashing as it writes."""
+
+    def __init__(self, tmp: Path, bar: Progress) -> None:
+        self.tmp, self.bar = tmp, bar
+        # closed by close(); a build that fails leaves them to the discarded temporary entry
+        self.files = {name: open(tmp / name, "wb") for name in (IDS, FLAGS, IMAGES)}  # noqa: SIM115
+        self.hashes = {name: hashlib.sha256() for name in self.files}
+        self.sizes = dict.fromkeys(self.files, 0)
+        self.bounds = array("q", [0])
+        self.top = -1  # the largest token id
+        self.images = 0  # image references written
+        self.skipped: list[str] = []  # rows left out for a bad image
+
+    def _put(self, name: str, data: bytes) -> None:
+        self.files[name].write(data)
+        self.hashes[name].update(data)
+        self.sizes[name] += len(data)
+
+    def write(self, chunk: _Encoded) -> None:
+        self._put(IDS, chunk.ids)
+        self._put(FLAGS, chunk.flags)
+        for line in chunk.images:
+            self._put(IMAGES, line.encode())
+            self.images += line != "[]\n"
+        if chunk.ids:
+            self.top = max(self.top, int(np.frombuffer(chunk.ids, dtype=np.int32).max()))
+        for n in chunk.lengths:
+            self.bounds.append(self.bounds[-1] + n)
+        self.skipped += chunk.skipped
+        self.bar.update(len(chunk.lengths))
+        faults.point("cache")  # a chunk is written, the entry is not complete
+
+    def close(self) -> dict[str, dict]:
+        """Closes the files and writes the document offsets: each file's size and SHA-256. An
+        entry without images keeps no image file (the text-only layout)."""
+        for f in self.files.values():
+            f.close()
+        if not self.images:
+            (self.tmp / IMAGES).unlink()
+            del self.hashes[IMAGES], self.sizes[IMAGES]
+        offsets = np.asarray(self.bounds, dtype=np.int64)
+        offsets.tofile(self.tmp / DOCS)
+        self.hashes[DOCS] = hashlib.sha256(offsets.tobytes())
+        self.sizes[DOCS] = offsets.nbytes
+        return {
+            k: {"bytes": self.sizes[k], "sha256": h.hexdigest()} for k, h in self.hashes.items()
+        }
 
 
 def _build(
     tmp: Path,
     source: str,
-    tokenizer: Any,
-    fmt: str,
-    columns: str | None,
-    split: str | None,
+    tokens: _Tokens,
+    layout: tuple[str, str | None, str | None, str | None],
     workers: int,
     say: Callable[[str], None],
-    roles: str | None = None,
 ) -> None:
+    """Tokenise `source` into the new entry `tmp` (`layout`: --data-format, --data-columns,
+    --data-split, --data-roles)."""
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    raw = read_examples(source, tokenizer, fmt=fmt, columns=columns, split=split, roles=roles)
+    fmt, columns, split, roles = layout
+    skipped: list[str] = []  # rows whose image is missing (found while reading)
+    raw = read_examples(
+        source,
+        tokens.tokenizer,
+        fmt=fmt,
+        columns=columns,
+        split=split,
+        roles=roles,
+        processor=tokens.processor,
+        skipped=skipped if tokens.skip_bad_images else None,
+    )
     chunks = iter(lambda: list(islice(raw, _CHUNK)), [])
-    bounds = array("q", [0])
     # a streamed source's size in documents is unknown until it is read: a bar on a terminal,
     # else a line each time the count doubles from two chunks on (a small source: its summary)
     bar = Progress(f"tokenizing {source}", None, "documents", say, first_line=2 * _CHUNK)
-    hashes = {IDS: hashlib.sha256(), FLAGS: hashlib.sha256()}
-    top = [-1]  # the largest token id
-    with open(tmp / IDS, "wb") as ids_f, open(tmp / FLAGS, "wb") as flags_f:
+    out = _EntryWriter(tmp, bar)
+    if workers == 0:
+        for chunk in chunks:
+            out.write(_encode_chunk(chunk, tokens))
+    else:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
+        import multiprocessing
 
-        def write(result: tuple[bytes, bytes, list[int]]) -> None:
-            ids, flags, lengths = result
-            ids_f.write(ids)
-            flags_f.write(flags)
-            hashes[IDS].update(ids)
-            hashes[FLAGS].update(flags)
-            if ids:
-                top[0] = max(top[0], int(np.frombuffer(ids, dtype=np.int32).max()))
-            for n in lengths:
-                bounds.append(bounds[-1] + n)
-            bar.update(len(lengths))
-            faults.point("cache")  # a chunk is written, the entry is not complete
-
-        if workers == 0:
-            for chunk in chunks:
-                write(_encode_chunk(chunk, tokenizer))
-        else:
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
-            import multiprocessing
-
-            ctx = multiprocessing.get_context("fork")
-            with ProcessPoolExecutor(
-                workers, mp_context=ctx, initializer=_init_worker, initargs=(tokenizer,)
-            ) as pool:
-                pending: deque[Future] = deque()
-                for chunk in chunks:  # a bounded window of chunks in flight, written in order
-                    pending.append(pool.submit(_encode_chunk, chunk))
-                    if len(pending) >= 2 * workers:
-                        write(pending.popleft().result())
-                while pending:
-                    write(pending.popleft().result())
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=_init_worker, initargs=(tokens,)
+        ) as pool:
+            pending: deque[Future] = deque()
+            for chunk in chunks:  # a bounded window of chunks in flight, written in order
+                pending.append(pool.submit(_encode_chunk, chunk))
+                if len(pending) >= 2 * workers:
+                    out.write(pending.popleft().result())
+            while pending:
+                out.write(pending.popleft().result())
     bar.close()
-    offsets = np.asarray(bounds, dtype=np.int64)
-    offsets.tofile(tmp / DOCS)
-    hashes[DOCS] = hashlib.sha256(offsets.tobytes())
+    files = out.close()
     seconds = time.perf_counter() - t0
-    tokens, docs = bounds[-1], len(bounds) - 1
-    sizes = {IDS: 4 * tokens, FLAGS: tokens, DOCS: 8 * (docs + 1)}
+    n_tokens, docs = out.bounds[-1], len(out.bounds) - 1
+    skipped += out.skipped
     meta = {
         "format": FORMAT,
         "source": source,
         "documents": docs,
-        "tokens": tokens,
-        "max_id": top[0],
-        "files": {k: {"bytes": sizes[k], "sha256": h.hexdigest()} for k, h in hashes.items()},
+        "tokens": n_tokens,
+        "max_id": out.top,
+        "files": files,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(seconds, 3),
         "workers": workers,
     }
+    if out.images or skipped:
+        meta |= {"images": out.images, "skipped_images": len(skipped)}
+        meta["skipped_rows"] = skipped[:20]  # the first few, for a user looking into it
     (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
     _HASHED.add(str(tmp.parent / tmp.name.removeprefix(".tmp-")))  # hashed as it was written
-    rate = tokens / seconds if seconds > 0 else 0.0
+    rate = n_tokens / seconds if seconds > 0 else 0.0
     say(
-        f"tokenized {source}: {docs} documents, {tokens} tokens in {seconds:.1f}s "
+        f"tokenized {source}: {docs} documents, {n_tokens} tokens in {seconds:.1f}s "
         f"({rate:,.0f} tokens/s, {max(workers, 1)} process{'es' if workers > 1 else ''}); "
         f"cached in {tmp.parent / tmp.name.removeprefix('.tmp-')}"
     )

@@ -25,12 +25,14 @@ import contextlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 IGNORE_INDEX = -100  # targets value for "not a target", what cross_entropy ignores by default
 IDS, FLAGS, DOCS, META = "ids.i32", "flags.u8", "docs.i64", "meta.json"
+IMAGES = "images.jsonl"  # image conversations: each document's image references, a JSON line
 
 
 class Store:
@@ -39,6 +41,9 @@ class Store:
 
     _phys: np.ndarray  # physical start of each document (of this view), int64 [n_docs]
     _lens: np.ndarray  # length of each document, int64 [n_docs]
+    # image conversations: each document's image references (`ImageRef.to_json`); None for
+    # text-only data
+    images: list[list[dict]] | None = None
 
     def _init_view(self, phys: np.ndarray, lens: np.ndarray) -> None:
         self._phys, self._lens = phys.astype(np.int64), lens.astype(np.int64)
@@ -84,15 +89,18 @@ class Store:
 
     def subset(self, docs: np.ndarray) -> Store:
         """The documents `docs` (indices in this view, ascending) as a store of their own."""
-        return _Subset(self, self._phys[docs], self._lens[docs])
+        images = None if self.images is None else [self.images[int(d)] for d in docs]
+        return _Subset(self, self._phys[docs], self._lens[docs], images)
 
     def document(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
         return self.read(int(self.starts[doc]), int(self._lens[doc]))
 
 
 class _Subset(Store):
-    def __init__(self, base: Store, phys: np.ndarray, lens: np.ndarray) -> None:
-        self.base = base
+    def __init__(
+        self, base: Store, phys: np.ndarray, lens: np.ndarray, images: list | None = None
+    ) -> None:
+        self.base, self.images = base, images
         self._init_view(phys, lens)
 
     def _read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,8 +110,11 @@ class _Subset(Store):
 class MemoryStore(Store):
     """Documents held in arrays."""
 
-    def __init__(self, ids: np.ndarray, flags: np.ndarray, lens: np.ndarray) -> None:
+    def __init__(
+        self, ids: np.ndarray, flags: np.ndarray, lens: np.ndarray, images: list | None = None
+    ) -> None:
         self.ids, self.flags = ids.astype(np.int32, copy=False), flags.astype(np.uint8, copy=False)
+        self.images = images
         lens = np.asarray(lens, dtype=np.int64)
         phys = np.zeros(len(lens), dtype=np.int64)
         np.cumsum(lens[:-1], out=phys[1:])
@@ -118,12 +129,26 @@ class MemoryStore(Store):
         return cls(ids, flags, lens)
 
     @classmethod
-    def from_documents(cls, docs: list[tuple[np.ndarray, np.ndarray]]) -> MemoryStore:
-        """From (ids, flags) pairs, one per document (`Store.document`)."""
+    def from_documents(
+        cls, docs: list[tuple[np.ndarray, np.ndarray]], images: list | None = None
+    ) -> MemoryStore:
+        """From (ids, flags) pairs, one per document (`Store.document`), and for image
+        conversations each one's image references."""
         if not docs:
-            return cls(np.empty(0, np.int32), np.empty(0, np.uint8), np.empty(0, np.int64))
+            empty = np.empty(0, np.int32), np.empty(0, np.uint8), np.empty(0, np.int64)
+            return cls(*empty, images)
         lens = np.array([len(i) for i, _ in docs], dtype=np.int64)
-        return cls(np.concatenate([i for i, _ in docs]), np.concatenate([f for _, f in docs]), lens)
+        ids, flags = np.concatenate([i for i, _ in docs]), np.concatenate([f for _, f in docs])
+        return cls(ids, flags, lens, images)
+
+    @classmethod
+    def from_stores(cls, parts: list[tuple[Store, np.ndarray]]) -> MemoryStore:
+        """The documents `docs` of each (store, docs), in order, with their images."""
+        docs = [store.document(int(d)) for store, idx in parts for d in idx]
+        if all(store.images is None for store, _ in parts):
+            return cls.from_documents(docs)
+        images = [store.images[int(d)] if store.images else [] for store, idx in parts for d in idx]
+        return cls.from_documents(docs, images)
 
     def _read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         return self.ids[start : start + count], self.flags[start : start + count]
@@ -138,6 +163,9 @@ class FileStore(Store):
         self.folder = folder
         self.meta = json.loads((folder / META).read_text())
         bounds = np.fromfile(folder / DOCS, dtype=np.int64)
+        if (folder / IMAGES).is_file():  # a JSON line per document
+            with open(folder / IMAGES) as f:
+                self.images = [json.loads(line) for line in f]
         self._ids_fd = os.open(folder / IDS, os.O_RDONLY)
         self._flags_fd = os.open(folder / FLAGS, os.O_RDONLY)
         self._init_view(bounds[:-1], np.diff(bounds))
@@ -375,10 +403,15 @@ class ExampleRows(_Rows):
 
     keep_tail = True  # nothing is ever dropped for not filling a row
 
-    def __init__(self, store: Store, seq_len: int, truncation: str = "right") -> None:
+    def __init__(
+        self, store: Store, seq_len: int, truncation: str = "right", images: Any = None
+    ) -> None:
         if truncation not in ("right", "left"):
             raise ValueError(f"truncation must be right or left, got {truncation!r}")
+        if store.images is not None and images is None:
+            raise ValueError("a store with images needs `images` (data.image_batch.ImagePrep)")
         self.store, self.seq_len, self.truncation = store, seq_len, truncation
+        self.prep = images  # prepares the pixels of a batch's images
         lens = store._lens
         # the part of each document a row holds: [first, first + used) of its tokens
         used = np.minimum(lens, seq_len + 1)
@@ -387,6 +420,11 @@ class ExampleRows(_Rows):
         self.truncated = int((lens > used).sum())
         self.lost_tokens = int((lens - used).sum())
         trains = self._has_targets(first, used)
+        # an image conversation is never cut: its image tokens must all come with the image
+        whole = np.array([bool(refs) for refs in store.images or []], dtype=bool)
+        too_long = whole & (lens > used) if store.images is not None else np.zeros_like(trains)
+        self.images_too_long = int((too_long & trains).sum())
+        trains &= ~too_long
         docs = np.flatnonzero(trains)
         inputs = used[docs] - 1
         order = docs[np.lexsort((docs, -inputs))]  # longest first, ties by position
@@ -407,7 +445,7 @@ class ExampleRows(_Rows):
         self._filled = np.bincount(row_of[docs], weights=inputs, minlength=self.total_rows).astype(
             np.int64
         )
-        self.dropped = int(len(lens) - len(docs))
+        self.dropped = int(len(lens) - len(docs)) - self.images_too_long
 
     def _has_targets(self, first: np.ndarray, used: np.ndarray) -> np.ndarray:
         """bool [n_docs]: the kept part of each document predicts at least one target."""
@@ -449,12 +487,23 @@ class ExampleRows(_Rows):
                 at += m
             doc_ids[j, at:] = k + 1  # padding: a document of its own
             positions[j, at:] = np.arange(L - at)
-        return {
+        batch = {
             "inputs": torch.from_numpy(inputs),
             "targets": torch.from_numpy(targets),
             "positions": torch.from_numpy(positions),
             "doc_ids": torch.from_numpy(doc_ids),
         }
+        if self.prep is not None:  # the rows' images, in the order of their tokens
+            batch |= self.prep([self.row_images(int(r)) for r in idx])
+        return batch
+
+    def row_images(self, r: int) -> list[dict]:
+        """The image references of row `r`'s examples, in order (none for text data)."""
+        images = self.store.images
+        if images is None:
+            return []
+        docs = self._docs[self._row_start[r] : self._row_start[r + 1]]
+        return [ref for d in docs for ref in images[int(d)]]
 
     def packs_documents(self) -> bool:
         """Does any row hold two documents (so document masking changes something)?"""
@@ -477,6 +526,12 @@ class ExampleRows(_Rows):
                     f" ({share:.0%} of the data: raise --seq-len, or for long documents such as "
                     "a pre-training corpus pass --packing stream)"
                 )
+        if self.images_too_long:
+            n = self.images_too_long
+            line += (
+                f"; {n} image conversation{'s' if n > 1 else ''} longer than --seq-len left out "
+                "(an image's tokens are never cut: raise --seq-len to train on them)"
+            )
         if self.dropped:
             line += (
                 f"; {self.dropped} with nothing to learn left out (no assistant reply, an empty "
