@@ -36,6 +36,7 @@ import gc
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,8 +74,8 @@ from compiletune.models import num_params
 from compiletune.models.cache import KVCache
 from compiletune.ops import op_memory
 from compiletune.optim import _local
-from compiletune.train import Probe, Run, StepBatch, build_run
-from compiletune.train.build import build_optimizer, probe_dtype, probe_facts, resolve_model_args
+from compiletune.train import BuildOptions, Run, StepBatch, build_run
+from compiletune.train.build import build_optimizer, model_facts, resolve_model_args
 from compiletune.train.step import Backward, backward_pass, optimizer_step
 
 GPUS_PER_NODE = 8  # hybrid sharding's default shard group (one node), as torchrun would set it
@@ -247,9 +248,15 @@ def as_trained(cfg: TrainConfig, gpus: int) -> TrainConfig:
     and document masks for preference pairs), as the estimate's build fills them: the ladder
     and the advice start from the run the estimate runs."""
     cfg = shapes_only(cfg)
-    facts = probe_facts(cfg, resolve_model_args(cfg), gpus)
-    facts.bf16_params = probe_dtype(cfg) == torch.bfloat16
+    facts = model_facts(cfg, resolve_model_args(cfg), gpus)
+    facts.bf16_params = gpu_dtype(cfg) == torch.bfloat16
     return fill_defaults(cfg.replace(), facts)
+
+
+def gpu_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype parameters are stored in on the GPU the estimate is for (the default is bf16,
+    as on a GPU that supports it; bf16-mixed stores fp32)."""
+    return {None: torch.bfloat16, "bf16": torch.bfloat16}.get(cfg.model.dtype, torch.float32)
 
 
 def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
@@ -426,7 +433,7 @@ def _segments_at(
     return {cfg.optim.optimizer: list(tracker.segments.items()), **derived}, run
 
 
-# The tracker's category for each part of the step (`Probe.observe`'s phases).
+# The tracker's category for each part of the step (`BuildObserver.observe`'s phases).
 _PHASES = {
     "params": ("setup", SHARDED),
     "optimizer": ("setup", OPT),
@@ -494,7 +501,16 @@ def run_step(
 
     if cfg.objective.objective == "grpo":  # an update's micro-batch: G completions a prompt
         cfg = cfg.replace(batch_size=cfg.data.batch_size * cfg.objective.num_generations)
-    run = build_run(cfg, env, fake=fake, probe=Probe(scope, observe, device, depth))
+    opts = BuildOptions(
+        device=torch.device(device),
+        dtype=gpu_dtype(cfg),
+        read_inputs=False,
+        fake=fake,
+        depth=depth,
+        compile=False,  # compiled blocks modelled by the same policies run eagerly
+        emulate_fp8=True,
+    )
+    run = build_run(cfg, env, opts, _Watcher(scope, observe))
     if swap is not None:
         swap.built()
     rows = cfg.data.batch_size * run.dp_world
@@ -532,6 +548,14 @@ def run_step(
             for kind, child in forked.items():
                 others[kind] = child.result()  # type: ignore[index]
     return run
+
+
+@dataclass
+class _Watcher:
+    """run_step's BuildObserver (train/observer.py): its scope and its phases' observer."""
+
+    scope: Callable[[], contextlib.AbstractContextManager[Any]]
+    observe: Callable[[str, list[torch.nn.Parameter]], None]
 
 
 class _OptimizerSwap:

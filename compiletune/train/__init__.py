@@ -1,6 +1,7 @@
 """Training: `build_run` builds, `train_step` steps, `Trainer` loops, `run_dir` keeps the folder.
 
 build.py     build_run(cfg, env) -> Run: model, techniques, optimizer, data (the one build)
+observer.py  BuildOptions and BuildObserver: what a caller outside chooses and how it watches
 step.py      train_step = backward_pass + optimizer_step -> StepResult; evaluate; lr schedule
 hooks.py     step hooks: each technique's per-step work, registered by apply_techniques
 strategy.py  StepStrategy: an objective's step as the loop calls it (grpo.py's GrpoStep too)
@@ -9,11 +10,14 @@ run_dir/     the run folder: lock, checks, config.yaml, resume judging, disk err
              Hub pinning, the closing line (one module each)
 """
 
-from compiletune.train.build import Probe, Run, build_run
+from compiletune.train.build import Run, build_run
+from compiletune.train.observer import NO_OBSERVER, BuildObserver, BuildOptions
 from compiletune.train.step import StepBatch, StepResult, evaluate, next_batch, train_step
 
 __all__ = [
-    "Probe",
+    "BuildObserver",
+    "BuildOptions",
+    "NO_OBSERVER",
     "Run",
     "StepBatch",
     "StepResult",

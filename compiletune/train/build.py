@@ -1,18 +1,17 @@
 """`build_run`: the one place a run is built — model, techniques, optimizer, data.
 
-    config -> device, dtype, architecture -> tokenizer + data (or none, for a probe)
+    config -> device, dtype, architecture -> tokenizer + data (or none: BuildOptions)
       -> model (preset or HF folder; LoRA/NF4 as each block loads; on meta under FSDP)
       -> techniques, in order: activation policy -> compile -> FSDP   (`apply_techniques`)
       -> materialise (FSDP shards filled from rank 0) -> optimizer -> resume state
 
-`compiletune train` builds with real data and weights. `estimate-memory` builds a *probe*: the
-same model, techniques and optimizer with random weights and no data, inside the estimator's
-fake-tensor scope (`fake=True`), or on real tensors to check the estimate (`fake=False`).
+`compiletune train` builds with real data and weights. A caller outside the trainer (the memory
+estimate) passes `BuildOptions` (device, dtype, nothing read, fake tensors, a shorter model, an
+eager step) and watches through a `BuildObserver` (observer.py); the build names no estimator.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -63,6 +62,7 @@ from compiletune.models.seq_parallel import SeqShards, check_splittable, split_s
 from compiletune.optim import ADAMW_BETAS, Optimizer
 from compiletune.train.hooks import Fp8Scales, InBackwardCheck, RouterBiasUpdate, StepHooks
 from compiletune.train.inputs import build_data, build_pairs, build_prompts
+from compiletune.train.observer import NO_OBSERVER, BuildObserver, BuildOptions
 
 # Fields that make two architectures different models (head_dim is compared resolved).
 _ARCH_FIELDS = (
@@ -75,18 +75,6 @@ _ARCH_FIELDS = (
     "ffn_dim",
     "qkv_bias",
 )
-
-
-@dataclass
-class Probe:
-    """How `estimate-memory` watches a build: `scope()` is entered around everything that
-    allocates (materialising the model, the optimizer, each step) and `observe(phase, params)`
-    is told when each part begins ("params", "optimizer", "forward", "backward", "step")."""
-
-    scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    observe: Callable[[str, list[nn.Parameter]], None] = lambda phase, params: None
-    device: str = "cpu"
-    depth: int | None = None  # build the model's first `depth` blocks only (a shorter model)
 
 
 @dataclass
@@ -113,7 +101,7 @@ class Run:
     # what the run did before this invocation (a checkpoint's "totals": tokens, padding,
     # seconds); None for a checkpoint written before they were kept
     done_before: dict[str, float] | None = field(default_factory=dict)
-    probe: Probe | None = None
+    observer: BuildObserver = NO_OBSERVER  # who watches the build and the step from outside
     base_dtype: torch.dtype | None = None
     offload_activations: bool = False
     notes: list[str] = field(default_factory=list)
@@ -144,8 +132,7 @@ class Run:
         return self.env is None or self.env.is_main
 
     def observe(self, phase: str) -> None:
-        if self.probe is not None:
-            self.probe.observe(phase, self.params)
+        self.observer.observe(phase, self.params)
 
 
 # ----------------------------------------------------------------------------- choices
@@ -279,7 +266,7 @@ def build_meta_model(
     cfg: TrainConfig, args: ModelArgs, spec: LoRASpec | None, lora_kw: dict[str, Any]
 ) -> Transformer:
     """The model's structure on the meta device (LoRA adapters and NF4 codes included), as every
-    FSDP rank and the memory probe build it; `materialise` gives it storage."""
+    FSDP rank and a build that reads nothing build it; `materialise` gives it storage."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to(lora_kw["dtype"])
@@ -304,11 +291,12 @@ def apply_techniques(
     compile: bool,
     device: torch.device | None = None,
     notes: list[str] | None = None,
-    probe: bool = False,
+    emulate_fp8: bool = False,
 ) -> tuple[CompiledRegions | None, StepHooks]:
     """Every technique that wraps the model, in one place and in this order (`device`: where
     the model runs; the memory estimate's is the CPU of its fake tensors, also for a GPU run;
-    `notes`: start-up lines about what was done), and each one's per-step work as a step hook
+    `notes`: start-up lines about what was done; `emulate_fp8`: float8 emulated whatever the
+    device, as the estimate asks), and each one's per-step work as a step hook
     (hooks.py), which the step calls in this order after the optimizer step:
 
     0. float8 linears     (--fp8: torchao's, in the blocks; the estimate's emulated)
@@ -324,7 +312,7 @@ def apply_techniques(
     policy = t.activation_policy
     device = device or model_device(env)
     if t.fp8:
-        emulate = True if probe else fp8.check_device(device)
+        emulate = True if emulate_fp8 else fp8.check_device(device)
         n, kept = fp8.convert_blocks(model, t.fp8, emulate, env is not None)
         if notes is not None:
             where = " (emulated)" if emulate else ""
@@ -417,7 +405,7 @@ def materialise(
 
 @dataclass
 class _Inputs:
-    """What a run reads before its model is built (a probe reads nothing)."""
+    """What a run reads before its model is built (nothing, without `read_inputs`)."""
 
     facts: RunFacts
     tokenizer: Any = None
@@ -469,14 +457,15 @@ def _build_model(
     lora_kw: dict[str, Any],
     device: torch.device,
     resume_from: Path | None,
-    probe: bool,
+    read: bool,
 ) -> tuple[Transformer, dict[str, Tensor] | None]:
-    """The model with its weights (one process), or, under FSDP and for a probe, the model on
-    the meta device plus (FSDP rank 0, not a probe) the full state dict to fill the shards from."""
-    if not probe and env is None:
+    """The model with its weights (one process), or, under FSDP and without `read` (weights
+    drawn from the seed later), the model on the meta device plus (FSDP rank 0, reading) the
+    full state dict to fill the shards from."""
+    if read and env is None:
         return build_model_weights(cfg, args, spec, lora_kw, device, resume_from), None
     full_sd = None
-    if not probe and env.is_main and (spec or (resume_from is None and cfg.model.model_dir)):
+    if read and env.is_main and (spec or (resume_from is None and cfg.model.model_dir)):
         # Rank 0 alone reads the checkpoint (or a LoRA run's random base; a full model's random
         # init is drawn shard by shard, see materialise): host RAM holds one model, not one per
         # rank. A LoRA checkpoint holds no base, so its adapters come this way too.
@@ -489,26 +478,25 @@ def _build_model(
 
 
 def _device_and_dtype(
-    cfg: TrainConfig, env: dist_.DistEnv | None, probe: Probe | None
+    cfg: TrainConfig, env: dist_.DistEnv | None, opts: BuildOptions
 ) -> tuple[torch.device, torch.dtype]:
+    """Where the tensors live and the parameters' dtype: the caller's choice, else the
+    process's device (the GPU if there is one) and --dtype there."""
     if env is not None:
         device = env.device
     else:
-        device = torch.device(probe.device) if probe is not None else pick_device()
-    dtype = pick_dtype(cfg.model.dtype, device) if probe is None else probe_dtype(cfg)
+        device = opts.device if opts.device is not None else pick_device()
+    dtype = opts.dtype if opts.dtype is not None else pick_dtype(cfg.model.dtype, device)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("--dtype bf16: this GPU has no bf16 support; pass --dtype fp32")
-    if dtype == torch.bfloat16 and device.type == "cpu" and probe is None:
+    if dtype == torch.bfloat16 and device.type == "cpu" and opts.dtype is None:
         hardware.warn_slow_bf16()
     return device, dtype
 
 
-def _probe_inputs(cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs) -> _Inputs:
-    return _Inputs(probe_facts(cfg, args, env.world if env is not None else 1))  # reads no data
-
-
-def probe_facts(cfg: TrainConfig, args: ModelArgs, world: int) -> RunFacts:
-    """The facts the estimate's build fills `cfg`'s defaults from (then its params' dtype)."""
+def model_facts(cfg: TrainConfig, args: ModelArgs, world: int) -> RunFacts:
+    """The facts a build that reads no data fills `cfg`'s defaults from (then its params'
+    dtype): the model's shapes, the world, and the objective's rows as the data would be."""
     return RunFacts(
         args.vocab_size,
         # pair rows hold two sequences each (the estimator's random pairs): masked as in a run
@@ -519,29 +507,31 @@ def probe_facts(cfg: TrainConfig, args: ModelArgs, world: int) -> RunFacts:
 
 
 def build_run(
-    cfg: TrainConfig, env: dist_.DistEnv | None, *, fake: bool = False, probe: Probe | None = None
+    cfg: TrainConfig,
+    env: dist_.DistEnv | None,
+    opts: BuildOptions = BuildOptions(),  # noqa: B008 (frozen: one shared default is safe)
+    observer: BuildObserver = NO_OBSERVER,
 ) -> Run:
     """Build the run `cfg` describes for this process (`env`: its place in an FSDP job).
 
-    With `probe` (the memory estimate's) nothing is read from disk: random weights, no data, no
-    compile (the estimate models compiled blocks by the same policies run eagerly), and with
-    `fake=True` every allocation happens on fake tensors inside `probe.scope()`.
+    `opts`: what the caller chooses beyond `cfg` (the trainer's are the defaults; the memory
+    estimate reads nothing, builds on fake tensors, runs eagerly: observer.BuildOptions).
+    `observer`: who watches from outside; everything that allocates runs in its scope.
     """
-    if fake and probe is None:
-        raise ValueError("a fake build is the memory estimate's: pass its Probe")
     torch.manual_seed(cfg.run.seed)
-    device, dtype = _device_and_dtype(cfg, env, probe)
+    device, dtype = _device_and_dtype(cfg, env, opts)
     args = resolve_model_args(cfg)
     teacher = teacher_args(cfg, args) if cfg.objective.objective == "kd" else None
     check_splittable(cfg.parallel.cp, env.world if env else 1, args, teacher)  # before any load
     offloads = offloaded_blocks(cfg, args.n_layers, device) > 0  # of the whole model's blocks
-    if probe is not None and probe.depth is not None:  # the first `depth` blocks only
-        types = args.layer_types[: probe.depth] if args.layer_types else None
-        args = dataclasses.replace(args, n_layers=probe.depth, layer_types=types)
+    if opts.depth is not None:  # the first `depth` blocks only
+        types = args.layer_types[: opts.depth] if args.layer_types else None
+        args = dataclasses.replace(args, n_layers=opts.depth, layer_types=types)
     spec = lora_spec(cfg, args)
     if spec is not None and cfg.lora.quantize_base == "nf4" and (why := nf4_unfit(args)):
         raise UserError(f"--quantize-base nf4: {why}; drop --quantize-base for this model")
-    inputs = _read_inputs(cfg, env, args, spec) if probe is None else _probe_inputs(cfg, env, args)
+    world, read = env.world if env is not None else 1, opts.read_inputs
+    inputs = _read_inputs(cfg, env, args, spec) if read else _Inputs(model_facts(cfg, args, world))
     inputs.facts.bf16_params = dtype == torch.bfloat16
     _check_compensation(cfg, dtype)
     fill_defaults(cfg, inputs.facts)
@@ -549,30 +539,29 @@ def build_run(
     base_dtype = pick_dtype(cfg.lora.base_dtype, device) if cfg.lora.base_dtype else dtype
     lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.lora.quantize_base}
     resume_from = inputs.resume_from
-    model, full_sd = _build_model(
-        cfg, env, args, spec, lora_kw, device, resume_from, probe is not None
-    )
+    model, full_sd = _build_model(cfg, env, args, spec, lora_kw, device, resume_from, read)
     frozen: tuple[Any, Any] = (None, None)  # the objective's reference and teacher
     if cfg.objective.objective != "sft":
         # one process's policy as it starts: the reference is a copy (not read again)
-        start = model if resume_from is None and probe is None and env is None else None
-        frozen = build_frozen(cfg, env, args, spec, lora_kw, device, probe is not None, start)
-    seq = split_sequences(cfg, env, fake, model, frozen)
+        start = model if resume_from is None and read and env is None else None
+        frozen = build_frozen(cfg, env, args, spec, lora_kw, device, read, start)
+    seq = split_sequences(cfg, env, opts.fake, model, frozen)
     # The head shares the model's output projection; with --compile both are compiled in place.
-    compiled = cfg.techniques.compile and probe is None
+    compiled = cfg.techniques.compile and opts.compile
     head = LossHead(
         model.output, head_kind(cfg.techniques.loss, compiled), model.args.final_softcap
     )
     notes: list[str] = []
     regions, hooks = apply_techniques(
-        model, head, cfg, env, compiled, device, notes, probe is not None
+        model, head, cfg, env, compiled, device, notes, opts.emulate_fp8
     )
 
     params: list[nn.Parameter] = []
-    with probe.scope() if probe is not None else contextlib.nullcontext():
-        if probe is not None:
-            probe.observe("params", params)
-            materialise(model, cfg, device, "none" if fake else "seed")
+    drawn = "none" if opts.fake else "seed"  # the weights of a build that reads none
+    with observer.scope():
+        observer.observe("params", params)
+        if not read:
+            materialise(model, cfg, device, drawn)
         elif env is not None:
             sharded_resume = resume_from is not None and spec is None
             fill = "rank0" if spec or cfg.model.model_dir else "seed"  # seed: a random init
@@ -580,14 +569,13 @@ def build_run(
         del full_sd
         for f in frozen:
             if f is not None and f.pending:
-                fill = ("none" if fake else "seed") if probe is not None else "rank0"
+                fill = "rank0" if read else drawn
                 materialise(f.model, cfg, device, fill, f.full_sd and f.full_sd())
                 f.full_sd, f.pending = None, False
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params.extend(p for _, p in named)
-        if probe is not None:
-            probe.observe("optimizer", params)
-        optimizer = build_optimizer(cfg, named, device, compile_step=probe is None)
+        observer.observe("optimizer", params)
+        optimizer = build_optimizer(cfg, named, device, compile_step=opts.compile)
 
     run = Run(
         cfg=cfg,
@@ -605,7 +593,7 @@ def build_run(
         data=inputs.data,
         eval_set=inputs.eval_set,
         resume_from=resume_from,
-        probe=probe,
+        observer=observer,
         base_dtype=base_dtype,
         offload_activations=offloads,
         reference=frozen[0].model if frozen[0] is not None else None,
@@ -640,7 +628,7 @@ def split_sequences(
 
 
 def _attach_batches(run: Run, inputs: _Inputs) -> None:
-    """The run's batch stream over the data it read (none for the estimate's probe). Every rank
+    """The run's batch stream over the data it read (none without `read_inputs`). Every rank
     draws the same global batch of (world / --cp) x --batch-size rows, trains its slice."""
     if inputs.data is None:
         return
@@ -672,9 +660,9 @@ def teacher_args(cfg: TrainConfig, student: ModelArgs) -> ModelArgs:
 @dataclass
 class Frozen:
     """A model that runs without gradients beside the policy: the DPO/IPO reference or the KD
-    teacher. One process: loaded with its weights. FSDP, or the memory estimate: on the meta
-    device (sharded like the policy under FSDP) until `materialise` gives it storage, with rank
-    0 reading the full state dict to fill the shards from."""
+    teacher. One process: loaded with its weights. FSDP, or a build that reads nothing: on the
+    meta device (sharded like the policy under FSDP) until `materialise` gives it storage, with
+    rank 0 reading the full state dict to fill the shards from."""
 
     model: Any
     # FSDP rank 0: reads the full state dict when the shards are filled, after the policy's
@@ -690,33 +678,34 @@ def build_frozen(
     spec: LoRASpec | None,
     lora_kw: dict[str, Any],
     device: torch.device,
-    probe: bool,
+    read: bool,
     start: Any = None,
 ) -> tuple[Frozen | None, Frozen | None]:
     """(reference, teacher) of the run, each None where the objective has none: the reference
     is a frozen copy of the starting weights for DPO/IPO without LoRA (with LoRA the policy
-    with its adapters off serves; the estimate counts none with --precompute-ref, which drops
-    it before the first step), the teacher is --teacher-dir's model. `start`: one process's
-    policy as it starts (None when resuming), copied for the reference rather than read
-    again."""
+    with its adapters off serves; a build that reads no data, `read=False`, builds none with
+    --precompute-ref, which drops it before the first step), the teacher is --teacher-dir's
+    model. `start`: one process's policy as it starts (None when resuming), copied for the
+    reference rather than read again. Without `read` both stay on the meta device, to be drawn
+    from the seed."""
     o = cfg.objective
     dtype = lora_kw["dtype"]
     reference = teacher = None
     wants = o.objective in ("dpo", "ipo") or (o.objective == "grpo" and bool(o.beta))
-    if wants and spec is None and not (probe and o.precompute_ref):
+    if wants and spec is None and (read or not o.precompute_ref):
         # the starting weights, also when resuming (the checkpoint is the policy, not them)
         def load_reference(where: Any) -> Any:
             if isinstance(start, torch.nn.Module):
                 return copy.deepcopy(start)
             return build_model_weights(cfg, args, None, lora_kw, where, None)
 
-        reference = _frozen(load_reference, args, dtype, cfg, env, device, probe)
+        reference = _frozen(load_reference, args, dtype, cfg, env, device, read)
     if o.objective == "kd":
 
         def load_teacher(where: Any) -> Any:
             return from_hf(o.teacher_dir, dtype=dtype, device=where)
 
-        teacher = _frozen(load_teacher, teacher_args(cfg, args), dtype, cfg, env, device, probe)
+        teacher = _frozen(load_teacher, teacher_args(cfg, args), dtype, cfg, env, device, read)
     return reference, teacher
 
 
@@ -727,12 +716,12 @@ def _frozen(
     cfg: TrainConfig,
     env: dist_.DistEnv | None,
     device: torch.device,
-    probe: bool,
+    read: bool,
 ) -> Frozen:
-    if not probe and env is None:
+    if read and env is None:
         return Frozen(load(device).requires_grad_(False).eval())
 
-    def read() -> dict[str, Tensor]:
+    def full_sd() -> dict[str, Tensor]:
         return load("cpu").state_dict()
 
     with torch.device("meta"):
@@ -740,7 +729,7 @@ def _frozen(
     model.to(dtype).requires_grad_(False).eval()
     if env is not None:
         shard_model(model, cfg, env, frozen=True)
-    return Frozen(model, read if not probe and env.is_main else None, pending=True)
+    return Frozen(model, full_sd if read and env.is_main else None, pending=True)
 
 
 def build_optimizer(
@@ -749,9 +738,9 @@ def build_optimizer(
     device: torch.device,
     compile_step: bool,
 ) -> Optimizer:
-    """The run's optimizer over its trainable parameters. The probe's step runs eagerly
-    (`compile_step=False`) on fake tensors, and its real-tensor check does the same, so that the
-    two compare like with like."""
+    """The run's optimizer over its trainable parameters. The memory estimate's step runs
+    eagerly (`compile_step=False`) on fake tensors, and its real-tensor check does the same, so
+    that the two compare like with like."""
     o = cfg.optim
     return Optimizer(
         named,
@@ -764,12 +753,6 @@ def build_optimizer(
         device=torch.device("cpu") if cfg.parallel.cpu_offload else device,
         compile_step=compile_step,
     )
-
-
-def probe_dtype(cfg: TrainConfig) -> torch.dtype:
-    """The dtype parameters are stored in on the GPU the estimate is for (the default is bf16,
-    as on a GPU that supports it; bf16-mixed stores fp32)."""
-    return {None: torch.bfloat16, "bf16": torch.bfloat16}.get(cfg.model.dtype, torch.float32)
 
 
 def _load_train_state(run: Run, state: dict[str, Any]) -> None:
