@@ -342,6 +342,13 @@ class ParallelConfig:
         "their experts' processes (N divides the processes and the experts)",
         on_resume="fixed",
     )
+    ep_skew: float = opt(
+        2.0,
+        "estimate-memory under --ep: the busiest process receives F times its even share of "
+        "the routed tokens (1 = uniform routing, --ep = all of them; train ignores it)",
+        metavar="F",
+        on_resume="free",
+    )
 
 
 @dataclass

@@ -161,7 +161,10 @@ def shortcut_depths(cfg: TrainConfig, args: ModelArgs) -> tuple[int, int, int, i
     firsts = max(kinds.index(k) for k in set(kinds[head : head + p])) + 1
     # the blocks that offload, and the first blocks that keep (one of each kind) as after a
     # model's ends, before the middle's repeats
-    start = max(ENDS[0], dense_prefix(args), firsts, head + ENDS[0] if head else 0)
+    # (past a dense prefix, as past the first block: the first MoE block's backward still
+    # holds what the last dense block's gather needs)
+    dense = dense_prefix(args)
+    start = max(ENDS[0], dense + ENDS[0] - 1 if dense else 0, firsts, head + ENDS[0] if head else 0)
     k1 = start + p + ENDS[1] + 1
     k1 += (n - k1) % p
     k2 = k1 + p

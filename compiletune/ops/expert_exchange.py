@@ -179,11 +179,16 @@ class ExpertShards:
         per = self.n_experts // self.size
         return slice(self.rank * per, (self.rank + 1) * per)
 
+    def received(self, x: Tensor, counts_all: Tensor) -> Tensor:
+        """The [R, 0] placeholder of the rows this rank's experts receive (the memory estimate
+        assumes a routing here instead: compiletune/estimate/expert_parallel.py)."""
+        return ep_rows(counts_all, self.group)
+
     def __call__(self, experts: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
         """x [n, d] grouped by global expert (counts [E] int64) -> the experts' outputs [n, d],
         through this rank's `experts` (E/N of them) and every other rank's."""
         counts_all = ep_counts(counts, self.group)  # [N, E]
-        rows = ep_rows(counts_all, self.group)  # [R, 0]
+        rows = self.received(x, counts_all)  # [R, 0]
         offs = counts_all[:, self.local].sum(dim=0).cumsum(0).to(torch.int32)  # [E/N]
         y = experts(ep_to_experts(x, counts_all, self.group, rows), offs)  # [R, d]
         return ep_from_experts(y, counts_all, self.group, x.new_empty(x.shape[0], 0))

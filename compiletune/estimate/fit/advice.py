@@ -13,6 +13,7 @@ from typing import Any
 
 from compiletune.config import TrainConfig
 from compiletune.errors import UserError
+from compiletune.estimate import expert_parallel as ep_
 from compiletune.estimate.estimator import MemoryEstimate, as_trained, keep
 from compiletune.estimate.fit.capacity import Capacity, device_fits, fits
 from compiletune.estimate.fit.ladder import (
@@ -55,7 +56,7 @@ def suggest(
             verdict = "fits" if fits(est, capacity) else "does not fit"
             progress(f"  {flags or 'as configured'}: {est.peak_bytes / 2**30:.1f} GiB, {verdict}")
 
-    for _, changes in LADDER:
+    for _, changes in ep_.rungs(cfg, gpus) + LADDER:  # (--ep first for a MoE model)
         todo = applicable_flags(current, changes)
         if not todo:
             continue
@@ -110,9 +111,10 @@ def _may_fit(
     bound = bound or Bound(2)  # (two stacks at most)
     top = as_trained(cfg, gpus)
     offload = LADDER[-1][1]
-    stacks = [_stack(top, LADDER)]
+    ep = ep_.rungs(top, gpus)
+    stacks = [_stack(top, ep + LADDER)]
     if flags_to_add(top, offload):  # the stack without the offload, when the run does not offload
-        stacks.append(_stack(top, LADDER[:-1]))
+        stacks.append(_stack(top, ep + LADDER[:-1]))
     for i, (stacked, added) in enumerate(stacks):
         try:  # (the climb's drop phase asks for the other optimizers: had from this step)
             est = bound.estimate(stacked, gpus, also=search_optimizers(cfg))
