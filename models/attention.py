@@ -48,6 +48,8 @@ from torch import Tensor
 
 from compiletune.ops.op_memory import declare_memory, holds_nothing
 
+from .vision.mask import is_dense_mask, masked_attention
+
 try:  # torch's varlen flash attention (2.9 on); importing it registers torch_attn::_varlen_attn
     from torch.nn.attention import varlen as _varlen
 except ImportError:
@@ -621,6 +623,8 @@ def causal_attention(
     the window), which FlexAttention then uses as it is, or the batch's `VarlenDocs` (a layer
     whose mask is documents only, on CUDA in fp16/bf16), which runs one varlen flash call.
     """
+    if is_dense_mask(doc_ids):  # images' tokens see each other (models/vision/mask.py)
+        return masked_attention(q, k, v, scale, doc_ids, softcap)
     if sinks is not None:
         return _with_sinks(q, k, v, scale, doc_ids, window, softcap, sinks)
     if isinstance(doc_ids, VarlenDocs):

@@ -39,6 +39,7 @@ from .moe import Experts, MoE, glu
 from .norm import RMSNorm, norm_for, unit_rms
 from .rope import apply_rope, rope_cos_sin
 from .seq_parallel import SeqShards
+from .vision.mask import ImageBlocks
 
 
 class Attention(nn.Module):
@@ -50,7 +51,7 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        kind = args.layer_kind(layer)
+        self.kind = kind = args.layer_kind(layer)
         self.n_heads = args.n_heads
         self.n_kv_heads = args.kv_heads_of(kind)
         self.head_dim = hd = args.head_dim_of(kind)
@@ -173,6 +174,11 @@ class Attention(nn.Module):
         built once and kept in `shared` for the other layers of the same window (a layer with
         sinks takes one even without documents or a window: FlexAttention gives it the
         log-sum-exp the sinks need)."""
+        if isinstance(doc_ids, ImageBlocks):  # images' tokens see each other: a dense mask
+            key = ("images", self.kind, self.window)
+            if key not in shared:
+                shared[key] = doc_ids.dense(self.window, self.kind)
+            return shared[key]
         plain = doc_ids is None and self.window <= 0 and self.softcap <= 0
         if plain and self.sinks is None:
             return None
@@ -612,6 +618,7 @@ class Transformer(nn.Module):
         doc_ids: Tensor | None = None,
         router_stats: list[Tensor] | None = None,
         documents: tuple[Tensor, int] | None = None,
+        images: Any = None,
     ) -> Tensor:
         """tokens [b, s] (int) -> final-normed hidden states [b, s, d].
 
@@ -624,10 +631,11 @@ class Transformer(nn.Module):
         CUDA the layers whose mask is documents only then run varlen flash attention.
 
         Under context parallelism (`seq`, see seq_parallel.py) tokens and positions are this
-        rank's piece of each row and doc_ids the whole row's.
+        rank's piece of each row and doc_ids the whole row's. `images` (an `ImageInputs`) go to a
+        vision-language model's tower (models/vision/model.py); doc_ids may then be its
+        `ImageBlocks`.
         """
-        h = self.embed(tokens)  # [b, s, d]
-        ple = self.per_layer_inputs(tokens, h) if self.per_layer_inputs is not None else None
+        h, ple = self.inputs(tokens, images)  # [b, s, d], per-layer inputs or None
         b, s = tokens.shape
         if positions is None:
             positions = torch.arange(s, device=tokens.device)[None]  # [1, s]
@@ -656,6 +664,13 @@ class Transformer(nn.Module):
                 shared_kv[layer.kind] = rest
         return self.norm(h)
 
+    def inputs(self, tokens: Tensor, images: Any = None) -> tuple[Tensor, Tensor | None]:
+        """The first block's input [b, s, d] and the per-layer inputs (None without them)."""
+        if images is not None:
+            raise ValueError("images were given to a text model; load the checkpoint for vision")
+        h = self.embed(tokens)
+        return h, self.per_layer_inputs(tokens, h) if self.per_layer_inputs is not None else None
+
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [b, s] -> [b, s, d], times sqrt(dim) rounded to the dtype when the family
         scales embeddings (as HF: the scale is a tensor in the weight's dtype)."""
@@ -672,11 +687,15 @@ class Transformer(nn.Module):
         return {kind: rope_cos_sin(self.args, positions, dtype, kind, rowwise) for kind in kinds}
 
     def forward(
-        self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        images: Any = None,
     ) -> Tensor:
         """tokens [b, s] -> logits [b, s, v] in the parameter dtype (soft-capped when the
-        family caps them)."""
-        return self.logits(self.hidden_states(tokens, positions, doc_ids))
+        family caps them); `images`: see `hidden_states`."""
+        return self.logits(self.hidden_states(tokens, positions, doc_ids, images=images))
 
     def logits(self, h: Tensor) -> Tensor:
         """Final hidden [.., d] -> logits [.., v]: the head, then the final soft-cap if any."""

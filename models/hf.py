@@ -18,7 +18,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from .hf_names import (
     to_native_name,
 )
 from .lora import dense_tensors
+from .names import strip_wrappers
 from .quantized import (
     FP8_SCALE,
     MX_SUFFIXES,
@@ -59,6 +60,7 @@ from .quantized import (
     dequantize_mxfp4,
     mxfp4_shape,
 )
+from .vision.model import TOWER, VisionLanguageModel, text_checkpoint_name, vision_config
 
 # --- weights -----------------------------------------------------------------------------
 
@@ -159,9 +161,12 @@ def from_hf(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     on_block: Callable[[TransformerBlock], None] | None = None,
+    vision: bool = False,
+    train_vision: bool = False,
 ) -> Transformer:
     """Load an HF checkpoint folder of a supported architecture as a native `Transformer` (of
-    a multimodal checkpoint: its text model, `Family.multimodal`).
+    a multimodal checkpoint: its text model, `Family.multimodal`; with `vision`, the text model
+    and its vision tower, a `VisionLanguageModel` whose tower is frozen unless `train_vision`).
 
     dtype defaults to the config's torch_dtype/dtype, else fp32. Every tensor name and shape is
     checked before anything is allocated; then the model is allocated a part at a time
@@ -179,13 +184,14 @@ def from_hf(
     files = checkpoint_files(path)
 
     with torch.device("meta"):
-        model = Transformer(args)
+        model = VisionLanguageModel(args, cfg, str(path)) if vision else Transformer(args)
     model.to(dtype)
     family = args.family
     # HF name -> shape; a tied model has no lm_head
     expected = {
         hf: shape
         for n, p in model.named_parameters()
+        if not n.startswith(TOWER + ".")  # a vision tower's: `load_tower`
         for hf, _, shape in hf_pieces(n, tuple(p.shape), family)
     }
     block = fp8_block(cfg)
@@ -222,9 +228,28 @@ def from_hf(
                     _read_into(param[index], readers[file], file, stored, dtype, to_native)
             if on_block is not None and prefix.startswith("layers."):
                 on_block(module)
+        if isinstance(model, VisionLanguageModel):
+            model.load_tower(_Tensors(readers), str(path), device, dtype)
+            model.train_vision(train_vision)
     model.hf_config = cfg
     model.generation_config = load_generation_config(path)
     return model
+
+
+class _Tensors(Mapping):
+    """The tensors of open safetensors files by name, each read when asked for."""
+
+    def __init__(self, readers: dict[Path, Any]) -> None:
+        self.where = {name: f for f in readers.values() for name in f.keys()}  # noqa: SIM118
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.where[name].get_tensor(name)
+
+    def __iter__(self) -> Any:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
 
 
 _Where = dict[str, tuple[Path, str]]  # HF name -> (file, name in that file)
@@ -426,6 +451,8 @@ def _hf_tensors(
     args: ModelArgs = model.args
     out = []
     for name, shape, dense in dense_tensors(model, merge):
+        if strip_wrappers(name).startswith(TOWER + "."):
+            continue  # a vision tower's tensors: `_vision_entries`
         make = functools.partial(_gathered, gather, dense)
         pieces = hf_pieces(name, shape, args.family)
         if len(pieces) > 1:
@@ -470,6 +497,10 @@ def save_hf(
         dtype = model.tok_embeddings.weight.dtype
     entries = _hf_tensors(model, merge_lora, gather=full_tensor)
     cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
+    if isinstance(model, VisionLanguageModel):  # the ForConditionalGeneration checkpoint
+        renamed = [(text_checkpoint_name(model.vision, n), s, f) for n, s, f in entries]
+        entries = renamed + model.tower_entries(gather=full_tensor)
+        cfg = vision_config(model, cfg, dtype)
     write_hf_folder(
         path,
         cfg,

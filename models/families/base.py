@@ -38,6 +38,22 @@ class Gguf:
 
 
 @dataclass(frozen=True)
+class Vision:
+    """The family's vision-language checkpoints (`Family.multimodal`) as a vision run loads them
+    (models/vision/model.py): which tower, and how the decoder takes the images."""
+
+    tower: str  # the tower's kind: a key of models/vision/model.py's TOWERS
+    image_token_key: str  # config.json's key for the image token's id
+    # where the checkpoint keeps the text model's tensors, and its head
+    text_prefix: str = "model.language_model."
+    head: str = "lm_head.weight"
+    # the layer kinds in which an image's tokens see each other (bidirectionally), given the
+    # checkpoint's whole config.json; () for none
+    image_blocks: Callable[[dict], tuple[str, ...]] = lambda cfg: ()
+    mrope: bool = False  # text positions are 3-D (time, row, column) around the images
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     architecture: str  # config.json "architectures"[0]
@@ -68,6 +84,7 @@ class Family:
     write_extra: Callable[[ModelArgs, dict], None] | None = None
     # multimodal architectures whose text model this family is (its weights renamed at load)
     multimodal: tuple[str, ...] = ()
+    vision: Vision | None = None  # how a vision run loads those (None: text model only)
     # quantization_config methods read (dequantized as they load) beside block-scaled fp8
     quantizations: tuple[str, ...] = ()
     # --- tensors (models/hf_names.py) ---

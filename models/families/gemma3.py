@@ -4,7 +4,7 @@ decoder with q/k norms, one full layer in six and a rope base of its own on the 
 from __future__ import annotations
 
 from ..args import ModelArgs, RopeScaling
-from .base import Family, Gguf
+from .base import Family, Gguf, Vision
 from .gemma2 import GEMMA_BLOCK_NAMES, GEMMA_DEFAULTS, gemma_common
 from .llama import debug_like
 
@@ -87,5 +87,13 @@ FAMILY = Family(
     gguf=Gguf("GEMMA3", norm_plus_one=True, swa_every=6, wide_scale_layers=62),
     block_names=GEMMA_BLOCK_NAMES,
     multimodal=("Gemma3ForConditionalGeneration",),
+    # the published checkpoints' names; an image's tokens see each other on every layer
+    vision=Vision(
+        "siglip",
+        "image_token_index",
+        text_prefix="language_model.model.",
+        head="language_model.lm_head.weight",
+        image_blocks=lambda cfg: ("full", "sliding"),
+    ),
     presets=PRESETS,
 )

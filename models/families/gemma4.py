@@ -10,7 +10,7 @@ from typing import Any
 from compiletune.errors import UserError
 
 from ..args import ModelArgs, RopeScaling
-from .base import Family, Get
+from .base import Family, Get, Vision
 from .gemma2 import GEMMA_BLOCK_NAMES, GEMMA_DEFAULTS, gemma_common
 from .gemma3 import gemma3_kinds
 from .llama import debug_like
@@ -68,8 +68,10 @@ def read_gemma4(cfg: dict, n_layers: int, get: Get) -> dict[str, Any]:
             raise UserError(
                 f"config.json per_layer_config sets {sorted(unknown)[0]!r}, which is not supported"
             )
-        global_dim = (values[0] or {}).get("head_dim", global_dim)
-        global_kv = (values[0] or {}).get("num_key_value_heads", global_kv)
+        # it replaces global_head_dim: a full layer it leaves alone has the common sizes
+        # (transformers 5.25 writes {} when they are equal)
+        global_dim = (values[0] or {}).get("head_dim", head_dim)
+        global_kv = (values[0] or {}).get("num_key_value_heads")
     shared = int(get("num_kv_shared_layers", 0))
     if not 0 <= shared < n_layers:
         raise UserError(
@@ -225,6 +227,13 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
+def gemma4_image_blocks(cfg: dict) -> tuple[str, ...]:
+    """An image's tokens see each other on the sliding layers only, and only where the text
+    config says "vision" (transformers' Gemma 4 keeps its full layers causal)."""
+    text = cfg.get("text_config") or {}
+    return ("sliding",) if text.get("use_bidirectional_attention") == "vision" else ()
+
+
 FAMILY = Family(
     "gemma4_text",
     "Gemma4ForCausalLM",
@@ -250,5 +259,6 @@ FAMILY = Family(
     write_extra=write_gemma4,
     block_names=_BLOCK_NAMES,
     multimodal=("Gemma4ForConditionalGeneration",),
+    vision=Vision("gemma4", "image_token_id", image_blocks=gemma4_image_blocks),
     presets=PRESETS,
 )

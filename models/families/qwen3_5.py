@@ -10,7 +10,7 @@ from compiletune.errors import UserError
 
 from ..args import ModelArgs
 from ..names import GATED_SHARED_EXPERT_NAMES, PER_EXPERT_NAMES
-from .base import Family, Get
+from .base import Family, Get, Vision
 from .llama import debug_like
 from .shared import read_linear, routed_names, top_k, write_linear
 
@@ -140,6 +140,9 @@ def _presets_of(model_type: str) -> dict[str, ModelArgs]:
     return {name: args for name, args in PRESETS.items() if args.family == model_type}
 
 
+# the vision transformer, and the 3-D text positions its images give the decoder
+_VISION = Vision("qwen", "image_token_id", mrope=True)
+
 FAMILIES = (
     Family(
         "qwen3_5_text",
@@ -163,6 +166,7 @@ FAMILIES = (
         read_extra=read_linear,
         write_extra=write_linear,
         multimodal=("Qwen3_5ForConditionalGeneration",),
+        vision=_VISION,
         presets=_presets_of("qwen3_5_text"),
     ),
     Family(
@@ -195,6 +199,7 @@ FAMILIES = (
         block_names=routed_names("mlp.gate.weight", GATED_SHARED_EXPERT_NAMES),
         expert_names=PER_EXPERT_NAMES,
         multimodal=("Qwen3_5MoeForConditionalGeneration",),
+        vision=_VISION,
         presets=_presets_of("qwen3_5_moe_text"),
     ),
 )

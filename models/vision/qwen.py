@@ -240,7 +240,7 @@ def _image_runs(row_ids: Tensor, image_token_id: int) -> list[tuple[bool, int, i
     return runs
 
 
-def _row_positions(
+def row_positions(
     row_ids: Tensor, grids: Sequence[Sequence[int]], image_token_id: int, merge: int
 ) -> tuple[Tensor, int]:
     """[3, s] positions of one row (no padding) and how many images it used."""
@@ -288,7 +288,7 @@ def mrope_position_ids(
         keep = (
             torch.ones(s, dtype=torch.bool) if attention_mask is None else attention_mask[i].bool()
         )
-        row, n = _row_positions(
+        row, n = row_positions(
             input_ids[i][keep].cpu(), grids[used:], image_token_id, spatial_merge_size
         )
         used += n

@@ -1,0 +1,273 @@
+"""A vision-language model: the native decoder with its family's vision tower.
+
+`VisionLanguageModel` is a `Transformer` (every trainer mechanism that walks the decoder's
+blocks sees the same blocks) with one more child, `vision_tower`, and three differences in its
+forward when a batch carries images (`ImageInputs`):
+
+- embedding: the tower's image embeddings replace the token embeddings at the image tokens'
+  places (the chat template put one image token per embedding; the family's config names its
+  id), as transformers' `...ForConditionalGeneration` does with `masked_scatter`; the per-layer
+  inputs (Gemma 4) see those tokens as padding, as transformers' do;
+- attention: the tokens of one image see each other on the layer kinds the family names
+  (`Vision.image_blocks`: Gemma 3 every layer, Gemma 4 its sliding ones), `mask.ImageBlocks`;
+- positions: Qwen3.5's 3-D (time, row, column) text positions (`Vision.mrope`), computed from
+  the token ids and `image_grid_thw` (per document in packed rows), rotate q and k with the
+  interleaved multi-axis rotary.
+
+Which tower a family has is data (`Family.vision`, models/families/); the towers by kind are
+`TOWERS` below. The checkpoint is the family's `...ForConditionalGeneration` layout: the text
+model's tensors under `Vision.text_prefix`, the tower's under its own names (`NameMap`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from compiletune.errors import UserError
+
+from ..args import ModelArgs
+from ..decoder import Transformer
+from ..families import FAMILIES
+from ..families.base import Vision
+from ..names import strip_wrappers
+from ..rope import rope_inv_freq
+from .common import NameMap, hf_state_dict, load_hf_state_dict
+from .gemma4 import Gemma4VisionArgs, Gemma4VisionTower, gemma4_vision_names
+from .inputs import ImageInputs
+from .mask import ImageBlocks, image_runs
+from .qwen import (
+    Qwen35VisionTower,
+    QwenVisionArgs,
+    mrope_angles,
+    qwen35_vision_names,
+    row_positions,
+)
+from .siglip import Gemma3VisionTower, SiglipArgs, gemma3_vision_names
+
+TOWER = "vision_tower"  # the tower's attribute (and its parameters' name prefix)
+
+
+@dataclass(frozen=True)
+class TowerKind:
+    """How to build a kind of tower from a checkpoint's config, name its tensors, and run it on
+    a batch's `ImageInputs` (-> image embeddings [n_image_tokens, d_text], in token order)."""
+
+    args: Any  # a class with from_hf(config, where)
+    build: Callable[[Any], nn.Module]
+    names: Callable[[Any], NameMap]
+    features: Callable[[nn.Module, ImageInputs], Tensor]
+
+
+def _gemma3_features(tower: nn.Module, images: ImageInputs) -> Tensor:
+    return tower(images.pixel_values).flatten(0, 1)
+
+
+def _qwen_features(tower: nn.Module, images: ImageInputs) -> Tensor:
+    if images.image_grid_thw is None:
+        raise ValueError("Qwen3.5's images need image_grid_thw (the processor gives it)")
+    return tower(images.pixel_values, images.image_grid_thw)
+
+
+def _gemma4_features(tower: nn.Module, images: ImageInputs) -> Tensor:
+    if images.image_position_ids is None:
+        raise ValueError("Gemma 4's images need image_position_ids (the processor gives them)")
+    return tower(images.pixel_values, images.image_position_ids)
+
+
+TOWERS: dict[str, TowerKind] = {
+    "siglip": TowerKind(SiglipArgs, Gemma3VisionTower, gemma3_vision_names, _gemma3_features),
+    "qwen": TowerKind(QwenVisionArgs, Qwen35VisionTower, qwen35_vision_names, _qwen_features),
+    "gemma4": TowerKind(Gemma4VisionArgs, Gemma4VisionTower, gemma4_vision_names, _gemma4_features),
+}
+
+
+def vision_of(args: ModelArgs, where: str = "config.json") -> Vision:
+    """The family's `Vision` entry; a family without one is a `UserError`."""
+    fam = FAMILIES.get(args.family)
+    if fam is None or fam.vision is None:
+        raise UserError(
+            f"{where}: family {args.family!r} has no vision tower in compiletune; vision "
+            "checkpoints: "
+            + ", ".join(a for f in FAMILIES.values() if f.vision for a in f.multimodal)
+        )
+    return fam.vision
+
+
+class VisionLanguageModel(Transformer):
+    """The decoder of `args` plus the vision tower `config` (the checkpoint's whole
+    config.json, a dict) describes. The tower is built on the current default device in the
+    default dtype; `load_tower` replaces it with the checkpoint's."""
+
+    def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
+        super().__init__(args)
+        self.vision = vision = vision_of(args, where)
+        self.hf_config = config
+        kind = TOWERS[vision.tower]
+        self.tower_args = kind.args.from_hf(config, where)
+        self.vision_tower = kind.build(self.tower_args)
+        token = config.get(vision.image_token_key)
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise UserError(f"{where}: {vision.image_token_key} (the image token's id) is missing")
+        self.image_token_id = token
+        self.image_kinds = vision.image_blocks(config)
+        self.mrope_section: tuple[int, ...] = ()
+        if vision.mrope:
+            text = config.get("text_config") or {}
+            rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+            section = rope.get("mrope_section")
+            if not (isinstance(section, list) and len(section) == 3):
+                raise UserError(
+                    f"{where}: text_config's rope_parameters need mrope_section [t, h, w]"
+                )
+            self.mrope_section = tuple(int(n) for n in section)
+
+    # --- the tower's tensors ----------------------------------------------------------------
+
+    @property
+    def names(self) -> NameMap:
+        return TOWERS[self.vision.tower].names(self.tower_args)
+
+    def load_tower(
+        self, tensors: Mapping[str, Tensor], where: str, device: Any = None, dtype: Any = None
+    ) -> None:
+        """A new tower on `device` in `dtype` (default: the embedding's) from `tensors`
+        (checkpoint name -> tensor, read on demand)."""
+        ref = self.tok_embeddings.weight
+        device = ref.device if device is None else device
+        with torch.device(device):
+            tower = TOWERS[self.vision.tower].build(self.tower_args)
+        tower.to(dtype or ref.dtype)
+        load_hf_state_dict(tower, tensors, self.names, where)
+        self.vision_tower = tower
+
+    def tower_entries(
+        self, gather: Callable[[Tensor], Tensor] = lambda t: t
+    ) -> list[tuple[str, tuple[int, ...], Callable[[], Tensor]]]:
+        """(checkpoint name, shape, fetch) of every tower tensor, for `write_hf_folder`."""
+        names = self.names.names
+        out = []
+        for native, tensor in self.vision_tower.state_dict().items():
+            hf = names[strip_wrappers(native)]
+            out.append((hf, tuple(tensor.shape), lambda t=tensor: gather(t).detach()))
+        return out
+
+    def tower_state_dict(self) -> dict[str, Tensor]:
+        """The tower's tensors under the checkpoint's names."""
+        return hf_state_dict(self.vision_tower, self.names)
+
+    def train_vision(self, on: bool) -> None:
+        """Make the tower's parameters trainable (`on`) or frozen (the default of a run)."""
+        for p in self.vision_tower.parameters():
+            p.requires_grad_(on)
+
+    # --- the forward ------------------------------------------------------------------------
+
+    def image_features(self, images: ImageInputs) -> Tensor:
+        """The tower's image embeddings [n_image_tokens, d_text] for a batch's images."""
+        kind = TOWERS[self.vision.tower]
+        return kind.features(self.vision_tower, images)
+
+    def inputs(self, tokens: Tensor, images: Any = None) -> tuple[Tensor, Tensor | None]:
+        is_image = tokens == self.image_token_id
+        # the image token's id may lie past the vocabulary: embed padding there (replaced below)
+        pad = self.args.pad_id if self.args.pad_id is not None else 0
+        text = tokens.masked_fill(is_image, pad)
+        h = self.embed(text)
+        if images is not None:
+            features = self.image_features(images).to(h.dtype)
+            n = int(is_image.sum())
+            if features.shape[0] != n:
+                raise ValueError(
+                    f"{n} image tokens in the batch, but its images give {features.shape[0]} "
+                    "embeddings; the token ids and the images are from different examples"
+                )
+            h = h.masked_scatter(is_image[..., None], features)
+        ple = None if self.per_layer_inputs is None else self.per_layer_inputs(text, h)
+        return h, ple
+
+    def hidden_states(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        router_stats: list[Tensor] | None = None,
+        documents: tuple[Tensor, int] | None = None,
+        images: Any = None,
+    ) -> Tensor:
+        if images is not None and self.mrope_section:
+            positions = self.mrope_positions(tokens, images, doc_ids)
+        if images is not None and self.image_kinds:
+            runs = image_runs(tokens, self.image_token_id)
+            doc_ids, documents = ImageBlocks(runs, self.image_kinds, doc_ids), None
+        return super().hidden_states(tokens, positions, doc_ids, router_stats, documents, images)
+
+    def mrope_positions(
+        self, tokens: Tensor, images: ImageInputs, doc_ids: Tensor | None = None
+    ) -> Tensor:
+        """[3, b, s] positions: each document's (each row's without `doc_ids`) from 0, its
+        images' tokens at (time, row, column) offsets, the text after an image on from them."""
+        grids = [] if images.image_grid_thw is None else images.image_grid_thw.tolist()
+        merge = self.tower_args.spatial_merge_size
+        b, s = tokens.shape
+        out = torch.zeros(3, b, s, dtype=torch.long)
+        host = tokens.cpu()
+        docs = None if doc_ids is None else doc_ids.cpu()
+        used = 0
+        for i in range(b):
+            for start, end in _segments(docs[i] if docs is not None else None, s):
+                row, n = row_positions(host[i, start:end], grids[used:], self.image_token_id, merge)
+                out[:, i, start:end] = row
+                used += n
+        if used != len(grids):
+            raise ValueError(f"{len(grids)} images in image_grid_thw, {used} runs of image tokens")
+        return out.to(tokens.device)
+
+    def ropes(
+        self, positions: Tensor, dtype: torch.dtype, rowwise: bool = False
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        if positions.dim() != 3:
+            return super().ropes(positions, dtype, rowwise)
+        out = {}
+        for kind in {layer.kind for layer in self.layers}:
+            inv_freq = rope_inv_freq(self.args, positions.device, kind)
+            freqs = mrope_angles(positions, inv_freq, self.mrope_section)  # [b, s, rd / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            out[kind] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return out
+
+
+def _segments(doc_ids: Tensor | None, s: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each run of equal doc ids in a row; the whole row without them."""
+    if doc_ids is None:
+        yield 0, s
+        return
+    start = 0
+    values = doc_ids.tolist()
+    for j in range(1, s + 1):
+        if j == s or values[j] != values[start]:
+            yield start, j
+            start = j
+
+
+def text_checkpoint_name(vision: Vision, hf: str) -> str:
+    """The ForConditionalGeneration name of a text-model tensor's `model.` / `lm_head.` name."""
+    if hf == "lm_head.weight":
+        return vision.head
+    return vision.text_prefix + hf.removeprefix("model.")
+
+
+def vision_config(model: VisionLanguageModel, text: dict, dtype: torch.dtype) -> dict:
+    """The checkpoint's config.json with `text` (the decoder's config as written for its text
+    model) as its text_config."""
+    cfg = dict(model.hf_config)
+    inner = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")}
+    cfg["text_config"] = {**(cfg.get("text_config") or {}), **inner}
+    cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).removeprefix("torch.")
+    if "tie_word_embeddings" in cfg and "tie_word_embeddings" in text:
+        cfg["tie_word_embeddings"] = text["tie_word_embeddings"]
+    return cfg

@@ -1,0 +1,140 @@
+"""The vision-language model (decoder + tower, models/vision/model.py) against transformers'
+ForConditionalGeneration on the same weights: logits with one and two images, gradients, and
+save -> transformers loads -> the same logits. Tiny configs built from transformers' own config
+classes (tests/vision_cases.py), random weights and random images made here; fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from vision_cases import (
+    IMAGE_TOKEN,
+    gemma3_config,
+    gemma4_config,
+    gemma4_patches,
+    qwen35_config,
+    randomize,
+    rel,
+)
+
+from compiletune.models.hf import from_hf
+from compiletune.models.vision.inputs import ImageInputs
+from compiletune.models.vision.model import VisionLanguageModel
+
+TOL = 1e-5
+
+
+def _text(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(1, 280, (n,), generator=gen)
+
+
+@dataclass
+class Case:
+    """A family's tiny transformers model and how to make a row with images for it."""
+
+    hf_class: Any
+    config: Any
+    image_token: int
+
+    def model(self) -> Any:
+        torch.manual_seed(0)
+        hf = self.hf_class(self.config).eval()
+        for i, (name, module) in enumerate(hf.model.named_children()):
+            if name != "language_model":  # the towers' zero-initialised weights drawn too
+                randomize(module, 10 + i)
+        return hf
+
+
+def gemma3_case() -> Case:
+    cfg = gemma3_config().to_dict()
+    # two layers (sliding, full) with a window shorter than an image: the mask's AND and OR
+    cfg["text_config"].update(
+        num_hidden_layers=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return Case(
+        transformers.Gemma3ForConditionalGeneration,
+        transformers.Gemma3Config.from_dict(cfg),
+        299,
+    )
+
+
+def qwen35_case() -> Case:
+    return Case(transformers.Qwen3_5ForConditionalGeneration, qwen35_config(), IMAGE_TOKEN)
+
+
+def gemma4_case() -> Case:
+    cfg = gemma4_config().to_dict()
+    cfg["text_config"].update(sliding_window=8, use_bidirectional_attention="vision")
+    return Case(
+        transformers.Gemma4ForConditionalGeneration, transformers.Gemma4Config.from_dict(cfg), 290
+    )
+
+
+def batch(family: str, n_images: int, seed: int = 0) -> tuple[torch.Tensor, ImageInputs, dict]:
+    """One row: text, then each image's tokens between text; the images as the processor gives
+    them, and the extra keyword arguments transformers' forward needs."""
+    gen = torch.Generator().manual_seed(seed)
+    if family == "gemma3":
+        pixels = torch.randn(n_images, 3, 32, 32, generator=gen)
+        images, counts = ImageInputs(pixels), [16] * n_images
+    elif family == "qwen35":
+        grid = torch.tensor([[1, 4, 6], [1, 6, 4]][:n_images])
+        pixels = torch.randn(int(grid.prod(-1).sum()), 96, generator=gen)
+        images, counts = ImageInputs(pixels, image_grid_thw=grid), [6] * n_images
+    else:
+        grids, max_patches = ([(8, 4)], 32) if n_images == 1 else ([(8, 4), (6, 6)], 40)
+        pixels, positions = gemma4_patches(grids, max_patches, 48, seed)
+        images = ImageInputs(pixels, image_position_ids=positions)
+        counts = [w * h // 4 for w, h in grids]
+    token = {"gemma3": 299, "qwen35": IMAGE_TOKEN, "gemma4": 290}[family]
+    pieces = [_text(3, gen)]
+    for n in counts:
+        pieces += [torch.full((n,), token), _text(4, gen)]
+    ids = torch.cat(pieces)[None]
+    types = (ids == token).long()
+    kwargs = dict(pixel_values=images.pixel_values)
+    if family == "gemma3":
+        kwargs["token_type_ids"] = types
+    elif family == "qwen35":
+        kwargs.update(image_grid_thw=images.image_grid_thw, mm_token_type_ids=types)
+    else:
+        kwargs.update(image_position_ids=images.image_position_ids, mm_token_type_ids=types)
+    return ids, images, kwargs
+
+
+CASES = {"gemma3": gemma3_case, "qwen35": qwen35_case, "gemma4": gemma4_case}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def loaded(request, tmp_path_factory):
+    """(family, transformers' model, ours loaded with vision=True from its saved folder)."""
+    case = CASES[request.param]()
+    hf = case.model()
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    ours = from_hf(folder, dtype=torch.float32, vision=True)
+    return request.param, hf, ours
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_logits_equal_transformers(loaded, n_images):
+    family, hf, ours = loaded
+    assert isinstance(ours, VisionLanguageModel)
+    ids, images, kwargs = batch(family, n_images)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, **kwargs).logits
+        out = ours(ids, images=images)
+    assert out.shape == ref.shape
+    assert rel(out, ref) <= TOL
+    # the images matter: other pixels give other logits
+    other = dataclasses.replace(images, pixel_values=torch.rand_like(images.pixel_values))
+    with torch.no_grad():
+        assert rel(ours(ids, images=other), ref) > 1e-3
