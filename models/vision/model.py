@@ -266,7 +266,11 @@ def vision_config(model: VisionLanguageModel, text: dict, dtype: torch.dtype) ->
     model) as its text_config."""
     cfg = dict(model.hf_config)
     inner = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")}
-    cfg["text_config"] = {**(cfg.get("text_config") or {}), **inner}
+    old = cfg.get("text_config") or {}
+    cfg["text_config"] = {**old, **inner}
+    for key in ("rope_parameters", "rope_scaling"):  # keys the decoder does not read stay
+        if isinstance(old.get(key), dict) and isinstance(inner.get(key), dict):
+            cfg["text_config"][key] = {**old[key], **inner[key]}
     cfg["dtype" if "dtype" in cfg else "torch_dtype"] = str(dtype).removeprefix("torch.")
     if "tie_word_embeddings" in cfg and "tie_word_embeddings" in text:
         cfg["tie_word_embeddings"] = text["tie_word_embeddings"]

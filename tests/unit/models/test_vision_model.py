@@ -23,7 +23,7 @@ from vision_cases import (
     rel,
 )
 
-from compiletune.models.hf import from_hf
+from compiletune.models.hf import from_hf, save_hf
 from compiletune.models.vision.inputs import ImageInputs
 from compiletune.models.vision.model import VisionLanguageModel
 
@@ -138,3 +138,89 @@ def test_logits_equal_transformers(loaded, n_images):
     other = dataclasses.replace(images, pixel_values=torch.rand_like(images.pixel_values))
     with torch.no_grad():
         assert rel(ours(ids, images=other), ref) > 1e-3
+
+
+def test_tower_frozen_by_default(loaded):
+    _, _, ours = loaded
+    assert not any(p.requires_grad for p in ours.vision_tower.parameters())
+    assert ours.tok_embeddings.weight.requires_grad
+    assert ours.norm.weight.requires_grad
+
+
+def test_gradients_equal_transformers(loaded):
+    """With the tower trainable, one loss's gradients on the tower's and the decoder's weights
+    equal transformers' (the embedding's: both the text rows and, through the scatter, none at
+    the image tokens)."""
+    family, hf, ours = loaded
+    ids, images, kwargs = batch(family, 2, seed=1)
+    weights = torch.randn(*ids.shape, hf.config.get_text_config().vocab_size)
+    ours.train_vision(True)
+    try:
+        hf.zero_grad()
+        ours.zero_grad()
+        (hf(input_ids=ids, **kwargs).logits * weights).sum().backward()
+        (ours(ids, images=images) * weights).sum().backward()
+        hf_params = dict(hf.named_parameters())
+        names = ours.names
+        checked = 0
+        for native, p in ours.vision_tower.named_parameters():
+            found = [n for n in names.candidates(names.names[native]) if n in hf_params]
+            ref = hf_params[found[0]].grad
+            if ref.norm() > 1e-6:  # key biases: zero by the algebra in both
+                assert rel(p.grad, ref) <= 1e-4, native
+                checked += 1
+        assert checked > 10
+        embed = hf.get_input_embeddings().weight.grad
+        assert rel(ours.tok_embeddings.weight.grad, embed) <= 1e-4
+    finally:
+        ours.train_vision(False)
+        ours.zero_grad()
+
+
+def test_save_transformers_loads_equal_logits(loaded, tmp_path):
+    family, hf, ours = loaded
+    save_hf(ours, tmp_path)
+    back = type(hf).from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids, images, kwargs = batch(family, 2, seed=2)
+    with torch.no_grad():
+        ref = back(input_ids=ids, **kwargs).logits
+        assert rel(ours(ids, images=images), ref) <= TOL
+    # and the folder loads back into ours with the same tower
+    again = from_hf(tmp_path, dtype=torch.float32, vision=True)
+    loaded_back = again.vision_tower.state_dict()
+    for name, tensor in ours.vision_tower.state_dict().items():
+        assert torch.equal(tensor, loaded_back[name]), name
+
+
+def test_text_load_drops_the_tower(loaded, tmp_path):
+    family, hf, _ = loaded
+    hf.save_pretrained(tmp_path)
+    text = from_hf(tmp_path, dtype=torch.float32)
+    assert not isinstance(text, VisionLanguageModel)
+    ids, images, _ = batch(family, 1)
+    with pytest.raises(ValueError, match="images were given to a text model"):
+        text(ids, images=images)
+
+
+def test_packed_rows_equal_the_examples_alone(loaded):
+    """Two examples packed in one row (doc_ids, positions restarting) give the logits each
+    gives alone: the image blocks and Qwen3.5's 3-D positions stay within their document."""
+    family, _, ours = loaded
+    (a, ia, _), (b, ib, _) = batch(family, 1, seed=3), batch(family, 2, seed=4)
+    row = torch.cat([a, b], dim=1)
+    doc_ids = torch.cat([torch.zeros_like(a), torch.ones_like(b)], dim=1)
+    positions = torch.cat([torch.arange(a.shape[1]), torch.arange(b.shape[1])])[None]
+    both = ImageInputs.concat([ia, ib]) if family != "gemma4" else None
+    if both is None:  # Gemma 4's processor pads every image to one patch count
+        pad = ib.pixel_values.shape[1] - ia.pixel_values.shape[1]
+        grow = torch.nn.functional.pad
+        both = ImageInputs(
+            torch.cat([grow(ia.pixel_values, (0, 0, 0, pad)), ib.pixel_values]),
+            image_position_ids=torch.cat(
+                [grow(ia.image_position_ids, (0, 0, 0, pad), value=-1), ib.image_position_ids]
+            ),
+        )
+    with torch.no_grad():
+        packed = ours(row, positions, doc_ids, images=both)
+        alone = torch.cat([ours(a, images=ia), ours(b, images=ib)], dim=1)
+    assert rel(packed, alone) <= TOL
