@@ -409,7 +409,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         machine_host_bytes,
         parse_device_memory,
     )
-    from compiletune.train.build import resolve_model_args  # lazy: a subcommand's cost
+    from compiletune.train.build_model import resolve_model_args  # lazy: a subcommand's cost
 
     # config.json's own errors are the one line, before any progress line
     n_layers = resolve_model_args(est_.shapes_only(cfg)).n_layers

@@ -35,7 +35,7 @@ from compiletune.errors import UserError
 from compiletune.generate import adapter_base, load_lora_checkpoint
 from compiletune.models import from_hf, resolve_model_path
 from compiletune.progress import Progress
-from compiletune.train.build import pick_device, pick_dtype
+from compiletune.train.device import pick_device, pick_dtype
 from compiletune.train.inputs import build_eval_set
 from compiletune.train.step import evaluate
 

@@ -199,7 +199,7 @@ def _merged_lora(folder: Path, into: Path) -> Path:
     from compiletune.checkpoint import adapter_io
     from compiletune.data.tokenizer import load_tokenizer
     from compiletune.generate import _tokenizer_folder, adapter_base, load_lora_checkpoint
-    from compiletune.train.build import pick_device
+    from compiletune.train.device import pick_device
 
     base, saved = adapter_base(folder)
     tokenizer = load_tokenizer(_tokenizer_folder(folder, base))

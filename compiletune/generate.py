@@ -28,7 +28,8 @@ from compiletune.models.cache import KVCache
 from compiletune.models.generation_config import eos_ids, load_generation_config
 from compiletune.models.lora import apply_lora, block_adapter
 from compiletune.sampling import Sampling, check_prompt, text_lines
-from compiletune.train.build import pick_device, pick_dtype, resolve_model_args
+from compiletune.train.build_model import resolve_model_args
+from compiletune.train.device import pick_device, pick_dtype
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -75,7 +75,9 @@ from compiletune.models.cache import KVCache
 from compiletune.ops import op_memory
 from compiletune.optim import _local
 from compiletune.train import BuildOptions, Run, StepBatch, build_run
-from compiletune.train.build import build_optimizer, model_facts, resolve_model_args
+from compiletune.train.build import build_optimizer
+from compiletune.train.build_model import resolve_model_args
+from compiletune.train.inputs import model_facts
 from compiletune.train.step import Backward, backward_pass, optimizer_step
 
 GPUS_PER_NODE = 8  # hybrid sharding's default shard group (one node), as torchrun would set it
@@ -501,16 +503,7 @@ def run_step(
 
     if cfg.objective.objective == "grpo":  # an update's micro-batch: G completions a prompt
         cfg = cfg.replace(batch_size=cfg.data.batch_size * cfg.objective.num_generations)
-    opts = BuildOptions(
-        device=torch.device(device),
-        dtype=gpu_dtype(cfg),
-        read_inputs=False,
-        fake=fake,
-        depth=depth,
-        compile=False,  # compiled blocks modelled by the same policies run eagerly
-        emulate_fp8=True,
-    )
-    run = build_run(cfg, env, opts, _Watcher(scope, observe))
+    run = build_run(cfg, env, _options(cfg, device, fake, depth), _Watcher(scope, observe))
     if swap is not None:
         swap.built()
     rows = cfg.data.batch_size * run.dp_world
@@ -548,6 +541,21 @@ def run_step(
             for kind, child in forked.items():
                 others[kind] = child.result()  # type: ignore[index]
     return run
+
+
+def _options(cfg: TrainConfig, device: str, fake: bool, depth: int | None) -> BuildOptions:
+    """run_step's build: on `device` in the dtype of the GPU estimated for, nothing read (random
+    weights and tokens), fake tensors under a tracker, the first `depth` blocks, an eager step
+    (compiled blocks modelled by the same policies run eagerly), float8 emulated."""
+    return BuildOptions(
+        device=torch.device(device),
+        dtype=gpu_dtype(cfg),
+        read_inputs=False,
+        fake=fake,
+        depth=depth,
+        compile=False,
+        emulate_fp8=True,
+    )
 
 
 @dataclass

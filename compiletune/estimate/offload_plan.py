@@ -23,7 +23,7 @@ from compiletune.estimate.fit.advice import advice
 from compiletune.estimate.fit.capacity import Capacity, fits, machine_host_bytes
 from compiletune.estimate.fit.printing import verdict
 from compiletune.launch import launched_world_size
-from compiletune.train.build import resolve_model_args
+from compiletune.train.build_model import resolve_model_args
 
 
 def plan_offload(

@@ -1,20 +1,116 @@
-"""The run's data from its config: the training rows of each --data source with its mixture
-weight, and the held-out rows (`build_run` calls these; a probe reads no data)."""
+"""What a run reads before its model is built (`read_inputs`): the tokenizer, the training rows
+of each --data source with its mixture weight, the held-out rows, and with --resume the
+checkpoint's training state; or, for a build that reads nothing (`BuildOptions.read_inputs`),
+the facts the data would give, from the model's shapes (`model_facts`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from compiletune.config import TrainConfig
+from compiletune import distributed as dist_
+from compiletune.checkpoint import adapter_io
+from compiletune.checkpoint import steps as ckpt
+from compiletune.config import RunFacts, TrainConfig
 from compiletune.data.pairs import PairRows, read_pairs
 from compiletune.data.prompts import Prompt, PromptSet, read_prompts
 from compiletune.data.rows import PackedData, check_rows, pack_store, split_indices
 from compiletune.data.sources import parse_sources
 from compiletune.data.token_cache import cached_store, check_vocabulary
 from compiletune.data.token_store import ExampleRows, MemoryStore, Store
+from compiletune.data.tokenizer import byte_tokenizer, load_tokenizer
 from compiletune.errors import UserError
+from compiletune.models import ModelArgs
+from compiletune.models.lora import LoRASpec
+
+
+def resolve_tokenizer(cfg: TrainConfig) -> Any:
+    if cfg.model.tokenizer is not None:
+        return load_tokenizer(cfg.model.tokenizer, "--tokenizer")
+    if cfg.model.model_dir is not None:
+        return load_tokenizer(cfg.model.model_dir)
+    # Random-init presets train on raw bytes: no tokenizer files needed, any vocab >= 259 fits.
+    return byte_tokenizer()
+
+
+def check_shapes(cfg: TrainConfig, args: ModelArgs, tokenizer: Any) -> None:
+    if len(tokenizer) > args.vocab_size:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+            f"{args.vocab_size}; pass a --tokenizer that matches the model"
+        )
+    seq_len = cfg.data.seq_len
+    if seq_len > args.max_seq_len:
+        raise UserError(
+            f"--seq-len {seq_len} is beyond the model's {args.max_seq_len} positions; "
+            f"pass --seq-len {args.max_seq_len} or less"
+        )
+    if cfg.optim.router_bias_update_rate and args.router_score != "sigmoid":
+        raise UserError(
+            "--router-bias-update-rate nudges the correction bias of DeepSeek-V3-style "
+            "(sigmoid) routers; this model has none, so leave it 0"
+        )
+
+
+@dataclass
+class Inputs:
+    """What a run reads before its model is built (nothing, without `read_inputs`)."""
+
+    facts: RunFacts
+    tokenizer: Any = None
+    data: list[PackedData] | None = None  # one per --data source
+    eval_set: Any = None  # as Run.eval_set
+    resume_from: Path | None = None
+    state: dict[str, Any] | None = None
+    weights: list[float] | None = None  # the sources' mixture weights
+
+
+def read_inputs(
+    cfg: TrainConfig, env: dist_.DistEnv | None, args: ModelArgs, spec: LoRASpec | None
+) -> Inputs:
+    """Tokenizer, packed data, and with --resume the latest checkpoint and its state."""
+    world = env.world if env is not None else 1
+    tokenizer = resolve_tokenizer(cfg)
+    check_shapes(cfg, args, tokenizer)
+    say = print if env is None or env.is_main else (lambda line: None)
+    if cfg.objective.objective == "grpo":
+        datas, weights, eval_set = build_prompts(cfg, tokenizer, say)
+    elif cfg.objective.objective in ("dpo", "ipo", "simpo"):
+        datas, weights, eval_set = build_pairs(cfg, tokenizer, say)
+    else:
+        datas, weights, eval_set = build_data(cfg, tokenizer, say, args.vocab_size)
+    packs = any(getattr(d, "packs_documents", lambda: False)() for d in datas)
+    rows = sum(d.rows for d in datas)
+    facts = RunFacts(
+        args.vocab_size,
+        packs_documents=packs,
+        rows=rows,
+        world=world,
+        router_aux_coef=args.router_aux_coef,
+    )
+    inputs = Inputs(facts, tokenizer, datas, eval_set, weights=weights)
+    if cfg.run.resume:
+        inputs.resume_from = ckpt.pick_resume(Path(cfg.run.output_dir), cfg.run.resume_from, say)
+        inputs.state = ckpt.load_train_state(inputs.resume_from)
+        ranks = world if env is not None else None
+        ckpt.check_resumable(inputs.resume_from, inputs.state, ranks, cfg.parallel.sharding)
+        adapter_io.check_resume_kind(inputs.resume_from, spec)
+    return inputs
+
+
+def model_facts(cfg: TrainConfig, args: ModelArgs, world: int) -> RunFacts:
+    """The facts a build that reads no data fills `cfg`'s defaults from (then its params'
+    dtype): the model's shapes, the world, and the objective's rows as the data would be."""
+    return RunFacts(
+        args.vocab_size,
+        # pair rows hold two sequences each (the estimator's random pairs): masked as in a run
+        packs_documents=cfg.objective.objective in ("dpo", "ipo", "simpo"),
+        world=world,
+        router_aux_coef=args.router_aux_coef,
+    )
 
 
 def build_data(

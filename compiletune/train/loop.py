@@ -35,7 +35,8 @@ from compiletune.models import num_params
 from compiletune.models.hf_config import brief
 from compiletune.rl.rewards import load_rewards
 from compiletune.train import grpo, objective
-from compiletune.train.build import Run, build_run, pick_device
+from compiletune.train.build import Run, build_run
+from compiletune.train.device import pick_device
 from compiletune.train.nonfinite import Facts, advice
 from compiletune.train.objective import evaluate_pairs
 from compiletune.train.run_dir import closing, contents, disk, hub_pin, resume, signals

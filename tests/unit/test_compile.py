@@ -190,9 +190,9 @@ def test_fused_head_row_functions_compile_once(tmp_path, monkeypatch):
     AOTAutograd runs its first call under a checking dispatch mode. The head's compiled row
     functions must not be compiled again for the later steps (they were: ~0.5 s once)."""
     from compiletune.ops import ce_chunks
-    from compiletune.train import build, loop
+    from compiletune.train import device, loop
 
-    for module in (build, loop):  # a GPU would take the Triton path
+    for module in (device, loop):  # a GPU would take the Triton path
         monkeypatch.setattr(module, "pick_device", lambda: torch.device("cpu"))
     compiles = []
     real_compile = torch.compile

@@ -29,7 +29,7 @@ from compiletune.estimate import estimator as estimate
 from compiletune.estimate.fit import advice, ladder, printing
 from compiletune.estimate.fit.capacity import RESERVE_BYTES, Capacity
 from compiletune.estimate.fit.preflight import preflight
-from compiletune.train.build import resolve_model_args
+from compiletune.train.build_model import resolve_model_args
 
 SMALL = {"model": "debug", "n_layers": 2, "seq_len": 128, "batch_size": 4, "dtype": "fp32"}
 TOLERANCE = 0.10
@@ -335,12 +335,12 @@ def test_estimate_never_draws_real_weights(
     """The estimate of any world size builds on fake tensors only: no rank draws the full model's
     weights for real (an FSDP estimate once had "rank 0" draw them on the host: 15 GB and 70 s for
     a 7B model instead of 0.5 GB and 5 s)."""
-    from compiletune.train import build
+    from compiletune.train import build_model
 
     def refuse(*a: object, **k: object) -> None:
         raise AssertionError("the estimate built real weights")
 
-    monkeypatch.setattr(build, "build_model_weights", refuse)
+    monkeypatch.setattr(build_model, "build_model_weights", refuse)
     est = estimate.estimate_memory(_cfg(lora_rank=8 if lora else 0), gpus)
     assert est.peak_bytes > 0 and est.setup["fsdp"] == (gpus > 1)
 
@@ -444,9 +444,9 @@ def test_a_gpu_runs_estimate_of_document_masked_rows_runs_on_the_cpu(
     """On a GPU machine the pre-flight estimate of a run whose rows are document-masked (pairs)
     still runs its fake step on the CPU: the attention kernel is chosen for the CPU
     (FlexAttention, the CUDA choice, has no CPU backward)."""
-    from compiletune.train import build
+    from compiletune.train import device
 
-    monkeypatch.setattr(build, "pick_device", lambda: torch.device("cuda"))
+    monkeypatch.setattr(device, "pick_device", lambda: torch.device("cuda"))
     est = estimate.estimate_memory(_cfg(objective="simpo", lora_rank=4))
     assert est.peak_bytes > 0
 

@@ -22,7 +22,7 @@ from compiletune.estimate.fit.capacity import RESERVE_BYTES, Capacity, fits
 from compiletune.estimate.offload_plan import plan_offload
 from compiletune.loss.head import LossHead
 from compiletune.models import build_model, from_name
-from compiletune.train.build import resolve_model_args
+from compiletune.train.build_model import resolve_model_args
 
 # Four blocks of 512-token rows: what a block saves matters next to the tiny weights.
 FOUR = {"model": "debug", "n_layers": 4, "seq_len": 512, "batch_size": 2, "dtype": "fp32"}

@@ -24,7 +24,7 @@ from compiletune.estimate.fit.capacity import (
     fits,
     with_reserve,
 )
-from compiletune.train.build import resolve_model_args
+from compiletune.train.build_model import resolve_model_args
 
 # The ladder: each rung adds flags to the ones before, cheapest first, by what a rung costs.
 # Fused loss: nothing (it is also faster). 8-bit states: optimizer-state precision. Full
