@@ -16,6 +16,7 @@ from typing import Any
 from compiletune.compiler.offload_target import OffloadTarget
 from compiletune.config import TrainConfig, flag_text
 from compiletune.errors import UserError
+from compiletune.estimate import expert_parallel as ep_
 from compiletune.estimate.estimator import MemoryEstimate, as_trained, estimate_memory
 from compiletune.estimate.fit.capacity import (
     RESERVE_BYTES,
@@ -204,6 +205,8 @@ def _not_applicable(cfg: TrainConfig, changes: dict[str, Any]) -> str:
         return "n/a (LoRA takes --dtype bf16, not bf16-mixed)"
     if changes.get("optimizer_in_backward") and cfg.data.grad_accum > 1:
         return "n/a (needs --grad-accum 1)"
+    if changes.get("cpu_offload") and cfg.parallel.ep > 1:
+        return "n/a (--ep does not take --cpu-offload yet)"
     return ""
 
 
@@ -224,7 +227,7 @@ def ladder(
         return estimate_memory(c, gpus, also=SWAPS), None, ""
 
     rows: list[Rung] = []
-    full = _climb(as_trained(cfg, gpus), LADDER, progress, measure, rows)
+    full = _climb(as_trained(cfg, gpus), ep_.rungs(cfg, gpus) + LADDER, progress, measure, rows)
     _climb(full, [FP8_RUNG], progress, measure, rows)  # speed: beside the stack, not on it
     _climb(full, LORA_RUNGS, progress, measure, rows)
     return rows
@@ -244,7 +247,7 @@ def length_ladder(
     and a rung whose search the bound cut as "at least"."""
     say = progress or (lambda line: None)
     total = Bound(LADDER_ESTIMATES)
-    rungs = LADDER[:3] + LENGTH_RUNGS + LADDER[3:] + LORA_RUNGS
+    rungs = ep_.rungs(cfg, gpus) + LADDER[:3] + LENGTH_RUNGS + LADDER[3:] + LORA_RUNGS
     if gpus > 1:
         rungs = rungs + [("+ context parallel", {"fsdp": True, "cp": gpus})]
     last = [0]
