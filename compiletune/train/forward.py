@@ -15,6 +15,8 @@ Batch = dict[str, Any]  # tensors, and `documents` (cu_seqlens, max_seqlen)
 # what a --cp rank keeps only its piece of; the rest (documents, pairs, sequence ids) stays
 # whole: attention and the pairs' sums need the whole row
 PER_TOKEN = ("inputs", "targets", "positions")
+# a vision batch's images (`ImageInputs`) and the row of each (compiletune/data/image_batch.py)
+IMAGE_KEYS = ("images", "image_rows")
 
 
 def local_batch(batch: Batch, rows: slice, seq: SeqShards | None, device: torch.device) -> Batch:
@@ -28,10 +30,19 @@ def local_batch(batch: Batch, rows: slice, seq: SeqShards | None, device: torch.
         cu, max_seqlen = cu_seqlens(host_array(ids)[rows])
         out["documents"] = (cu.to(device, non_blocking=True), max_seqlen)
     for k, v in batch.items():
+        if k in IMAGE_KEYS:
+            continue
         v = v[rows]
         if seq is not None and k in PER_TOKEN:
             v = seq.piece(v)
         out[k] = v.to(device, non_blocking=True)
+    images = batch.get("images")
+    if images is not None:  # the images of this part's rows (models/vision/inputs.py)
+        mine = torch.arange(batch["inputs"].shape[0])[rows]
+        picked = torch.isin(batch["image_rows"], mine).nonzero()[:, 0]
+        images = images.select(picked)
+        if images is not None:
+            out["images"] = images.to(device)
     return out
 
 
@@ -43,7 +54,10 @@ def forward_hidden(
 ) -> Tensor:
     """Hidden states [b, s, d] of a batch; with `doc_mask` every packed example attends only to
     itself, with its positions restarting at 0 (as if it were alone in the row). MoE layers'
-    router statistics go to `router_stats` when given."""
+    router statistics go to `router_stats` when given. A vision batch's `images` go to the
+    model's tower."""
+    # only when there are images: a text model's hidden_states may be a wrapper's without them
+    images = {"images": batch["images"]} if batch.get("images") is not None else {}
     if doc_mask:
         return model.hidden_states(
             batch["inputs"],
@@ -51,5 +65,6 @@ def forward_hidden(
             batch["doc_ids"],
             router_stats=router_stats,
             documents=batch.get("documents"),
+            **images,
         )
-    return model.hidden_states(batch["inputs"], router_stats=router_stats)
+    return model.hidden_states(batch["inputs"], router_stats=router_stats, **images)

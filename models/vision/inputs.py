@@ -70,6 +70,27 @@ class ImageInputs:
             return int(self.image_grid_thw.shape[0])
         return int(self.pixel_values.shape[0])
 
+    def select(self, index: Tensor) -> ImageInputs | None:
+        """The images at `index` (int [k], in the batch's order), in that order; None for none.
+        Qwen3.5's flattened patches are picked by each image's t * h * w patch count."""
+        index = torch.as_tensor(index, dtype=torch.long).cpu()
+        if index.numel() == 0:
+            return None
+        grid = self.image_grid_thw
+        if grid is None:
+            pixels = self.pixel_values[index.to(self.pixel_values.device)]
+            positions = self.image_position_ids
+            if positions is not None:
+                positions = positions[index.to(positions.device)]
+            return ImageInputs(pixels, image_position_ids=positions)
+        counts = grid.prod(-1).cpu()
+        starts = torch.cumsum(counts, 0) - counts
+        patches = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in index])
+        return ImageInputs(
+            self.pixel_values[patches.to(self.pixel_values.device)],
+            image_grid_thw=grid[index.to(grid.device)],
+        )
+
     @staticmethod
     def concat(parts: list[ImageInputs]) -> ImageInputs | None:
         """Several examples' images as one batch's (in order); None for none. Gemma 4's padded

@@ -224,3 +224,21 @@ def test_packed_rows_equal_the_examples_alone(loaded):
         packed = ours(row, positions, doc_ids, images=both)
         alone = torch.cat([ours(a, images=ia), ours(b, images=ib)], dim=1)
     assert rel(packed, alone) <= TOL
+
+
+def test_the_trainers_forward_passes_images(loaded):
+    """compiletune/train/forward.py: a batch's `images` reach the tower (packed or not)."""
+    from compiletune.train.forward import forward_hidden
+
+    family, _, ours = loaded
+    ids, images, _ = batch(family, 1, seed=5)
+    data = {
+        "inputs": ids,
+        "positions": torch.arange(ids.shape[1])[None],
+        "doc_ids": torch.zeros_like(ids),
+        "images": images,
+    }
+    with torch.no_grad():
+        want = ours.hidden_states(ids, images=images)
+        for doc_mask in (False, True):
+            assert rel(forward_hidden(ours, data, doc_mask), want) <= TOL
