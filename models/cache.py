@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -64,6 +66,10 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
         self.lengths: Tensor | None = None
+        # a vision-language prompt (models/vision/model.py): its image mask for the prefill
+        # (`ImageBlocks`), and how far Qwen3.5's 3-D positions run ahead of the token count
+        self.images: Any = None
+        self.position_offset: Tensor | int = 0
 
     def sized(self) -> list[tuple[Tensor, tuple[int, ...]]]:
         """Every buffer the cache holds (what a decode step reads and writes in place), each

@@ -239,12 +239,13 @@ class Attention(nn.Module):
         cached_k, cached_v = cache.read(layer, s)
         keys, values = self._repeat_kv(cached_k), self._repeat_kv(cached_v)  # [b, h, n, hd]
         if cache.prefill:  # the prompt: the exact segment op (prompt lengths vary; no recompiles)
+            images = cache.images  # a prompt with images: their tokens see each other
             out = causal_attention(
                 q,
                 keys,
                 values,
                 self.scale,
-                None,
+                None if images is None else images.dense(self.window, self.kind),
                 self.window,
                 self.softcap,
                 backend="segments",
@@ -703,12 +704,27 @@ class Transformer(nn.Module):
         cap = self.args.final_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 
-    def hidden_states_cached(self, tokens: Tensor, cache: KVCache) -> Tensor:
+    def hidden_states_cached(self, tokens: Tensor, cache: KVCache, images: Any = None) -> Tensor:
         """Inference: tokens [b, s] following the `cache.length` cached ones -> hidden [b, s, d].
 
         The same blocks and weights as `hidden_states`, at positions cache.length .. + s - 1;
         the tokens' keys and values are appended to `cache`. The training path is untouched.
+        `images`: a prompt's, for a vision-language model's prefill (models/vision/model.py).
         """
+        positions = self.cached_positions(tokens, cache, images)
+        h, ple = self.inputs(tokens, images)  # [b, s, d], per-layer inputs or None
+        ropes = self.ropes(positions, h.dtype, rowwise=cache.lengths is not None)
+        for i, layer in enumerate(self.layers):
+            mine = None if ple is None else ple[:, :, i]
+            h = layer.forward_cached(h, *ropes[layer.kind], cache, i, mine)
+        if cache.lengths is not None:
+            cache.lengths.add_(1)
+        else:
+            cache.length += tokens.shape[1]
+        return self.norm(h)
+
+    def cached_positions(self, tokens: Tensor, cache: KVCache, images: Any = None) -> Tensor:
+        """The positions of `tokens` after the cached ones: [1, s], or [b, 1] per row."""
         start, s = cache.length, tokens.shape[1]
         if cache.lengths is not None:  # rows of their own lengths: one token each, in place
             if s != 1:
@@ -718,17 +734,7 @@ class Transformer(nn.Module):
             raise ValueError(f"KV cache of {cache.max_len} positions cannot take {start + s}")
         else:
             positions = torch.arange(start, start + s, device=tokens.device)[None]  # [1, s]
-        h = self.embed(tokens)  # [b, s, d]
-        ple = self.per_layer_inputs(tokens, h) if self.per_layer_inputs is not None else None
-        ropes = self.ropes(positions, h.dtype, rowwise=cache.lengths is not None)
-        for i, layer in enumerate(self.layers):
-            mine = None if ple is None else ple[:, :, i]
-            h = layer.forward_cached(h, *ropes[layer.kind], cache, i, mine)
-        if cache.lengths is not None:
-            cache.lengths.add_(1)
-        else:
-            cache.length += s
-        return self.norm(h)
+        return positions
 
 
 def build_model(

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from compiletune.errors import UserError
 
 from ..args import ModelArgs
+from ..cache import KVCache
 from ..decoder import Transformer
 from ..families import FAMILIES
 from ..families.base import Vision
@@ -205,6 +206,29 @@ class VisionLanguageModel(Transformer):
             runs = image_runs(tokens, self.image_token_id)
             doc_ids, documents = ImageBlocks(runs, self.image_kinds, doc_ids), None
         return super().hidden_states(tokens, positions, doc_ids, router_stats, documents, images)
+
+    def hidden_states_cached(self, tokens: Tensor, cache: KVCache, images: Any = None) -> Tensor:
+        """As the decoder's; `images` go with the prompt's first pass (an empty cache), and
+        their tokens see each other there as in training."""
+        if images is not None and not cache.prefill:
+            raise ValueError("images go with the prompt's first pass, into an empty cache")
+        if images is not None and self.image_kinds:
+            cache.images = ImageBlocks(image_runs(tokens, self.image_token_id), self.image_kinds)
+        try:
+            return super().hidden_states_cached(tokens, cache, images)
+        finally:
+            cache.images = None
+
+    def cached_positions(self, tokens: Tensor, cache: KVCache, images: Any = None) -> Tensor:
+        """Qwen3.5 with images: the prompt's 3-D positions; the tokens after it go on from the
+        largest (each row's lead over its token count kept in `cache.position_offset`)."""
+        if images is not None and self.mrope_section:
+            positions = self.mrope_positions(tokens, images)
+            cache.position_offset = positions.amax(dim=(0, 2)) + 1 - tokens.shape[1]  # [b]
+            return positions
+        positions = super().cached_positions(tokens, cache, images)
+        offset = cache.position_offset
+        return positions + offset[:, None] if isinstance(offset, Tensor) else positions
 
     def mrope_positions(
         self, tokens: Tensor, images: ImageInputs, doc_ids: Tensor | None = None

@@ -23,6 +23,7 @@ from vision_cases import (
     rel,
 )
 
+from compiletune.models.cache import KVCache
 from compiletune.models.hf import from_hf, save_hf
 from compiletune.models.vision.inputs import ImageInputs
 from compiletune.models.vision.model import VisionLanguageModel
@@ -242,3 +243,22 @@ def test_the_trainers_forward_passes_images(loaded):
         want = ours.hidden_states(ids, images=images)
         for doc_mask in (False, True):
             assert rel(forward_hidden(ours, data, doc_mask), want) <= TOL
+
+
+def test_greedy_generation_with_an_image_equals_transformers(loaded):
+    """Prefill with the image (its tokens' mask and Qwen3.5's 3-D positions), then one token a
+    step through the cache: the same greedy tokens as transformers' generate."""
+    family, hf, ours = loaded
+    ids, images, kwargs = batch(family, 1, seed=6)
+    new = 6
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids, **kwargs, max_new_tokens=new, do_sample=False)
+        cache = KVCache(
+            ours.args, batch=1, max_len=ids.shape[1] + new, dtype=torch.float32, device="cpu"
+        )
+        tokens, got = ids, []
+        for step in range(new):
+            hidden = ours.hidden_states_cached(tokens, cache, images if step == 0 else None)
+            got.append(int(ours.logits(hidden[0, -1]).argmax()))
+            tokens = torch.tensor([[got[-1]]])
+    assert got == ref[0, ids.shape[1] :].tolist()
