@@ -262,3 +262,35 @@ def test_greedy_generation_with_an_image_equals_transformers(loaded):
             got.append(int(ours.logits(hidden[0, -1]).argmax()))
             tokens = torch.tensor([[got[-1]]])
     assert got == ref[0, ids.shape[1] :].tolist()
+
+
+def qwen35_moe_config() -> transformers.Qwen3_5MoeConfig:
+    """The tiny Qwen3.5 with 4 experts (2 a token) and a shared expert in every layer."""
+    cfg = qwen35_config().to_dict()
+    text = {k: v for k, v in cfg["text_config"].items() if k != "intermediate_size"}
+    text.update(
+        model_type="qwen3_5_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    vision = {**cfg["vision_config"], "model_type": "qwen3_5_moe"}
+    return transformers.Qwen3_5MoeConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN
+    )
+
+
+@pytest.mark.slow
+def test_qwen35_moe_logits_and_save_equal_transformers(tmp_path):
+    case = Case(transformers.Qwen3_5MoeForConditionalGeneration, qwen35_moe_config(), IMAGE_TOKEN)
+    hf = case.model()
+    hf.save_pretrained(tmp_path / "source")
+    ours = from_hf(tmp_path / "source", dtype=torch.float32, vision=True)
+    ids, images, kwargs = batch("qwen35", 2)
+    with torch.no_grad():
+        assert rel(ours(ids, images=images), hf(input_ids=ids, **kwargs).logits) <= TOL
+    save_hf(ours, tmp_path / "saved")
+    back = type(hf).from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel(ours(ids, images=images), back(input_ids=ids, **kwargs).logits) <= TOL
