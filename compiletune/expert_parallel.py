@@ -205,10 +205,12 @@ def local_view(model: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def whole_experts(model: nn.Module) -> Iterator[None]:
+def whole_experts(model: nn.Module, trainable_only: bool = False) -> Iterator[None]:
     """Inside, every MoE layer holds all its experts (gathered from the ranks of its `ep`
     group, a collective; frozen copies), as one process would: for the HF export and the
-    adapter folder. Every rank enters it. It gathers every layer's experts at once."""
+    adapter folder. Every rank enters it. It gathers every layer's experts at once;
+    `trainable_only`: only the trainable ones (the adapters, for the adapter folder: a LoRA
+    run's frozen expert weights, most of a MoE model, stay split)."""
     state: ExpertParallel | None = getattr(model, "expert_parallel", None)
     if state is None:
         yield
@@ -218,6 +220,8 @@ def whole_experts(model: nn.Module) -> Iterator[None]:
         path, attr = name.rsplit(".", 1)
         experts = model.get_submodule(path)
         local = getattr(experts, attr)
+        if trainable_only and not local.requires_grad:
+            continue
         saved.append((experts, attr, local, experts.n_experts))
         whole = nn.Parameter(gather_experts(local), requires_grad=False)
         experts._parameters[attr] = whole

@@ -254,7 +254,8 @@ def save_sharded_checkpoint(
 
     def weights() -> None:
         if lora or export_hf:
-            with whole_experts(model):  # --ep: every expert, as one process holds them
+            # --ep: every expert as one process holds them (a LoRA run: its adapters only)
+            with whole_experts(model, trainable_only=lora):
                 if lora:  # the adapter folder a single process writes
                     save_adapter(model, tmp, tokenizer=tokenizer, writer=is_main)
                 else:
