@@ -1,0 +1,252 @@
+"""Image conversations through the data path: tokenised with the checkpoint's processor (a tiny
+Gemma 3 one saved and read back with AutoProcessor; a tiny Qwen3.5-style one built here), the
+targets the assistant's text only, bad images one line or skipped and counted, the token cache
+keeping image references, packing keeping each example whole, the batch's pixels prepared.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from test_images import png, save_tiny_gemma3_processor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from compiletune.data.image_batch import ImagePrep
+from compiletune.data.images import ImageError, ImageRef, load_image
+from compiletune.data.layouts import read_examples
+from compiletune.data.rows import Mixture, pack_store
+from compiletune.data.token_cache import cached_store
+from compiletune.data.token_store import IGNORE_INDEX, ExampleRows, MemoryStore
+from compiletune.data.tokenizer import byte_tokenizer
+from compiletune.errors import UserError
+
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+}
+
+
+class TinyQwenProcessor(transformers.Qwen3VLProcessor):
+    """Qwen3.5's processor without its video processor (which needs torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kw):
+        transformers.ProcessorMixin.__init__(
+            self, image_processor, tokenizer, chat_template=chat_template
+        )
+        self.image_token, self.image_token_id = tokenizer.image_token, tokenizer.image_token_id
+        self.vision_start_token = QWEN_TOKENS["vision_start_token"]
+        self.vision_end_token = QWEN_TOKENS["vision_end_token"]
+        self.video_token = "<|video_pad|>"
+
+
+def qwen_processor() -> TinyQwenProcessor:
+    """Patches of 4 merged 2x2: an image of 8x8 to 32x32 pixels takes 1 to 16 tokens."""
+    base = byte_tokenizer()
+    base.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS.values())})
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer,
+        bos_token=base.bos_token,
+        eos_token=base.eos_token,
+        pad_token=base.pad_token,
+        extra_special_tokens=QWEN_TOKENS,
+    )
+    images = Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+    )
+    return TinyQwenProcessor(images, tokenizer, chat_template=QWEN_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("proc")
+    save_tiny_gemma3_processor(folder)
+    return transformers.AutoProcessor.from_pretrained(folder)
+
+
+def row(*images: str, reply: str = "a red square", question: str = "What is it?") -> dict:
+    parts = [{"type": "image", "image": name} for name in images]
+    return {
+        "messages": [
+            {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
+            {"role": "assistant", "content": [{"type": "text", "text": reply}]},
+        ]
+    }
+
+
+def write_rows(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def data(tmp_path):
+    png(tmp_path / "img" / "a.png", 20, 12, seed=1)
+    png(tmp_path / "img" / "b.png", 9, 30, seed=2)
+    return tmp_path
+
+
+def encode(source, processor, **kw):
+    store = cached_store(
+        source, processor.tokenizer, processor=processor, workers=0, say=kw.pop("say", print), **kw
+    )
+    return store
+
+
+def image_tokens(processor) -> int:
+    return processor.tokenizer.image_token_id
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen35"])
+def test_one_and_two_images_tokenise_with_targets_on_the_reply(family, gemma3, data):
+    processor = gemma3 if family == "gemma3" else qwen_processor()
+    source = write_rows(
+        data / "train.jsonl", [row("img/a.png"), row("img/a.png", "img/b.png", reply="two")]
+    )
+    store = encode(source, processor, cache_dir=str(data / "cache"))
+    # expected token counts from the processor on each conversation as a whole
+    for doc, names in enumerate([["a"], ["a", "b"]]):
+        ids, flags = store.document(doc)
+        pictures = [load_image(ImageRef(data / "img" / f"{n}.png", "")) for n in names]
+        whole = processor(text=["x" + processor.image_token * len(names)], images=pictures)
+        expected = int((np.array(whole["input_ids"]) == image_tokens(processor)).sum())
+        assert int((ids == image_tokens(processor)).sum()) == expected > 0
+        # the targets are the reply (and what the template puts around it), never the user turn
+        text = processor.tokenizer.decode(ids[flags > 0].tolist())
+        assert ("a red square" if doc == 0 else "two") in text and "What is it?" not in text
+        assert not flags[ids == image_tokens(processor)].any()
+    assert [len(r) for r in store.images] == [1, 2]
+    assert store.images[1][1]["path"] == str(data / "img" / "b.png")
+
+
+def test_missing_image_is_one_line_naming_the_row_or_skipped_and_counted(gemma3, data):
+    rows = [row("img/a.png"), row("img/gone.png"), row("img/b.png")]
+    source = write_rows(data / "train.jsonl", rows)
+    with pytest.raises(ImageError) as caught:
+        encode(source, gemma3, cache_dir=str(data / "c1"))
+    assert str(caught.value).startswith(f"{source}:2 messages[0].content[0]: image img/gone.png")
+    assert "\n" not in str(caught.value)
+    said = []
+    store = encode(
+        source, gemma3, cache_dir=str(data / "c2"), skip_bad_images=True, say=said.append
+    )
+    assert store.n_docs == 2 and store.meta["skipped_images"] == 1
+    assert any("1 row with a missing, unreadable or oversized image skipped" in s for s in said)
+
+
+def test_unreadable_image_is_skipped_at_tokenising(gemma3, data):
+    (data / "img" / "bad.png").write_bytes(b"not a png")
+    source = write_rows(data / "train.jsonl", [row("img/bad.png"), row("img/a.png")])
+    with pytest.raises(
+        ImageError, match=r":1 messages\[0\]\.content\[0\]: image .*bad\.png cannot"
+    ):
+        encode(source, gemma3, cache_dir=str(data / "c1"))
+    store = encode(source, gemma3, cache_dir=str(data / "c2"), skip_bad_images=True, say=print)
+    assert store.n_docs == 1 and store.images == [
+        [{"path": str(data / "img" / "a.png"), "where": f"{source}:2 messages[0].content[0]"}]
+    ]
+
+
+def test_images_need_a_vision_processor(data):
+    source = write_rows(data / "train.jsonl", [row("img/a.png")])
+    with pytest.raises(UserError, match=r":1: the row holds images, and the model has none"):
+        list(read_examples(source, byte_tokenizer()))
+
+
+def test_cache_round_trip_keeps_references_and_batches_prepare_pixels(gemma3, data):
+    rows = [row("img/a.png"), row(question="no image here"), row("img/a.png", "img/b.png")]
+    source = write_rows(data / "train.jsonl", rows)
+    first = encode(source, gemma3, cache_dir=str(data / "cache"))
+    again = encode(source, gemma3, cache_dir=str(data / "cache"))  # read, not built
+    assert again.folder == first.folder and again.images == first.images
+    assert [len(r) for r in again.images] == [1, 0, 2]
+    packed = pack_store(again, 256, images=ImagePrep(gemma3))
+    batch = packed.take(np.arange(packed.rows))
+    assert packed.rows == 1 and batch["images"].pixel_values.shape == (3, 3, 32, 32)
+    assert batch["image_rows"].tolist() == [0, 0, 0]
+    assert int((batch["inputs"] == image_tokens(gemma3)).sum()) == 3 * 16
+
+
+def test_packing_keeps_image_examples_whole(gemma3, data):
+    rows = [row("img/a.png", reply="x" * n) for n in (5, 30, 60)] + [row(reply="t" * 40)]
+    source = write_rows(data / "train.jsonl", rows)
+    store = encode(source, gemma3, cache_dir=str(data / "cache"))
+    lens = np.diff(store.starts)
+    seq = int(lens[1]) + 2  # the longest image example does not fit a row
+    packed = ExampleRows(store, seq, images=ImagePrep(gemma3))
+    assert packed.images_too_long == 1 and "1 image conversation longer" in packed.summary()
+    seen = 0
+    for r in range(packed.rows):
+        batch = packed.take(np.array([r]))
+        n_images = int((batch["inputs"] == image_tokens(gemma3)).sum()) // 16
+        assert (
+            n_images
+            == len(packed.row_images(r))
+            == (0 if "images" not in batch else batch["images"].num_images)
+        )
+        seen += n_images
+    assert seen == 2  # the two that fit, each with all its image tokens in one row
+    with pytest.raises(UserError, match="--packing stream cuts examples"):
+        pack_store(store, seq, packing="stream")
+
+
+def test_held_out_and_mixtures_carry_images(gemma3, data):
+    source = write_rows(
+        data / "train.jsonl", [row("img/a.png"), row(question="q"), row("img/b.png")]
+    )
+    store = encode(source, gemma3, cache_dir=str(data / "cache"))
+    held = MemoryStore.from_stores([(store, np.array([0, 2]))])
+    assert [len(r) for r in held.images] == [1, 1]
+    prep = ImagePrep(gemma3)
+    mix = Mixture(
+        [
+            ExampleRows(held, 128, images=prep),
+            ExampleRows(store.subset(np.array([1])), 128, images=prep),
+        ],
+        [0.5, 0.5],
+        4,
+        seed=0,
+    )
+    batch = mix.next()
+    n = int((batch["inputs"] == image_tokens(gemma3)).sum()) // 16
+    assert n == (0 if "images" not in batch else batch["images"].num_images)
+    if n:
+        rows_with = sorted(set(batch["image_rows"].tolist()))
+        assert all((batch["inputs"][r] == image_tokens(gemma3)).any() for r in rows_with)
+    assert (batch["targets"] != IGNORE_INDEX).any()
+
+
+def test_images_from_a_parquet_image_column(gemma3, data):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    raw = (data / "img" / "a.png").read_bytes()
+    messages = row()["messages"]
+    messages[0]["content"].insert(0, {"type": "image"})
+    table = pa.table({"messages": [messages], "images": [[{"bytes": raw, "path": None}]]})
+    pq.write_table(table, data / "train.parquet")
+    store = encode(str(data / "train.parquet"), gemma3, cache_dir=str(data / "cache"))
+    ref = store.images[0][0]
+    assert ref["file"] == str(data / "train.parquet") and ref["row"] == 1 and "bytes" not in ref
+    batch = ExampleRows(store, 128, images=ImagePrep(gemma3)).take(np.array([0]))
+    assert batch["images"].pixel_values.shape == (1, 3, 32, 32)
+    torch.testing.assert_close(
+        batch["images"].pixel_values,
+        torch.as_tensor(
+            gemma3.image_processor(
+                images=[transformers.image_utils.load_image(str(data / "img" / "a.png"))],
+                return_tensors="pt",
+            )["pixel_values"]
+        ),
+    )
