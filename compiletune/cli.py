@@ -402,6 +402,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         )
     check_inputs(cfg, estimate=True)  # and a missing model or teacher folder
     from compiletune.estimate import estimator as est_  # lazy: a subcommand's cost
+    from compiletune.estimate import expert_parallel as ep_  # lazy: a subcommand's cost
     from compiletune.estimate.fit import advice, ladder, printing  # lazy: a subcommand's cost
     from compiletune.estimate.fit.capacity import (  # lazy: a subcommand's cost
         Capacity,
@@ -437,6 +438,9 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     also = ladder.search_optimizers(cfg) if capacity is not None else ()
     _to_stderr("estimating one training step on fake tensors...")  # seconds for a large model
     est = est_.estimate_memory(cfg, ns.gpus, also=also)
+    if (flat := ep_.uniform_config(cfg)) is not None:  # --ep: uniform routing beside
+        uniform = est_.estimate_memory(flat, ns.gpus).peak_bytes
+        est.notes.append(ep_.uniform_line(cfg, est.peak_bytes, uniform))
     fix = None
     if capacity is not None and not fits(est, capacity):
         print(

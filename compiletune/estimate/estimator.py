@@ -49,6 +49,7 @@ from compiletune import recipes
 from compiletune.config import TrainConfig, fill_defaults
 from compiletune.errors import UserError
 from compiletune.estimate import depth as depth_
+from compiletune.estimate import expert_parallel as ep_
 from compiletune.estimate import memory_internals as mi
 from compiletune.estimate.selective_saves import follow_selective_blocks
 from compiletune.estimate.tracker import (
@@ -161,7 +162,7 @@ def estimate_memory(
         return found
     t0 = time.perf_counter()
     policy = cfg.techniques.activation_policy
-    notes = []
+    notes = ep_.notes(cfg, gpus)
     if cfg.techniques.compile:
         notes.append(
             "--compile: estimated from the eager step with the same policies (compiled blocks "
@@ -519,6 +520,7 @@ def run_step(
     offload = None
     if tracker is not None:
         _mark_blocks(tracker, run.model)
+        ep_.assume_routing(run.model, cfg.parallel.ep_skew)  # --ep: rows received, assumed
         if cfg.techniques.compile:  # what the eager selective blocks cache and never read
             policy = cfg.techniques.activation_policy
             follow_selective_blocks(run.model, policy, tracker)

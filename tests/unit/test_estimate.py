@@ -469,6 +469,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         ({"model": "debug_gemma3", "n_layers": 30, "ac": "full"}, 1),  # the first full: 4th
         ({"n_layers": 32, "ac": "full", "ac_every": 2}, 1),
         ({"model": "debug_deepseek", "n_layers": 16}, 2),  # a dense layer first
+        ({"model": "debug_deepseek", "n_layers": 16, "ep": 2}, 2),  # its experts split
     ],
     ids=[
         "accum",
@@ -482,6 +483,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         "gemma3",
         "ac-every",
         "deepseek-fsdp",
+        "deepseek-ep",
     ],
 )
 def test_depth_shortcut_gives_the_whole_models_bytes(
