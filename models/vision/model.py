@@ -99,6 +99,13 @@ def vision_of(args: ModelArgs, where: str = "config.json") -> Vision:
     return fam.vision
 
 
+def is_vision_checkpoint(config: dict) -> bool:
+    """Is `config` (a checkpoint's whole config.json) one `from_hf(..., vision=True)` loads: a
+    vision-language architecture whose family has a tower here?"""
+    archs = config.get("architectures") or []
+    return any(arch in f.multimodal and f.vision for f in FAMILIES.values() for arch in archs[:1])
+
+
 class VisionLanguageModel(Transformer):
     """The decoder of `args` plus the vision tower `config` (the checkpoint's whole
     config.json, a dict) describes. The tower is built on the current default device in the
@@ -126,6 +133,10 @@ class VisionLanguageModel(Transformer):
                     f"{where}: text_config's rope_parameters need mrope_section [t, h, w]"
                 )
             self.mrope_section = tuple(int(n) for n in section)
+            if args.rope_scaling is not None:
+                raise UserError(
+                    f"{where}: rope scaling with 3-D (mrope) positions is not supported"
+                )
 
     # --- the tower's tensors ----------------------------------------------------------------
 

@@ -344,3 +344,12 @@ def test_compiled_blocks_equal_eager_over_images_of_two_sizes(loaded):
             if b is not None and b.norm() > 0:
                 assert rel(a, b) <= 1e-4
     assert regions.stats()["recompiles"] == 0
+
+
+def test_is_vision_checkpoint():
+    from compiletune.models.vision.model import is_vision_checkpoint
+
+    assert is_vision_checkpoint({"architectures": ["Gemma3ForConditionalGeneration"]})
+    assert is_vision_checkpoint({"architectures": ["Qwen3_5MoeForConditionalGeneration"]})
+    assert not is_vision_checkpoint({"architectures": ["Gemma3ForCausalLM"]})
+    assert not is_vision_checkpoint({})
