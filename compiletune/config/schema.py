@@ -108,6 +108,12 @@ class ModelConfig:
         "parameter dtype; bf16-mixed: fp32 master weights, bf16 compute (with --fsdp)",
         shows="bf16 on a GPU that supports it, else fp32",
     )
+    train_vision: bool = opt(
+        False,
+        "vision-language checkpoints: train the vision tower too (frozen by default; the build "
+        "reads this)",
+        on_resume="fixed",
+    )
 
 
 @dataclass
@@ -197,6 +203,12 @@ class DataConfig:
     truncation: Truncation = opt(
         "right",
         "an example longer than --seq-len keeps its start (right: the prompt) or its end (left)",
+    )
+    skip_bad_images: bool = opt(
+        False,
+        "leave out (and count) the rows whose image is missing, unreadable or oversized, "
+        "instead of stopping on the first",
+        estimate=False,
     )
     seq_len: int = opt(256, "tokens per row")
     batch_size: int = opt(8, "rows per micro-batch (per process)")

@@ -8,7 +8,7 @@ and `AutoTokenizer.from_pretrained` treat it exactly like a Llama or Qwen tokeni
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from compiletune.errors import UserError
 from compiletune.models.hf_config import brief, resolve_model_path
@@ -158,6 +158,25 @@ def load_tokenizer(path: str | Path, flag: str = "--model-dir") -> PreTrainedTok
         ) from e
     check_vocabulary(tokenizer, folder)
     return tokenizer
+
+
+def load_processor(path: str | Path, flag: str = "--model-dir") -> Any:
+    """The checkpoint's processor (transformers' `AutoProcessor`) when the folder is a
+    vision-language checkpoint's (it ships preprocessor_config.json or processor_config.json),
+    else None: its data may then hold no images."""
+    folder = resolve_model_path(path, flag, weights=False)
+    names = ("preprocessor_config.json", "processor_config.json")
+    if not folder.is_dir() or not any((folder / n).is_file() for n in names):
+        return None
+    from transformers import AutoProcessor  # only for vision checkpoints (see byte_tokenizer)
+
+    try:
+        return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # a missing optional package (torchvision), a broken file
+        raise UserError(
+            f"could not load the image processor in {folder} ({brief(e)}); image conversations "
+            "need it: install what it names (pip install 'compiletune[vision]') or fix the files"
+        ) from e
 
 
 def _config_error(folder: Path) -> str | None:

@@ -15,13 +15,14 @@ from compiletune import distributed as dist_
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.config import RunFacts, TrainConfig
+from compiletune.data.image_batch import ImagePrep
 from compiletune.data.pairs import PairRows, read_pairs
 from compiletune.data.prompts import Prompt, PromptSet, read_prompts
 from compiletune.data.rows import PackedData, check_rows, pack_store, split_indices
 from compiletune.data.sources import parse_sources
 from compiletune.data.token_cache import cached_store, check_vocabulary
 from compiletune.data.token_store import ExampleRows, MemoryStore, Store
-from compiletune.data.tokenizer import byte_tokenizer, load_tokenizer
+from compiletune.data.tokenizer import byte_tokenizer, load_processor, load_tokenizer
 from compiletune.errors import UserError
 from compiletune.models import ModelArgs
 from compiletune.models.lora import LoRASpec
@@ -122,6 +123,7 @@ def build_data(
     is refused."""
     d = cfg.data
     opts = _read_options(cfg, say)
+    prep = ImagePrep(opts["processor"]) if opts["processor"] is not None else None
     sources = parse_sources(d.source)
     stores: list[Store] = [cached_store(src, tokenizer, **opts) for src, _ in sources]
     if vocab is not None:
@@ -131,25 +133,25 @@ def build_data(
     held_name = None
     if d.val_split > 0:
         # Whole documents are held out before packing, so none is on both sides.
-        docs = []
+        parts = []
         for i, store in enumerate(stores):
             train, out = split_indices(store.n_docs, d.val_split, cfg.run.seed)
-            docs += [store.document(int(j)) for j in out]
+            parts.append((store, out))
             stores[i] = store.subset(train)
-        held = MemoryStore.from_documents(docs)
+        held = MemoryStore.from_stores(parts)
         held_name = f"the --val-split {d.val_split} held-out examples"
     elif d.eval_data is not None:
         held_opts = {**opts, "split": d.eval_split or d.data_split}
         held = read_held_out(d.eval_data, tokenizer, held_opts, vocab)
         held_name = f"--eval-data {d.eval_data}"
     datas = [
-        check_rows(pack_store(store, d.seq_len, d.packing, d.truncation), src)
+        check_rows(pack_store(store, d.seq_len, d.packing, d.truncation, prep), src)
         for store, (src, _) in zip(stores, sources, strict=True)
     ]
     for data, (src, _) in zip(datas, sources, strict=True):
         if isinstance(data, ExampleRows):
             say(f"{src}: {data.summary()}")
-    eval_set = None if held is None else pack_held_out(cfg, held, held_name)
+    eval_set = None if held is None else pack_held_out(cfg, held, held_name, prep)
     return datas, [w for _, w in sources], eval_set
 
 
@@ -164,7 +166,18 @@ def _read_options(cfg: TrainConfig, say: Any) -> dict[str, Any]:
         "cache_dir": d.cache_dir,
         "workers": d.data_workers,
         "say": say,
+        "processor": image_processor(cfg),
+        "skip_bad_images": d.skip_bad_images,
     }
+
+
+def image_processor(cfg: TrainConfig) -> Any:
+    """The checkpoint's processor for image conversations: --tokenizer's, else --model-dir's;
+    None for a checkpoint without one (and random-init presets), whose data holds no images."""
+    folder = cfg.model.tokenizer or cfg.model.model_dir
+    if folder is None:
+        return None
+    return load_processor(folder, "--tokenizer" if cfg.model.tokenizer else "--model-dir")
 
 
 def read_held_out(
@@ -176,14 +189,17 @@ def read_held_out(
         check_vocabulary(store, vocab)
     if len(evals) == 1:
         return evals[0]
-    return MemoryStore.from_documents([e.document(j) for e in evals for j in range(e.n_docs)])
+    return MemoryStore.from_stores([(e, np.arange(e.n_docs)) for e in evals])
 
 
-def pack_held_out(cfg: TrainConfig, held: Store, name: str) -> PackedData:
+def pack_held_out(
+    cfg: TrainConfig, held: Store, name: str, images: ImagePrep | None = None
+) -> PackedData:
     """Held-out examples packed into rows as training packs them, the tail that does not fill a
     row padded into a last one (so every held-out target counts)."""
     d = cfg.data
-    return check_rows(pack_store(held, d.seq_len, d.packing, d.truncation, keep_tail=True), name)
+    rows = pack_store(held, d.seq_len, d.packing, d.truncation, images, keep_tail=True)
+    return check_rows(rows, name)
 
 
 def build_eval_set(
@@ -195,10 +211,12 @@ def build_eval_set(
 ) -> tuple[PackedData, int]:
     """`cfg.data.source` read as held-out data (`compiletune eval`): its rows, packed and masked
     as --eval-data would be, and how many examples they hold (the first `max_examples`)."""
-    held = read_held_out(cfg.data.source, tokenizer, _read_options(cfg, say), vocab)
+    opts = _read_options(cfg, say)
+    held = read_held_out(cfg.data.source, tokenizer, opts, vocab)
     if max_examples is not None and max_examples < held.n_docs:
         held = held.subset(np.arange(max_examples))
-    return pack_held_out(cfg, held, f"--data {cfg.data.source}"), held.n_docs
+    prep = ImagePrep(opts["processor"]) if opts["processor"] is not None else None
+    return pack_held_out(cfg, held, f"--data {cfg.data.source}", prep), held.n_docs
 
 
 def build_prompts(cfg: TrainConfig, tokenizer: Any, say: Any = print) -> tuple[list, None, Any]:
