@@ -310,9 +310,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
     cfg = _resolve(ns, flags)  # a wrong value is reported before the trainer's imports
     check_inputs(cfg)  # and a missing file or folder
-    from compiletune.train.loop import train  # lazy: a subcommand's cost (seconds of imports)
+    from compiletune import before_train  # lazy: a subcommand's cost (seconds of imports)
+    from compiletune.train.loop import train  # lazy: as above
 
-    summary = train(cfg)
+    cfg, estimate_gib = before_train.prepare(cfg)  # on a GPU: the plan and the pre-flight
+    summary = train(cfg, estimate_gib)
     return EXIT_INTERRUPTED if summary["interrupted"] else 0
 
 
@@ -407,9 +409,9 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     from compiletune.estimate.fit.capacity import (  # lazy: a subcommand's cost
         Capacity,
         fits,
-        machine_host_bytes,
         parse_device_memory,
     )
+    from compiletune.hardware import machine_host_bytes  # lazy: a subcommand's cost
     from compiletune.train.build_model import resolve_model_args  # lazy: a subcommand's cost
 
     # config.json's own errors are the one line, before any progress line

@@ -5,12 +5,13 @@ Some x86 CPUs have no bf16 matmul instructions (AVX2 only: no AVX512-BF16, no AM
 PyTorch's bf16 matmul falls back to a scalar path: on this project's CPU machines it ran at
 0.3 GFLOP/s against 154 GFLOP/s in fp32, so a `--dtype bf16` run crawls. `warn_slow_bf16`
 says so once, with the numbers and the fix; `cpu_default_dtype` keeps benches from choosing
-bf16 on such a CPU.
+bf16 on such a CPU. And how much memory the machine has (`machine_host_bytes`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 
@@ -18,6 +19,11 @@ import torch
 
 SLOW_FACTOR = 4.0  # bf16 slower than fp32 by more than this: no native bf16 matmul
 _warned = False
+
+
+def machine_host_bytes() -> int:
+    """This machine's physical memory (the default of --host-memory)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _gflops(dtype: torch.dtype, n: int) -> float:

@@ -72,12 +72,12 @@ from compiletune.estimate.tracker import (
 )
 from compiletune.loss.head import IGNORE_INDEX
 from compiletune.models import num_params
-from compiletune.models.cache import KVCache
 from compiletune.ops import op_memory
 from compiletune.optim import _local
 from compiletune.train import BuildOptions, Run, StepBatch, build_run
 from compiletune.train.build import build_optimizer
 from compiletune.train.build_model import resolve_model_args
+from compiletune.train.grpo import rollout_bytes
 from compiletune.train.inputs import model_facts
 from compiletune.train.step import Backward, backward_pass, optimizer_step
 
@@ -286,42 +286,6 @@ def _add_rollout(est: MemoryEstimate, cfg: TrainConfig, gpus: int) -> None:
     )
     if rollout > est.peak_bytes:
         est.peak_bytes, est.parts, est.peak_phase = rollout, parts, "rollout"
-
-
-def rollout_bytes(cfg: TrainConfig, args: Any) -> tuple[int, int]:
-    """(KV cache, temporaries) in bytes of GRPO's rollout of --batch-size prompts' G
-    completions each, decoded together over --seq-len positions: the cache (on the meta
-    device: nothing is allocated), the rows' fp32 logits, probabilities and cdf, and one decode
-    step's attention temporaries. The trainer checks them against the machine before its first
-    rollout (train/grpo.py)."""
-    size = 4 if (cfg.model.dtype or "bf16") == "fp32" else 2
-    dtype = torch.float32 if size == 4 else torch.bfloat16
-    rows = cfg.data.batch_size * cfg.objective.num_generations
-    cache = KVCache(args, rows, cfg.data.seq_len, dtype, "meta")
-    kv = sum(t.numel() * t.element_size() for t, _ in cache.sized())
-    temporaries = 3 * rows * args.vocab_size * 4  # fp32 logits, probabilities, cdf
-    temporaries += _decode_attention_bytes(args, rows, cfg.data.seq_len, size)
-    return kv, temporaries
-
-
-def _decode_attention_bytes(args: Any, rows: int, positions: int, size: int) -> int:
-    """The largest attention temporaries of one decode step over a static cache of `positions`:
-    every head's keys and values over the whole cache, where the layer makes them (grouped
-    query heads repeated; MLA's latents expanded: the projection's keys and values, then the
-    keys joined with their rope part)."""
-    worst = 0
-    for i in range(args.n_layers):
-        kind = args.layer_kind(i)
-        if kind == "linear":
-            continue
-        if args.kv_rank:  # models/mla.py `expand`
-            width = args.hd + (args.hd - args.rotary_dim) + args.v_head_dim
-        elif args.kv_heads_of(kind) != args.n_heads:  # models/decoder.py `_repeat_kv`
-            width = 2 * args.head_dim_of(kind)
-        else:
-            continue
-        worst = max(worst, rows * args.n_heads * positions * width * size)
-    return worst
 
 
 def _interpolate(lo: MemoryEstimate, hi: MemoryEstimate, f: float) -> MemoryEstimate:

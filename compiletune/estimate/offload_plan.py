@@ -20,8 +20,9 @@ from compiletune.config import TrainConfig
 from compiletune.errors import UserError
 from compiletune.estimate.estimator import MemoryEstimate, estimate_memory, keep, shapes_only
 from compiletune.estimate.fit.advice import advice
-from compiletune.estimate.fit.capacity import Capacity, fits, machine_host_bytes
+from compiletune.estimate.fit.capacity import Capacity, fits
 from compiletune.estimate.fit.printing import verdict
+from compiletune.hardware import machine_host_bytes
 from compiletune.launch import launched_world_size
 from compiletune.train.build_model import resolve_model_args
 

@@ -27,13 +27,14 @@ import torch
 from torch import Tensor
 
 from compiletune import distributed as dist_
+from compiletune.config import TrainConfig
 from compiletune.data.prompts import Prompt
 from compiletune.errors import UserError
-from compiletune.estimate.estimator import rollout_bytes
-from compiletune.estimate.fit.capacity import machine_host_bytes
+from compiletune.hardware import machine_host_bytes
 from compiletune.loss.grpo import GrpoOptions, advantages, grpo_loss
 from compiletune.loss.head import IGNORE_INDEX
 from compiletune.metrics import peak_memory_gib
+from compiletune.models.cache import KVCache
 from compiletune.models.generation_config import eos_ids
 from compiletune.rl.rewards import Reward, RewardStopped, check_columns, load_rewards, score
 from compiletune.rl.rollout import sample_prompts
@@ -473,7 +474,7 @@ def _reward_summary(values: list[float | None]) -> dict[str, float]:
 
 def check_rollout_fits(run: Run) -> None:
     """The rollout's --batch-size x --num-generations rows, decoded at once, fit the machine:
-    their KV cache and logits (estimate/estimator.py's count of them, on the meta device) and
+    their KV cache and logits (`rollout_bytes`, counted on the meta device) and
     the weights against the GPU's memory, or this machine's on a CPU. Refused before the first
     rollout allocates them, rather than an allocator's traceback (on a GPU the pre-flight
     estimate usually refused first)."""
@@ -495,6 +496,42 @@ def check_rollout_fits(run: Run) -> None:
         "--num-generations or --batch-size (`compiletune estimate-memory --objective grpo` "
         "counts the rollout)"
     )
+
+
+def rollout_bytes(cfg: TrainConfig, args: Any) -> tuple[int, int]:
+    """(KV cache, temporaries) in bytes of GRPO's rollout of --batch-size prompts' G
+    completions each, decoded together over --seq-len positions: the cache (on the meta
+    device: nothing is allocated), the rows' fp32 logits, probabilities and cdf, and one decode
+    step's attention temporaries. `check_rollout_fits` checks them against the machine before
+    the first rollout; the memory estimate counts them beside the step (estimate/estimator.py)."""
+    size = 4 if (cfg.model.dtype or "bf16") == "fp32" else 2
+    dtype = torch.float32 if size == 4 else torch.bfloat16
+    rows = cfg.data.batch_size * cfg.objective.num_generations
+    cache = KVCache(args, rows, cfg.data.seq_len, dtype, "meta")
+    kv = sum(t.numel() * t.element_size() for t, _ in cache.sized())
+    temporaries = 3 * rows * args.vocab_size * 4  # fp32 logits, probabilities, cdf
+    temporaries += _decode_attention_bytes(args, rows, cfg.data.seq_len, size)
+    return kv, temporaries
+
+
+def _decode_attention_bytes(args: Any, rows: int, positions: int, size: int) -> int:
+    """The largest attention temporaries of one decode step over a static cache of `positions`:
+    every head's keys and values over the whole cache, where the layer makes them (grouped
+    query heads repeated; MLA's latents expanded: the projection's keys and values, then the
+    keys joined with their rope part)."""
+    worst = 0
+    for i in range(args.n_layers):
+        kind = args.layer_kind(i)
+        if kind == "linear":
+            continue
+        if args.kv_rank:  # models/mla.py `expand`
+            width = args.hd + (args.hd - args.rotary_dim) + args.v_head_dim
+        elif args.kv_heads_of(kind) != args.n_heads:  # models/decoder.py `_repeat_kv`
+            width = 2 * args.head_dim_of(kind)
+        else:
+            continue
+        worst = max(worst, rows * args.n_heads * positions * width * size)
+    return worst
 
 
 def _mean(values: list[float] | list[int]) -> float:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +24,6 @@ from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint import steps as ckpt
 from compiletune.config import TrainConfig
 from compiletune.errors import UserError, show
-from compiletune.estimate import offload_plan
-from compiletune.estimate.fit.capacity import Capacity, machine_host_bytes
-from compiletune.estimate.fit.preflight import preflight
 from compiletune.loggers import check_available, open_loggers, parse_loggers
 from compiletune.metrics import MetricsLog, peak_memory_gib
 from compiletune.models import num_params
@@ -49,19 +44,16 @@ from compiletune.train.strategy import StepStrategy, SupervisedStep
 GOOD_NORM_GROWTH = 4.0
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, estimate_gib: float | None = None) -> dict[str, Any]:
     """Run a training job described by `cfg`; returns the run summary (the same on every rank).
 
     With --fsdp every process of the job runs this function; rank 0 alone writes the metrics,
-    the config and the summary, and prints.
+    the config and the summary, and prints. `estimate_gib`: the pre-flight's estimated peak,
+    reported beside the measured one (before_train.py runs the pre-flight on a GPU, and plans
+    --offload-activations auto, before calling this).
     """
     recipes.check_no_placeholders(cfg)
     cfg = hub_pin.align_hub_specs(cfg)  # --resume naming a Hub repo again: the run's commit
-    estimate_gib = None
-    if pick_device().type == "cuda":  # --offload-activations auto: N from the estimate
-        cfg = offload_plan.plan_for_this_gpu(cfg)
-    if cfg.run.preflight and pick_device().type == "cuda":
-        estimate_gib = preflight_check(cfg)
     env = dist_.init_distributed(pick_device().type) if cfg.parallel.fsdp else None
     main = env is None or env.is_main
     try:
@@ -132,29 +124,6 @@ def pin_hub_specs(cfg: TrainConfig, env: dist_.DistEnv | None) -> TrainConfig:
                 "job started); pass each Hub id with @COMMIT, or run again"
             )
     return pinned
-
-
-def preflight_check(cfg: TrainConfig) -> float | None:
-    """Before anything is allocated: refuse a step that cannot fit this GPU, naming flags that
-    would make it fit (estimate/fit/preflight.py, fake tensors; seconds for an 8B model). Runs
-    before the process group exists, since the estimate simulates its own. An estimator failure (a
-    torch version without one of its private APIs, say) warns and lets the run go on. Returns the
-    estimated peak in GiB (None when the estimate failed)."""
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    capacity = Capacity(torch.cuda.mem_get_info(local)[1], machine_host_bytes())
-    world = dist_.launched_world_size() if cfg.parallel.fsdp else 1
-    try:
-        return preflight(cfg, world, capacity).peak_bytes / 2**30
-    except UserError:
-        raise
-    except Exception as e:  # the estimate is advice; never block a run on its own bug
-        warnings.warn(
-            f"compiletune: the memory pre-flight check failed ({type(e).__name__}: {e}); "
-            "continuing without it",
-            stacklevel=2,
-        )
-        return None
 
 
 class Trainer:

@@ -223,11 +223,11 @@ def test_preflight_refuses_a_step_that_cannot_fit_and_names_the_fix(
     with pytest.raises(UserError, match="use more GPUs"):
         preflight(cfg, 1, Capacity(RESERVE_BYTES + 2**20))
     # The trainer's check reads the GPU's capacity; here a fake one.
-    from compiletune.train import loop
+    from compiletune import before_train
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, tight.device_bytes))
     with pytest.raises(UserError, match="--ac full"):
-        loop.preflight_check(cfg)
+        before_train.preflight_check(cfg)
 
 
 def test_advice_is_the_cheapest_fit_and_judges_host_memory() -> None:

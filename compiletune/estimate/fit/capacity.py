@@ -1,6 +1,6 @@
 """What a run must fit in, and whether an estimate fits it: `Capacity` (each GPU's memory and one
-machine's host memory), the reserve kept for what an estimate cannot see, this machine's
-memory, and --device-memory's GPU names.
+machine's host memory), the reserve kept for what an estimate cannot see, and --device-memory's
+GPU names (this machine's memory: hardware.machine_host_bytes).
 
 Its own room because every other room here judges by it: the ladder, the advice, the pre-flight
 and the printed verdict all ask the same `fits`.
@@ -9,7 +9,6 @@ and the printed verdict all ask the same `fits`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from compiletune.errors import UserError
@@ -42,11 +41,6 @@ class Capacity:
 
     device_bytes: int
     host_bytes: int | None = None
-
-
-def machine_host_bytes() -> int:
-    """This machine's physical memory (the default of --host-memory)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def host_needed(est: MemoryEstimate) -> int:

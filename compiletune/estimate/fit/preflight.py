@@ -1,8 +1,9 @@
 """train's pre-flight check: before a run on a GPU, refuse (one line) a step whose estimate
 will not fit, naming the flags that would make it fit.
 
-Its own room because it is called from outside the estimator (train/loop.py today, from above
-both train/ and estimate/ next) and needs only the estimate, the capacity and the advice.
+Its own room because it is called from outside the estimator (before_train.py, above both
+train/ and estimate/, for the CLI's train command) and needs only the estimate, the capacity and
+the advice.
 """
 
 from __future__ import annotations
