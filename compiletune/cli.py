@@ -20,7 +20,11 @@ from compiletune.choices import BaseDtype, choices
 from compiletune.config import TrainConfig, add_flags, check_inputs, check_model_folder
 from compiletune.errors import UserError, closest, show
 from compiletune.interrupt import EXIT_INTERRUPTED
-from compiletune.sampling import Sampling, check_prompt  # no torch: cheap at start-up
+from compiletune.sampling import (  # no torch: cheap at start-up
+    Sampling,
+    check_image_prompt,
+    check_prompt,
+)
 
 if TYPE_CHECKING:  # annotations only: the estimator loads with its subcommand
     from compiletune.estimate.fit.capacity import Capacity
@@ -216,6 +220,12 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat", action="store_true", help="apply the chat template; without --prompt, read stdin"
     )
+    p.add_argument(
+        "--image",
+        default=None,
+        metavar="FILE",
+        help="an image the --prompt asks about (vision-language checkpoints; chat template)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
@@ -285,6 +295,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     check_model_folder(ns.model_dir, "--model-dir")
     if ns.tokenizer is not None:
         check_model_folder(ns.tokenizer, "--tokenizer")
+    if ns.image is not None:
+        check_image_prompt(ns.image, ns.prompt)
     from compiletune.generate import run_generate  # lazy: a subcommand's cost
 
     run_generate(
@@ -295,6 +307,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         sampling,
         tokenizer_dir=ns.tokenizer,
         dtype_name=ns.dtype,
+        image=ns.image,
     )
     return 0
 

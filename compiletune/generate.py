@@ -21,13 +21,17 @@ import torch
 
 from compiletune.checkpoint import adapter_io
 from compiletune.checkpoint.steps import load_train_state
-from compiletune.data.tokenizer import load_tokenizer
+from compiletune.data.image_batch import ImagePrep
+from compiletune.data.image_tokens import encode_image_pieces
+from compiletune.data.images import ImageRef
+from compiletune.data.tokenizer import load_processor, load_tokenizer
 from compiletune.errors import UserError
 from compiletune.models import PRESETS, Transformer, build_model, from_hf, resolve_model_path
 from compiletune.models.cache import KVCache
 from compiletune.models.generation_config import eos_ids, load_generation_config
 from compiletune.models.lora import apply_lora, block_adapter
-from compiletune.sampling import Sampling, check_prompt, text_lines
+from compiletune.models.vision.model import is_vision_checkpoint
+from compiletune.sampling import Sampling, check_image_prompt, check_prompt, text_lines
 from compiletune.train.build_model import resolve_model_args
 from compiletune.train.device import pick_device, pick_dtype
 
@@ -62,10 +66,12 @@ def generate_ids(
     sampling: Sampling | None = None,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
+    images: Any = None,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` new token ids after `prompt`, stopping after a stop id.
 
-    The prompt runs through the model once (prefill); every later step feeds only the newest
+    The prompt runs through the model once (prefill, with the prompt's `images`, an
+    `ImageInputs`, for a vision-language model); every later step feeds only the newest
     token, whose keys and values join the cache. `generator` (default: seeded with
     `sampling.seed`) draws the samples; pass one to continue its stream across calls.
     """
@@ -86,7 +92,9 @@ def generate_ids(
     generator = generator or torch.Generator().manual_seed(sampling.seed)
     tokens = torch.tensor([prompt], device=device)  # [1, s]
     for _ in range(max_new_tokens):
-        hidden = model.hidden_states_cached(tokens, cache)  # [1, s, d]
+        prefill = {"images": images} if images is not None else {}
+        hidden = model.hidden_states_cached(tokens, cache, **prefill)  # [1, s, d]
+        images = None
         logits = model.logits(hidden[0, -1])  # [v]
         token = next_token(logits, sampling, generator)
         yield token
@@ -214,14 +222,69 @@ def reply(
     stops: set[int],
     out: TextIO,
     generator: torch.Generator,
+    images: Any = None,
 ) -> tuple[str, int, float]:
     """Stream one completion to `out`; returns (text, new tokens, seconds)."""
     printer = _Printer(tokenizer, out)
     t0 = time.perf_counter()
-    for token in generate_ids(model, prompt, max_new_tokens, sampling, stops, generator):
+    tokens = generate_ids(model, prompt, max_new_tokens, sampling, stops, generator, images)
+    for token in tokens:
         printer.add(token)
     out.write("\n")
     return printer.text(), len(printer.ids), time.perf_counter() - t0
+
+
+def _generate_with_image(
+    model_dir: str,
+    image: str,
+    prompt: str | None,
+    max_new_tokens: int,
+    sampling: Sampling,
+    tokenizer_dir: str | None,
+    dtype_name: str | None,
+    out: TextIO,
+    log: Callable[[str], None],
+) -> list[str]:
+    """`generate --image FILE --prompt TEXT`: one user turn holding the image and the text,
+    rendered and expanded by the checkpoint's processor, its pixels prepared as training
+    prepares a batch's, one reply."""
+    check_image_prompt(image, prompt)
+    assert prompt is not None, "checked"
+    folder = resolve_model_path(model_dir)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if not is_vision_checkpoint(config):
+        archs = ", ".join(config.get("architectures") or []) or "no architecture"
+        raise UserError(
+            f"--image needs a vision-language checkpoint (Gemma 3 4B and up, Gemma 4, Qwen3.5 "
+            f"with their vision tower); --model-dir {model_dir} is {archs} (a LoRA adapter "
+            "folder: merge it first with `compiletune export`)"
+        )
+    processor = load_processor(
+        tokenizer_dir or folder, "--tokenizer" if tokenizer_dir else "--model-dir"
+    )
+    if processor is None:
+        raise UserError(
+            f"--image: {tokenizer_dir or folder} has no image processor "
+            "(preprocessor_config.json); pass --tokenizer with the checkpoint's processor files"
+        )
+    device = pick_device()
+    model = from_hf(folder, dtype=pick_dtype(dtype_name, device), device=device, vision=True)
+    model = model.eval()
+    ref = ImageRef(Path(image).expanduser().resolve(), "--image")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    rendered = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = encode_image_pieces([(rendered, False)], [ref], processor, "--image")[0]
+    images = ImagePrep(processor)([[ref.to_json()]])["images"]
+    images = images.to(device, dtype=model.tok_embeddings.weight.dtype)
+    tokenizer = processor.tokenizer
+    stops = stop_ids(tokenizer, folder)
+    generator = torch.Generator().manual_seed(sampling.seed)
+    text, n, seconds = reply(
+        model, tokenizer, ids, max_new_tokens, sampling, stops, out, generator, images
+    )
+    log(f"{n} tokens in {seconds:.2f}s ({n / seconds:.1f} tok/s)")
+    return [text]
 
 
 def _tokenizer_folder(folder: Path, base: Path | None) -> Path:
@@ -244,13 +307,19 @@ def run_generate(
     stdin: TextIO | None = None,
     out: TextIO | None = None,
     log: Callable[[str], None] | None = None,
+    image: str | None = None,
 ) -> list[str]:
-    """The `compiletune generate` command; returns the replies (for tests)."""
+    """The `compiletune generate` command; returns the replies (for tests). `image`: a file
+    the prompt asks about (a vision-language checkpoint; rendered with its chat template)."""
 
     out = out or sys.stdout
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     sampling.check(max_new_tokens)
     check_prompt(prompt, chat)
+    if image is not None:
+        return _generate_with_image(
+            model_dir, image, prompt, max_new_tokens, sampling, tokenizer_dir, dtype_name, out, log
+        )
 
     folder = resolve_model_path(model_dir)
     lora = adapter_io.is_adapter_folder(folder) and not (folder / "config.json").is_file()

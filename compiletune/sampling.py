@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from compiletune.errors import UserError
 
@@ -61,6 +62,14 @@ def check_prompt(prompt: str | None, chat: bool) -> None:
         raise UserError("pass --prompt TEXT, or --chat for a conversation")
     if prompt is not None:
         checked_text(prompt, "--prompt")
+
+
+def check_image_prompt(image: str, prompt: str | None) -> None:
+    """`generate --image`: the file exists and comes with --prompt (what to ask about it)."""
+    if prompt is None:
+        raise UserError("--image needs --prompt: the question or instruction about the image")
+    if not Path(image).expanduser().is_file():
+        raise UserError(f"--image {image}: no such file; pass an image file (PNG, JPEG, ...)")
 
 
 def text_lines(stream: Iterable, where: str = "stdin") -> Iterator[str]:

@@ -250,3 +250,56 @@ def test_images_from_a_parquet_image_column(gemma3, data):
             )["pixel_values"]
         ),
     )
+
+
+# ------------------------------------------------------------------ generate --image
+
+
+def test_generate_with_an_image_equals_transformers_greedy(tmp_path):
+    """A tiny Gemma 3 checkpoint with its processor: `generate --image` greedy equals
+    transformers' generate on the same rendered prompt and pixels."""
+    from vision_cases import gemma3_config, randomize
+
+    from compiletune.generate import run_generate
+    from compiletune.sampling import Sampling
+
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(
+        gemma3_config(image_token_index=261, boi_token_index=259)
+    ).eval()
+    randomize(hf.model.vision_tower, 1)
+    randomize(hf.model.multi_modal_projector, 2)
+    hf.save_pretrained(tmp_path / "ckpt")
+    save_tiny_gemma3_processor(tmp_path / "ckpt")
+    image = png(tmp_path / "q.png", 20, 12, seed=3)
+    out = run_generate(
+        str(tmp_path / "ckpt"),
+        "What is it?",
+        False,
+        6,
+        Sampling(),
+        dtype_name="fp32",
+        image=str(image),
+        out=__import__("io").StringIO(),
+        log=lambda line: None,
+    )
+    processor = transformers.AutoProcessor.from_pretrained(tmp_path / "ckpt")
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    picture = load_image(ImageRef(image, ""))
+    inputs = processor(text=[text], images=[picture], add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        ids = hf.generate(**inputs, max_new_tokens=6, do_sample=False)
+    new = ids[0, inputs["input_ids"].shape[1] :]
+    assert out == [processor.tokenizer.decode(new, skip_special_tokens=True)]
+
+
+def test_generate_image_errors(tmp_path):
+    from compiletune.sampling import check_image_prompt
+
+    with pytest.raises(UserError, match="--image needs --prompt"):
+        check_image_prompt(str(tmp_path), None)
+    with pytest.raises(UserError, match="no such file"):
+        check_image_prompt(str(tmp_path / "nope.png"), "what?")
