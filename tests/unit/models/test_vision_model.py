@@ -353,3 +353,19 @@ def test_is_vision_checkpoint():
     assert is_vision_checkpoint({"architectures": ["Qwen3_5MoeForConditionalGeneration"]})
     assert not is_vision_checkpoint({"architectures": ["Gemma3ForCausalLM"]})
     assert not is_vision_checkpoint({})
+
+
+def test_clear_errors(loaded, tmp_path):
+    """Image tokens and images that do not match, and vision=True on a text checkpoint."""
+    from compiletune.errors import UserError
+    from compiletune.models import build_model, from_name
+
+    family, _, ours = loaded
+    ids, images, _ = batch(family, 2)
+    one = images.select(torch.tensor([0]))
+    with torch.no_grad(), pytest.raises(ValueError, match="image tokens|runs of image tokens"):
+        ours(ids, images=one)
+    text = build_model(from_name("debug"))
+    save_hf(text, tmp_path)
+    with pytest.raises(UserError, match="has no vision tower"):
+        from_hf(tmp_path, vision=True)
