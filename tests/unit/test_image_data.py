@@ -303,3 +303,32 @@ def test_generate_image_errors(tmp_path):
         check_image_prompt(str(tmp_path), None)
     with pytest.raises(UserError, match="no such file"):
         check_image_prompt(str(tmp_path / "nope.png"), "what?")
+
+
+# ------------------------------------------------------------------ the run's data and flags
+
+
+def test_flags_and_build_data_with_a_vision_checkpoint(tmp_path, data):
+    """--skip-bad-images and --train-vision parse; build_data reads the processor of
+    --model-dir, skips the bad row, and its rows' batches carry the images."""
+    from compiletune.cli import build_parser
+    from compiletune.config import resolve
+    from compiletune.train.inputs import build_data
+
+    save_tiny_gemma3_processor(tmp_path / "ckpt")
+    source = write_rows(
+        data / "train.jsonl", [row("img/a.png"), row("img/gone.png"), row("img/b.png")]
+    )
+    argv = ["train", "--data", source, "--skip-bad-images", "--train-vision"]
+    argv += ["--cache-dir", str(data / "cache"), "--data-workers", "0", "--seq-len", "128"]
+    ns = build_parser().parse_args(argv)
+    flags = {k: v for k, v in vars(ns).items() if k in {"data", "skip_bad_images", "train_vision"}}
+    flags |= {"cache_dir": ns.cache_dir, "data_workers": 0, "seq_len": 128}
+    cfg = resolve({}, flags)
+    assert cfg.data.skip_bad_images and cfg.model.train_vision
+    cfg.model.model_dir = str(tmp_path / "ckpt")  # (its processor files only: data, no model)
+    said: list[str] = []
+    datas, _, _ = build_data(cfg, byte_tokenizer(), said.append)
+    assert any("1 row with a missing" in line for line in said)
+    batch = datas[0].take(np.arange(datas[0].rows))
+    assert batch["images"].num_images == 2 == int(batch["image_rows"].numel())
