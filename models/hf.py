@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from compiletune import faults
-from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
+from compiletune.gather import full_tensor
 
 from .args import ModelArgs
 from .decoder import Transformer, TransformerBlock
@@ -231,6 +231,7 @@ def from_hf(
         if isinstance(model, VisionLanguageModel):
             model.load_tower(_Tensors(readers), str(path), device, dtype)
             model.train_vision(train_vision)
+            model.read_processor_files(path)
     model.hf_config = cfg
     model.generation_config = load_generation_config(path)
     return model
@@ -511,6 +512,8 @@ def save_hf(
         max_shard_bytes=max_shard_bytes,
         writer=writer,
     )
+    if writer and isinstance(model, VisionLanguageModel):
+        model.write_processor_files(Path(path))
 
 
 def write_hf_folder(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +52,9 @@ from .qwen import (
 from .siglip import Gemma3VisionTower, SiglipArgs, gemma3_vision_names
 
 TOWER = "vision_tower"  # the tower's attribute (and its parameters' name prefix)
+# the image processor's files of a checkpoint folder: a vision model keeps them from its source
+# and writes them beside every save, so AutoProcessor loads a saved step unchanged
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,20 @@ class VisionLanguageModel(Transformer):
     def tower_state_dict(self) -> dict[str, Tensor]:
         """The tower's tensors under the checkpoint's names."""
         return hf_state_dict(self.vision_tower, self.names)
+
+    def read_processor_files(self, folder: Path) -> None:
+        """Keep the image processor's files of checkpoint `folder` (`PROCESSOR_FILES`)."""
+        self.processor_files = {
+            name: (folder / name).read_text()
+            for name in PROCESSOR_FILES
+            if (folder / name).is_file()
+        }
+
+    def write_processor_files(self, folder: Path) -> None:
+        """Write the kept processor files into `folder` (those a tokenizer save left out)."""
+        for name, text in getattr(self, "processor_files", {}).items():
+            if not (folder / name).exists():
+                (folder / name).write_text(text)
 
     def train_vision(self, on: bool) -> None:
         """Make the tower's parameters trainable (`on`) or frozen (the default of a run)."""

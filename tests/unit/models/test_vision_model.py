@@ -181,6 +181,8 @@ def test_gradients_equal_transformers(loaded):
 def test_save_transformers_loads_equal_logits(loaded, tmp_path):
     family, hf, ours = loaded
     save_hf(ours, tmp_path)
+    # the source's image processor files go beside every save (none in these tiny folders)
+    assert not (tmp_path / "preprocessor_config.json").exists()
     back = type(hf).from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids, images, kwargs = batch(family, 2, seed=2)
     with torch.no_grad():
@@ -369,3 +371,12 @@ def test_clear_errors(loaded, tmp_path):
     save_hf(text, tmp_path)
     with pytest.raises(UserError, match="has no vision tower"):
         from_hf(tmp_path, vision=True)
+
+
+def test_processor_files_follow_the_model(tmp_path):
+    case = gemma3_case()
+    case.model().save_pretrained(tmp_path / "source")
+    (tmp_path / "source" / "preprocessor_config.json").write_text('{"size": 32}\n')
+    ours = from_hf(tmp_path / "source", dtype=torch.float32, vision=True)
+    save_hf(ours, tmp_path / "saved")
+    assert (tmp_path / "saved" / "preprocessor_config.json").read_text() == '{"size": 32}\n'
