@@ -3,6 +3,8 @@ the same weights, side by side in one run.
 
     python bench/moe.py                    # CPU: fp32, 8 experts, top-2, d 512, F 1024, 2048 tok
     python bench/moe.py --tokens 8192      # GPU: bf16 by default
+    python bench/moe.py --ep 2             # --ep against FSDP2 alone on 2 gloo ranks
+                                           # (bench/moe_ep.py: the trainer's whole step)
 
 Variants (the same router, expert weights and input; top-k weights renormalised, Qwen3-MoE):
 
@@ -207,6 +209,11 @@ def measure(
 
 
 def main() -> None:
+    if "--ep" in sys.argv[1:]:  # --ep N: the trainer's step on N gloo ranks (bench/moe_ep.py)
+        from moe_ep import main as ep_main  # deferred: it spawns ranks; this bench does not
+
+        ep_main(sys.argv[1:])
+        return
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
