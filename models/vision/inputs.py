@@ -18,6 +18,10 @@ themselves are already in the token ids (the chat template placed them; the conf
 `image_token_id` / `image_token_index`): the model finds them there, so the processor's per-token
 type ids (`token_type_ids`, `mm_token_type_ids`) are not carried. Qwen3.5's 3-D text positions
 are computed by the model from the token ids and `image_grid_thw`.
+
+In a training batch (a dict) they are `batch["images"]`, with `batch["image_rows"]` (int64
+[n_images], the row of each image): `compiletune/train/forward.py`'s `local_batch` keeps a part's
+rows' images with `select`, and `forward_hidden` passes them as `images=`.
 """
 
 from __future__ import annotations
