@@ -45,7 +45,6 @@ from compiletune.choices import Sharding, choices
 from compiletune.errors import UserError
 from compiletune.expert_parallel import (
     apply_expert_parallel,
-    gather_experts,
     global_view,
     load_experts,
     local_view,
@@ -230,17 +229,6 @@ def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -
     load_experts(model, full_sd)  # --ep: each rank's experts (taken out of full_sd)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not split)
     set_model_state_dict(model, full_sd or {}, options=options)
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly sharded) parameter; a collective: every rank calls it."""
-    if getattr(t, "expert_group", None) is not None:  # --ep: this rank's experts
-        return gather_experts(t)
-    if not hasattr(t, "full_tensor"):
-        return t
-    if t.device.type == "cpu" and torch.cuda.is_available():  # --cpu-offload shards: gather
-        t = t.to(torch.device("cuda", torch.cuda.current_device()))  # on the GPU, via NCCL
-    return t.full_tensor()
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from compiletune.errors import UserError
+from compiletune.gather import gather_experts
 from compiletune.models.moe import MoE
 from compiletune.ops.expert_exchange import ExpertShards, process_group, register_group
 
@@ -165,15 +166,6 @@ def load_experts(model: nn.Module, full_sd: dict[str, Tensor] | None) -> None:
         dist.broadcast(t, src=0)
         with torch.no_grad():
             p.copy_(t[rows])
-
-
-def gather_experts(t: Tensor) -> Tensor:
-    """A parameter split by `apply_expert_parallel` whole again ([E/N, ...] -> [E, ...]), on
-    every rank of its group (a collective)."""
-    group = process_group(t.expert_group)
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts)
 
 
 def global_view(model: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:

@@ -69,6 +69,11 @@ def all_to_all_autograd(t: torch.Tensor, group: Any) -> torch.Tensor:
     return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
+def node_value(node: torch.fx.Node) -> Any:
+    """The (fake) value of a node: dynamo graphs carry 'example_value', AOT graphs 'val'."""
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
 def size_hint(x: int | torch.SymInt, fallback: int = 4096) -> int:
     """The concrete value of an int or a SymInt (its hint); works across torch versions."""
     if isinstance(x, int):

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiletune.choices import Quantize, choices
-from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
+from compiletune.gather import full_tensor
 from compiletune.ops.grouped_mm import grouped_mm
 from compiletune.ops.op_memory import replayable, shape_key
 

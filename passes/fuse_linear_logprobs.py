@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 import compiletune.ops.fused_logprobs  # noqa: F401  (registers compiletune::token_logprobs)
-from compiletune.compiler.graph_dump import node_value
 from compiletune.passes.fuse_linear_cross_entropy import walk_back_to_linear
+from compiletune.torch_internals import node_value
 
 IGNORE_INDEX = -100  # never a valid gather index, so no picked value is zeroed
 # Names of the positional arguments of each log_softmax form dynamo leaves in a graph.

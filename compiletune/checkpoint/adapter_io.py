@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from compiletune import faults
 from compiletune.checkpoint.atomic import write_folder_atomically
-from compiletune.distributed import full_tensor
 from compiletune.errors import UserError
+from compiletune.gather import full_tensor
 from compiletune.models import save_hf
 from compiletune.models.families import FAMILIES
 from compiletune.models.generation_config import write_side_files

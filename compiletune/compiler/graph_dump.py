@@ -23,12 +23,7 @@ from typing import Any
 
 import torch
 
-from compiletune.torch_internals import qualified_name, size_hint
-
-
-def node_value(node: torch.fx.Node) -> Any:
-    """The (fake) value of a node: dynamo graphs carry 'example_value', AOT graphs 'val'."""
-    return node.meta.get("val", node.meta.get("example_value"))
+from compiletune.torch_internals import node_value, qualified_name, size_hint
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -24,12 +24,13 @@ import torch
 from compiletune.choices import CompileBackend, choices
 from compiletune.compiler.activation import ActivationPolicy
 from compiletune.compiler.backend import CompiletuneBackend, Pass
-from compiletune.compiler.graph_dump import node_value, write_dump
+from compiletune.compiler.graph_dump import write_dump
 from compiletune.loss.head import LossHead
 from compiletune.passes.activation_policy import POLICIES, tag_activation_policy
 from compiletune.passes.fuse_linear_cross_entropy import fuse_linear_cross_entropy
 from compiletune.passes.fuse_linear_logprobs import fuse_linear_logprobs
 from compiletune.passes.offload_activations import offload_activations
+from compiletune.torch_internals import node_value
 
 BACKENDS = choices(CompileBackend)
 

@@ -14,8 +14,9 @@ from gloo import free_port, run_in_gloo
 
 from compiletune import weight_init
 from compiletune.config import resolve
-from compiletune.distributed import DistEnv, apply_fsdp, build_mesh, full_tensor
+from compiletune.distributed import DistEnv, apply_fsdp, build_mesh
 from compiletune.estimate.tracker import Tracker
+from compiletune.gather import full_tensor
 from compiletune.models import Transformer, build_model, from_name
 from compiletune.train.build import build_run
 
