@@ -55,14 +55,14 @@ def _imports(
     return found
 
 
-def test_the_import_graph_has_no_circles():
-    modules = _modules()
-    graph = {m: {d for d, _ in _imports(m, p, modules)} for m, p in modules.items()}
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles a depth-first walk of `graph` (node -> the nodes it imports) meets, each as
+    the path from a node back to itself."""
     circles, state = [], {}
 
     def visit(m: str, trail: list[str]) -> None:
         state[m] = "open"
-        for d in sorted(graph[m]):
+        for d in sorted(graph.get(m, ())):
             if state.get(d) == "open":
                 circles.append(trail[trail.index(d) :] + [d])
             elif d not in state:
@@ -72,7 +72,70 @@ def test_the_import_graph_has_no_circles():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+    return circles
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each of our modules -> ours it imports, at any depth: the top, inside functions, under
+    `if TYPE_CHECKING:`."""
+    modules = _modules()
+    return {m: {d for d, _ in _imports(m, p, modules)} for m, p in modules.items()}
+
+
+def _package(module: str) -> str:
+    """The package a module belongs to for the package-level check: its first level under
+    compiletune (compiletune.train.run_dir.lock -> compiletune.train; models/ installs as
+    compiletune.models). A module directly under compiletune (cli.py, distributed.py) is one of
+    its own, as is the root package."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_graph(modules: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (`modules` as `_module_graph`)."""
+    graph: dict[str, set[str]] = {}
+    for m, deps in modules.items():
+        mine = _package(m)
+        graph.setdefault(mine, set()).update(_package(d) for d in deps if _package(d) != mine)
+    return graph
+
+
+def test_the_import_graph_has_no_circles():
+    circles = _circles(_module_graph())
     assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_packages_import_one_way():
+    """No circle between packages either: train/ and estimate/, say, may not import each other
+    even through modules that do not import each other (estimate.estimator -> train.build and
+    train.loop -> estimate.fit is a circle of packages, and none of modules). Every import
+    counts, the deferred ones and the annotation-only ones (`if TYPE_CHECKING:`) too: a
+    function-level import still needs the other package at run time, and an annotation still
+    ties a package to the other's types; deferring an import does not make the layers one-way."""
+    circles = _circles(_package_graph(_module_graph()))
+    assert not circles, "package circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_package_check_finds_a_circle_the_module_check_misses():
+    """The check itself: two packages whose modules import each other's other modules make a
+    circle of packages but none of modules; a package's own modules importing one another, and
+    a subpackage importing its parent, make none."""
+    graph = {
+        "compiletune.train.loop": {"compiletune.estimate.fit", "compiletune.train.build"},
+        "compiletune.train.build": {"compiletune.models.decoder"},
+        "compiletune.train.run_dir.lock": {"compiletune.train.build"},
+        "compiletune.estimate.fit": {"compiletune.estimate.estimator"},
+        "compiletune.estimate.estimator": {"compiletune.train.build", "compiletune.errors"},
+        "compiletune.models.decoder": {"compiletune.errors"},
+        "compiletune.errors": set(),
+    }
+    assert _circles(graph) == []
+    packages = _package_graph(graph)
+    assert packages["compiletune.train"] == {"compiletune.estimate", "compiletune.models"}
+    assert _circles(packages) == [
+        ["compiletune.estimate", "compiletune.train", "compiletune.estimate"]
+    ]
+    graph["compiletune.train.loop"].discard("compiletune.estimate.fit")
+    assert _circles(_package_graph(graph)) == []
 
 
 def _silent_deferred_imports(
