@@ -15,7 +15,8 @@ from gloo import free_port, run_in_gloo
 from compiletune.config import resolve
 from compiletune.estimate import estimator as estimate
 from compiletune.estimate import expert_parallel as ep_
-from compiletune.estimate.fit import ladder
+from compiletune.estimate.fit import advice, ladder
+from compiletune.estimate.fit.capacity import RESERVE_BYTES, Capacity
 from compiletune.models import build_model
 from compiletune.train.build import resolve_model_args
 
@@ -114,3 +115,17 @@ def test_the_ladder_tries_expert_parallel_for_a_moe_model_on_several_gpus() -> N
     rows = ladder.ladder(cfg, 2)
     assert rows[1].flags == "--ep 2" and rows[1].est is not None
     assert any("--ep 2" in n for n in rows[-1].est.notes)  # kept up the stack
+
+
+def test_the_advice_adds_ep_where_it_is_enough_and_never_beside_cpu_offload() -> None:
+    """FSDP alone misses a capacity that the --ep split meets (uniform routing, so that the
+    split saves on this tiny model): the advice is `--ep 2` alone. Under --ep the ladder's CPU
+    offload rung is not applicable (--ep refuses --cpu-offload)."""
+    flags = {**FLAGS, "n_layers": 2, "ep": 1, "ep_skew": 1.0}
+    cfg = resolve({}, flags)
+    fsdp = estimate.estimate_memory(cfg, 2, round_bytes=1).peak_bytes
+    split = estimate.estimate_memory(resolve({}, {**flags, "ep": 2}), 2, round_bytes=1).peak_bytes
+    assert split < fsdp
+    room = Capacity(RESERVE_BYTES + (fsdp + split) // 2)
+    assert advice.advice(cfg, 2, room).startswith("add --ep 2 (")
+    assert "n/a" in ladder._not_applicable(resolve({}, {**flags, "ep": 2}), {"cpu_offload": True})
