@@ -332,3 +332,18 @@ def test_flags_and_build_data_with_a_vision_checkpoint(tmp_path, data):
     assert any("1 row with a missing" in line for line in said)
     batch = datas[0].take(np.arange(datas[0].rows))
     assert batch["images"].num_images == 2 == int(batch["image_rows"].numel())
+
+
+def test_qwen35_batch_pixels_match_the_image_tokens(data):
+    """Qwen3.5's tokens per image follow its size: the batch's grids, prepared from the cached
+    references, account for every image token of its rows (4 patches merged into one token)."""
+    processor = qwen_processor()
+    rows = [row("img/a.png", "img/b.png"), row("img/b.png"), row(question="no image")]
+    store = encode(write_rows(data / "train.jsonl", rows), processor, cache_dir=str(data / "c"))
+    packed = pack_store(store, 512, images=ImagePrep(processor))
+    batch = packed.take(np.arange(packed.rows))
+    grid = batch["images"].image_grid_thw
+    assert grid.shape == (3, 3) and not torch.equal(grid[0], grid[1])  # two sizes
+    tokens = int((batch["inputs"] == image_tokens(processor)).sum())
+    assert tokens == int(grid.prod(-1).sum()) // 4
+    assert batch["images"].pixel_values.shape[0] == int(grid.prod(-1).sum())
