@@ -347,3 +347,14 @@ def test_qwen35_batch_pixels_match_the_image_tokens(data):
     tokens = int((batch["inputs"] == image_tokens(processor)).sum())
     assert tokens == int(grid.prod(-1).sum()) // 4
     assert batch["images"].pixel_values.shape[0] == int(grid.prod(-1).sum())
+
+
+def test_a_damaged_image_file_rebuilds_the_entry(gemma3, data):
+    source = write_rows(data / "train.jsonl", [row("img/a.png")])
+    store = encode(source, gemma3, cache_dir=str(data / "cache"))
+    images = store.folder / "images.jsonl"
+    images.write_text(images.read_text()[:-5])
+    said: list[str] = []
+    again = encode(source, gemma3, cache_dir=str(data / "cache"), say=said.append)
+    assert any("images.jsonl holds" in line and "rebuilding" in line for line in said)
+    assert again.images == store.images
