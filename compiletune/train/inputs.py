@@ -25,7 +25,9 @@ from compiletune.data.token_store import ExampleRows, MemoryStore, Store
 from compiletune.data.tokenizer import byte_tokenizer, load_processor, load_tokenizer
 from compiletune.errors import UserError
 from compiletune.models import ModelArgs
+from compiletune.models.hf_config import load_hf_config
 from compiletune.models.lora import LoRASpec
+from compiletune.models.vision.model import is_vision_checkpoint
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> Any:
@@ -83,6 +85,7 @@ def read_inputs(
         datas, weights, eval_set = build_pairs(cfg, tokenizer, say)
     else:
         datas, weights, eval_set = build_data(cfg, tokenizer, say, args.vocab_size)
+        check_vision(cfg, datas)
     packs = any(getattr(d, "packs_documents", lambda: False)() for d in datas)
     rows = sum(d.rows for d in datas)
     facts = RunFacts(
@@ -100,6 +103,22 @@ def read_inputs(
         ckpt.check_resumable(inputs.resume_from, inputs.state, ranks, cfg.parallel.sharding)
         adapter_io.check_resume_kind(inputs.resume_from, spec)
     return inputs
+
+
+def check_vision(cfg: TrainConfig, datas: list) -> None:
+    """Image data needs a model whose vision tower compiletune loads: --model-dir a
+    vision-language checkpoint (Gemma 3 4B and up, Gemma 4, Qwen3.5 with their towers)."""
+    if not any(getattr(getattr(d, "store", None), "images", None) for d in datas):
+        return
+    folder = cfg.model.model_dir
+    config = load_hf_config(folder) if folder is not None else {}
+    if not is_vision_checkpoint(config):
+        what = f"--model-dir {folder}" if folder else f"the random-init preset {cfg.model.preset}"
+        raise UserError(
+            f"--data {cfg.data.source} holds images, and {what} has no vision tower "
+            "compiletune loads; train a vision-language checkpoint (Gemma 3 4B and up, Gemma 4, "
+            "Qwen3.5) or drop the image parts"
+        )
 
 
 def model_facts(cfg: TrainConfig, args: ModelArgs, world: int) -> RunFacts:

@@ -358,3 +358,33 @@ def test_a_damaged_image_file_rebuilds_the_entry(gemma3, data):
     again = encode(source, gemma3, cache_dir=str(data / "cache"), say=said.append)
     assert any("images.jsonl holds" in line and "rebuilding" in line for line in said)
     assert again.images == store.images
+
+
+def test_image_data_needs_a_vision_checkpoint(tmp_path, data):
+    from types import SimpleNamespace
+
+    from vision_cases import gemma3_config
+
+    from compiletune.config import resolve
+    from compiletune.train.inputs import check_vision
+
+    images = [SimpleNamespace(store=SimpleNamespace(images=[[{"path": "a.png"}]]))]
+    text_only = [SimpleNamespace(store=SimpleNamespace(images=None))]
+    transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=300,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path / "llama")
+    vision = gemma3_config()
+    vision.architectures = ["Gemma3ForConditionalGeneration"]
+    vision.save_pretrained(tmp_path / "gemma3")
+    cfg = resolve({}, {"model_dir": str(tmp_path / "llama"), "data": "d.jsonl"})
+    check_vision(cfg, text_only)
+    with pytest.raises(UserError, match=r"d\.jsonl holds images, and --model-dir .*llama has no"):
+        check_vision(cfg, images)
+    check_vision(resolve({}, {"model_dir": str(tmp_path / "gemma3")}), images)
+    with pytest.raises(UserError, match="the random-init preset"):
+        check_vision(resolve({}, {"model": "debug"}), images)
