@@ -638,5 +638,22 @@ def dense_tensors(
         for p_name, p in module.named_parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                out.append((prefix + p_name, tuple(p.shape), lambda p=p: p.detach()))
+                out.append((prefix + p_name, *_plain_entry(p)))
     return out
+
+
+def _plain_entry(p: Tensor) -> tuple[tuple[int, ...], Callable[[], Tensor]]:
+    """(shape, make) of a plain parameter in `dense_tensors`. One --ep split holds E/N of the
+    experts (`whole_rows` E): listed at the whole shape, made as this rank's rows that still
+    name their group, so the exporter's gather (`gather.full_tensor`) joins the ranks' rows
+    one tensor at a time."""
+    rows = getattr(p, "whole_rows", None)
+    if rows is None:
+        return tuple(p.shape), p.detach
+
+    def make() -> Tensor:
+        t = p.detach()
+        t.expert_group = p.expert_group
+        return t
+
+    return (rows, *p.shape[1:]), make

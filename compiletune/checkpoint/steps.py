@@ -21,6 +21,7 @@ folder is atomic, so a crash mid-save leaves only a `.tmp-step_N` folder that `-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -254,8 +255,9 @@ def save_sharded_checkpoint(
 
     def weights() -> None:
         if lora or export_hf:
-            # --ep: every expert as one process holds them (a LoRA run: its adapters only)
-            with whole_experts(model, trainable_only=lora):
+            # --ep: a LoRA run's expert adapters gathered whole first; the HF export gathers
+            # each expert tensor as it writes it (models/lora.dense_tensors)
+            with whole_experts(model, trainable_only=True) if lora else contextlib.nullcontext():
                 if lora:  # the adapter folder a single process writes
                     save_adapter(model, tmp, tokenizer=tokenizer, writer=is_main)
                 else:
