@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.hardware import HOST_READS_ENV
@@ -67,11 +68,28 @@ def _bool_index(index: Any) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
 
 
+class BoolIndexing(TorchFunctionMode):
+    """Notes `t[mask]` (a boolean index: its output size depends on the data)."""
+
+    def __init__(self, counter: Syncs, originals: dict | None = None) -> None:
+        super().__init__()
+        self.counter = counter
+        # the patched reads -> the real ones: a patched read already noted itself and called
+        # the real one, which lands here; calling the patched one again would note it twice
+        self.originals = originals or {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and _bool_index(args[1]):
+            self.counter.note("boolean indexing")
+        return self.originals.get(func, func)(*args, **(kwargs or {}))
+
+
 @pytest.fixture()
 def syncs(monkeypatch) -> Syncs:
     """Count per step (after the first) of every run the test starts."""
     monkeypatch.setenv(HOST_READS_ENV, "1")
     counter = Syncs()
+    originals = {}
     for name in READS:
         real = getattr(torch.Tensor, name)
 
@@ -81,6 +99,7 @@ def syncs(monkeypatch) -> Syncs:
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, read)
+        originals[read] = real
     for owner, name in SIZE_FROM_DATA:
         real = getattr(owner, name)
 
@@ -90,21 +109,19 @@ def syncs(monkeypatch) -> Syncs:
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(owner, name, sized)
-    real_getitem = torch.Tensor.__getitem__
-
-    def getitem(self, index):
-        if _bool_index(index):
-            counter.note("boolean indexing")
-        return real_getitem(self, index)
-
-    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+        originals[sized] = real
+    # Boolean indexing through a torch-function mode around the counted steps: a class-level
+    # patch of Tensor.__getitem__ cannot be undone (CPython keeps the sequence slot it adds,
+    # after which torch.tensor([0-d tensor, ...]) fails in every later test of the process).
+    mode = BoolIndexing(counter, originals)
     real_step = loop.Trainer.one_step
 
     def one_step(self, stop) -> dict[str, Any]:
         first = self.step == self.run.start_step
         counter.where, counter.counting = [], not first
-        try:
-            return real_step(self, stop)
+        try:  # every step under the mode: the compiled ones trace it from the first
+            with mode:
+                return real_step(self, stop)
         finally:
             counter.counting = False
             if not first:
@@ -195,3 +212,15 @@ def test_read_once_brings_every_value_back_in_its_shape():
         "extra.kl": [0.5, 1.5],
     }
     assert read_once({}) == {}
+
+
+def test_boolean_indexing_is_noted_and_leaves_tensors_as_they_were():
+    counter = Syncs()
+    counter.counting = True
+    x = torch.arange(6.0)
+    with BoolIndexing(counter):
+        x[x > 2]
+        x[1:3]
+    assert [w.split(" at ")[0] for w in counter.where] == ["boolean indexing"]
+    # no class-level patch: torch.tensor still takes a list of 0-d tensors
+    assert torch.tensor([torch.tensor(1), torch.tensor(2)]).tolist() == [1, 2]
