@@ -24,7 +24,9 @@ Earlier parts:
                                                 #   compiled, the ladder's first two rows)
     python bench/gpu_check.py --part 3          # memory: estimate-memory against measured peaks
     python bench/gpu_check.py --all --deadline 540 --copy-to "$OUT"
-    python bench/gpu_check.py --dry-run --all   # CPU: every step's plumbing at toy sizes (CI)
+    python bench/gpu_check.py --dry-run --all   # CPU: every step's plumbing at toy sizes (CI:
+                                                #   --all --part 4 6 7 8; a toy run that an earlier
+                                                #   step made is not made again)
 
 On a bare GPU machine: `pip install --no-deps -e .` first (torch, triton, transformers and peft
 are already there). Each step runs in its own process with a time limit; a step that fails or
@@ -637,6 +639,25 @@ def run_step(step: Step, fill: dict[str, str], dry: bool, limit: float) -> dict[
     return record
 
 
+def _toy_command(step: Step, fill: dict[str, str]) -> tuple[str, ...]:
+    """A step's --dry-run command less the path of the JSON it writes (`--out`)."""
+    argv = [_fill(x, fill) for x in step.dry_argv]
+    return tuple("{out}" if i and argv[i - 1] == "--out" else x for i, x in enumerate(argv))
+
+
+def _reuse(step: Step, done: Step, record: dict[str, Any], fill: dict[str, str]) -> dict[str, Any]:
+    """--dry-run: a step whose toy command an earlier step ran takes that run's record. The
+    plan's steps repeat earlier parts' benches (and the 8B rows one another) at GPU sizes that
+    differ, but at toy sizes their commands are the same but for the JSON's path: one run checks
+    that plumbing; its JSON is copied to this step's path, as this step's run would write it."""
+    if step.result and done.result:
+        src = Path(fill["results"]) / _fill(done.result, fill)
+        dst = Path(fill["results"]) / _fill(step.result, fill)
+        if src.exists() and src != dst:
+            shutil.copy(src, dst)
+    return {**record, "name": step.name, "part": step.part, "same_as": record["name"]}
+
+
 def report_section(part: int, records: list[dict[str, Any]], header: dict[str, Any]) -> str:
     lines = [
         f"\n## Part {part} — {header['date']} — {header['device_detail']}, torch {header['torch']}"
@@ -652,9 +673,10 @@ def report_section(part: int, records: list[dict[str, Any]], header: dict[str, A
             if "passed" in t
             else ""
         )
-        lines.append(f"| {r['name']} | {r['status']} | {r.get('seconds', '')} | {tests} |")
+        seconds = f"(the run of {r['same_as']})" if "same_as" in r else r.get("seconds", "")
+        lines.append(f"| {r['name']} | {r['status']} | {seconds} | {tests} |")
     for r in records:
-        if r["status"] == "skipped":
+        if r["status"] == "skipped" or "same_as" in r:  # a reused run's output is shown once
             continue
         lines.append(f"\n### {r['name']}\n\n```\n{r['stdout_tail'][-2500:].strip()}\n```")
         if r["status"] != "passed" and r["stderr_tail"].strip():
@@ -680,7 +702,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--part", type=int, nargs="+", choices=range(1, 9), default=[])
-    ap.add_argument("--all", action="store_true", help="parts 1, 2, 3 in turn (part 4: --part 4)")
+    ap.add_argument(
+        "--all", action="store_true", help="parts 1, 2, 3 in turn (then --part's, if named)"
+    )
     ap.add_argument("--steps", nargs="+", help="these steps, in this order (names: see STEPS)")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: the plumbing")
     ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole run")
@@ -696,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown steps {unknown}; known: {list(by_name)}")
         steps = [by_name[n] for n in a.steps]
     else:
-        parts = [1, 2, 3] if a.all else a.part
+        parts = [*([1, 2, 3] if a.all else []), *(p for p in a.part if not a.all or p > 3)]
         if not parts:
             ap.error("name --part N, --all or --steps")
         steps = [s for p in parts for s in STEPS if s.part == p and s.in_part]
@@ -724,15 +748,23 @@ def main(argv: list[str] | None = None) -> int:
     before = report.read_text()  # earlier runs' sections; this run's are rewritten per step
     start = time.perf_counter()
     done: dict[int, list[dict[str, Any]]] = {}
+    ran: dict[tuple[str, ...], tuple[Step, dict[str, Any]]] = {}  # --dry-run: each toy run
     failed = 0
     for step in steps:
         left = (a.deadline - (time.perf_counter() - start)) if a.deadline else float("inf")
+        key = _toy_command(step, fill)
+        same = ran.get(key) if a.dry_run else None
         if left < step.min_s:
             record = {"name": step.name, "part": step.part, "status": "skipped"}
             record["reason"] = f"{left:.0f} s left of --deadline, needs {step.min_s}"
+        elif same is not None:
+            record = _reuse(step, *same, fill)
+            print(f"== part {step.part}: {step.name}: the toy run of {record['same_as']}, above")
+            failed += record["status"] != "passed"
         else:
             print(f"== part {step.part}: {step.name} (limit {min(step.timeout, left):.0f} s)")
             record = run_step(step, fill, a.dry_run, min(step.timeout, left - 5))
+            ran[key] = (step, record)
             print(f"   {record['status']} in {record['seconds']} s", flush=True)
             if record["status"] != "passed":
                 failed += 1

@@ -338,50 +338,54 @@ gpu_check = _load("gpu_check")
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_walks_every_step(tmp_path):
-    """What the GPU call runs, at toy sizes on CPU: every step starts, passes, and leaves its
-    JSON in the part files, the tar the device tool brings back and the report."""
+    """What the GPU calls run, at toy sizes on CPU, in one invocation (one test: pytest-xdist
+    would run a shared fixture once per worker): every step of parts 1-4 and 6 and of the
+    plan (parts 7 and 8, issue 63) starts, passes, and leaves its JSON in the part files, the
+    tar the device tool brings back and the report. A toy command that an earlier step ran
+    (the plan repeats part 2's benches) is run once; its record stands for both steps."""
     import json
     import tarfile
 
     results, reports, out = tmp_path / "results", tmp_path / "reports", tmp_path / "out"
-    argv = ["--dry-run", "--all", "--results", str(results), "--reports", str(reports)]
-    assert gpu_check.main([*argv, "--copy-to", str(out)]) == 0
-    steps = {}
-    for part in (1, 2, 3):
+    argv = ["--dry-run", "--all", "--part", "4", "6", *map(str, gpu_check.PLAN_PARTS)]
+    argv += ["--results", str(results), "--reports", str(reports), "--copy-to", str(out)]
+    assert gpu_check.main(argv) == 0
+    parts = (1, 2, 3, 4, 6, *gpu_check.PLAN_PARTS)
+    steps, by_part = {}, {}
+    for part in parts:
         data = json.loads((results / f"gpu-check-part{part}-cpu.json").read_text())
+        by_part[part] = [s["name"] for s in data["steps"]]
         steps |= {s["name"]: s for s in data["steps"]}
-    assert set(steps) == {s.name for s in gpu_check.STEPS if s.in_part and s.part < 4}
+    for part in parts:  # every step of every part, in its order
+        assert by_part[part] == [s.name for s in gpu_check.STEPS if s.part == part and s.in_part]
     assert all(s["status"] == "passed" for s in steps.values()), steps
+    # each toy command ran once; a step that reuses a run names a step that ran it
+    ran = [s for s in steps.values() if "same_as" not in s]
+    assert len({tuple(s["argv"]) for s in ran}) == len(ran)
+    for s in steps.values():
+        if "same_as" in s:
+            assert "same_as" not in steps[s["same_as"]] and s["argv"] == steps[s["same_as"]]["argv"]
+    assert len(ran) >= len(steps) - 10
+    assert all((results / f"{name}-cuda-cpu.json").exists() for name in ("fp8-8b", "lora-8b"))
+    # parts 1-3
     assert steps["env"]["result"]["torch"]
     assert steps["cuda-tests"]["tests"]["skipped"] > 0  # collected; skipped without a GPU
     for name in ("attention", "loss", "ladder", "estimate"):
         assert steps[name]["result"]["device"] == "cpu", name
     with tarfile.open(out / "gpu-check-cpu.tar") as tar:
         assert "gpu-check-part3-cpu.json" in tar.getnames()
-    text = next(reports.glob("*-gpu-check-cpu.md")).read_text()
-    assert "## Part 1" in text and "## Part 3" in text
-
-
-@pytest.mark.slow
-def test_gpu_check_speed_set_dry_run(tmp_path):
-    """Parts 4 and 6, the speed sets of one GPU call each, at toy sizes on CPU: every step
-    passes and writes its JSON, the 8B rows with the estimate column's plumbing, the rollout
-    bench with its three CPU variants."""
-    import json
-
-    results, reports = tmp_path / "results", tmp_path / "reports"
-    argv = ["--dry-run", "--part", "4", "6", "--results", str(results), "--reports", str(reports)]
-    assert gpu_check.main(argv) == 0
-    steps = {}
-    for part in (4, 6):
-        data = json.loads((results / f"gpu-check-part{part}-cpu.json").read_text())
-        steps |= {s["name"]: s for s in data["steps"]}
-    assert set(steps) == {s.name for s in gpu_check.STEPS if s.part in (4, 6) and s.in_part}
-    assert all(s["status"] == "passed" for s in steps.values()), steps
+    # parts 4 and 6, the speed sets: the 8B rows with the estimate column's plumbing, the
+    # rollout bench with its three CPU variants
     (row,) = steps["ladder-8b"]["result"]["models"][0]["rungs"]
     assert row["rung"] == "8B LoRA r16" and row["tokens_per_s"] > 0
     rows = steps["rollout-1b"]["result"]["rows"]
     assert len(rows) == 3 and all(r["tokens_per_s"] > 0 for r in rows)
+    # the plan (both calls): the CUDA tests collected and skipped, its benches' JSON
+    assert steps["first-gpu-tests"]["tests"]["skipped"] > 0
+    for name in ("ladder-1b-plan", "fp8-8b", "lora-8b", "recipe-8b-plan", "rollout-1b-plan"):
+        assert steps[name]["result"]["device"] == "cpu", name
+    text = next(reports.glob("*-gpu-check-cpu.md")).read_text()
+    assert all(f"## Part {part}" in text for part in parts)
 
 
 def test_gpu_check_deadline_skips_and_refuses_cpu(tmp_path, capsys):
@@ -430,6 +434,39 @@ def test_gpu_check_plan_runs_in_the_issues_order_within_two_calls():
     assert "--part 7 --deadline 320" in gpu_check.__doc__ and "`--part 8`" in gpu_check.__doc__
 
 
+def test_gpu_check_dry_run_makes_each_toy_run_once(tmp_path, monkeypatch):
+    """--dry-run runs a toy command once: a later step with the same command (but for the path
+    of its JSON) takes that record and a copy of the JSON; a failed run fails both steps."""
+    ran = []
+
+    def fake_step(step, fill, dry, limit):
+        ran.append(step.name)
+        if step.result:
+            out = Path(fill["results"]) / step.result.replace("{dev}", fill["dev"])
+            out.write_text(json.dumps({"device": "cpu", "by": step.name}))
+        status = "failed" if step.name == "moe-gpt-oss" else "passed"
+        record = {"name": step.name, "part": step.part, "status": status, "seconds": 1.0}
+        return record | {"stdout_tail": "ok", "stderr_tail": ""}
+
+    monkeypatch.setattr(gpu_check, "run_step", fake_step)
+    names = ["env", "ladder-8b", "env-7", "fp8-8b", "recipe-8b-plan", "moe-gpt-oss"]
+    names += ["moe-gpt-oss-plan"]
+    argv = ["--steps", *names, "--dry-run", "--results", str(tmp_path), "--reports", str(tmp_path)]
+    assert gpu_check.main(argv) == 1  # moe-gpt-oss and its plan step failed
+    assert ran == ["env", "ladder-8b", "recipe-8b-plan", "moe-gpt-oss"]
+    copied = json.loads((tmp_path / "fp8-8b-cuda-cpu.json").read_text())
+    assert copied == {"device": "cpu", "by": "ladder-8b"}
+    steps = {}
+    for part in (1, 2, 4, 7, 8):
+        data = json.loads((tmp_path / f"gpu-check-part{part}-cpu.json").read_text())
+        steps |= {s["name"]: s for s in data["steps"]}
+    assert steps["fp8-8b"]["same_as"] == "ladder-8b" and steps["env-7"]["same_as"] == "env"
+    assert steps["moe-gpt-oss-plan"]["status"] == "failed"
+    assert "same_as" not in steps["recipe-8b-plan"]  # --memory-cap-gib: another command
+    text = next(tmp_path.glob("*-gpu-check-cpu.md")).read_text()
+    assert "| fp8-8b | passed | (the run of ladder-8b) |" in text
+
+
 def test_gpu_check_report_is_on_disk_after_each_step(tmp_path, monkeypatch):
     """A call killed from outside (the device tool's limit) keeps the report of the steps that
     finished, not only their JSON."""
@@ -443,31 +480,9 @@ def test_gpu_check_report_is_on_disk_after_each_step(tmp_path, monkeypatch):
         return record | {"stdout_tail": "ok", "stderr_tail": ""}
 
     monkeypatch.setattr(gpu_check, "run_step", fake_step)
-    argv = ["--steps", "env-7", "env-8", "--dry-run"]
+    argv = ["--steps", "env-7", "offload-1b-plan", "--dry-run"]
     argv += ["--results", str(tmp_path), "--reports", str(tmp_path)]
     with pytest.raises(KeyboardInterrupt):
         gpu_check.main(argv)
     text = next(tmp_path.glob("*-gpu-check-cpu.md")).read_text()
     assert "## Part 7" in text and "| env-7 | passed |" in text
-
-
-@pytest.mark.slow
-def test_gpu_check_plan_dry_run(tmp_path):
-    """Both calls of the plan at toy sizes on CPU: every step starts, passes and leaves its
-    JSON (the CUDA tests collected and skipped)."""
-    import json
-
-    results, reports = tmp_path / "results", tmp_path / "reports"
-    argv = ["--dry-run", "--part", "7", "8", "--results", str(results), "--reports", str(reports)]
-    assert gpu_check.main(argv) == 0
-    steps = {}
-    for part in gpu_check.PLAN_PARTS:
-        data = json.loads((results / f"gpu-check-part{part}-cpu.json").read_text())
-        steps |= {s["name"]: s for s in data["steps"]}
-    assert set(steps) == {s.name for s in gpu_check.STEPS if s.part in gpu_check.PLAN_PARTS}
-    assert all(s["status"] == "passed" for s in steps.values()), steps
-    assert steps["first-gpu-tests"]["tests"]["skipped"] > 0
-    for name in ("ladder-1b-plan", "fp8-8b", "lora-8b", "recipe-8b-plan", "rollout-1b-plan"):
-        assert steps[name]["result"]["device"] == "cpu", name
-    text = next(reports.glob("*-gpu-check-cpu.md")).read_text()
-    assert "## Part 7" in text and "## Part 8" in text
