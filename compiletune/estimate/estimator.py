@@ -368,6 +368,7 @@ def _estimate(
                 "optimizer_in_backward": c.optim.optimizer_in_backward,
                 "fsdp": fsdp,
                 "sharding": c.parallel.sharding if fsdp else None,
+                "ep": c.parallel.ep,
                 "cpu_offload": c.parallel.cpu_offload,
                 "cp": c.parallel.cp,
                 "objective": c.objective.objective,

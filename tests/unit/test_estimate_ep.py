@@ -17,6 +17,7 @@ from compiletune.estimate import estimator as estimate
 from compiletune.estimate import expert_parallel as ep_
 from compiletune.estimate.fit import advice, ladder
 from compiletune.estimate.fit.capacity import RESERVE_BYTES, Capacity
+from compiletune.estimate.fit.printing import format_estimate
 from compiletune.models import build_model
 from compiletune.train.build import resolve_model_args
 
@@ -103,6 +104,7 @@ def test_ep_holds_a_share_of_the_experts_and_states_its_routing() -> None:
         assert more == pytest.approx(times * quarter, rel=0.02), part
     assert skewed.peak_bytes > uniform.peak_bytes
     assert any("--ep 2" in n and "2 x its even share" in n for n in skewed.notes), skewed.notes
+    assert skewed.setup["ep"] == 2 and "experts split over 2 (--ep)" in format_estimate(skewed)
     assert ep_.received_rows(100, 4, 2.0) == 200 and ep_.received_rows(100, 2, 8.0) == 200
 
 

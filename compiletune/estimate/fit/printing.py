@@ -63,6 +63,7 @@ def format_estimate(
     lines = [
         f"{s['model']} ({params_text(s['params'])} parameters), {est.gpus} GPU(s)"
         + (f", FSDP2 {s['sharding']}" if s["fsdp"] else "")
+        + (f", experts split over {s['ep']} (--ep)" if s.get("ep", 1) > 1 else "")
         + (" + CPU offload" if s["cpu_offload"] else "")
         + f"; {s['dtype']}, seq {_seq(s)} x batch {s['batch_size']} per GPU, loss "
         f"{s['loss']}, ac {s['ac']}, {s['optimizer']}"
