@@ -159,6 +159,11 @@ def compile_regions(
                 memory_budget=opts.ac.budget if with_policy else None,
             )
         block.compile(backend=backends[name], fullgraph=True, dynamic=False)
+    vision = getattr(model, "vision_blocks", None)  # a vision-language model's tower
+    if vision is not None:
+        backends["vision"] = CompiletuneBackend("vision", [], mode=opts.backend, dump=opts.dump)
+        for block in vision():  # the towers mark their image and patch counts dynamic
+            block.compile(backend=backends["vision"], fullgraph=True, dynamic=False)
     heads = CompiletuneBackend(
         "head", head_passes(opts), mode=opts.backend, dump=opts.dump, watch=head_logits_shape
     )

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiletune.errors import UserError
+from compiletune.torch_internals import dynamic_dims
 
 from .common import NameMap, activation, config_get, rotate_half
 
@@ -215,6 +216,8 @@ class Gemma4VisionTower(nn.Module):
         angles = positions[..., None].float() * self.inv_freq  # [b, P, 2, head_dim / 4]
         angles = torch.cat([angles[:, :, 0]] * 2 + [angles[:, :, 1]] * 2, dim=-1)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for t in (x, cos, sin, real):  # compiled layers: any number of images, one graph
+            dynamic_dims(t, (0,))
         for layer in self.layers:
             x = layer(x, cos, sin, real)
         tokens = self.pool(x, positions, real)

@@ -66,6 +66,7 @@ class TowerKind:
     build: Callable[[Any], nn.Module]
     names: Callable[[Any], NameMap]
     features: Callable[[nn.Module, ImageInputs], Tensor]
+    blocks: str = "layers"  # the tower's attribute holding its blocks (each compiled alone)
 
 
 def _gemma3_features(tower: nn.Module, images: ImageInputs) -> Tensor:
@@ -86,7 +87,9 @@ def _gemma4_features(tower: nn.Module, images: ImageInputs) -> Tensor:
 
 TOWERS: dict[str, TowerKind] = {
     "siglip": TowerKind(SiglipArgs, Gemma3VisionTower, gemma3_vision_names, _gemma3_features),
-    "qwen": TowerKind(QwenVisionArgs, Qwen35VisionTower, qwen35_vision_names, _qwen_features),
+    "qwen": TowerKind(
+        QwenVisionArgs, Qwen35VisionTower, qwen35_vision_names, _qwen_features, "blocks"
+    ),
     "gemma4": TowerKind(Gemma4VisionArgs, Gemma4VisionTower, gemma4_vision_names, _gemma4_features),
 }
 
@@ -189,6 +192,10 @@ class VisionLanguageModel(Transformer):
         for name, text in getattr(self, "processor_files", {}).items():
             if not (folder / name).exists():
                 (folder / name).write_text(text)
+
+    def vision_blocks(self) -> nn.ModuleList:
+        """The tower's blocks, which the per-block compile compiles as one region."""
+        return getattr(self.vision_tower, TOWERS[self.vision.tower].blocks)
 
     def train_vision(self, on: bool) -> None:
         """Make the tower's parameters trainable (`on`) or frozen (the default of a run)."""

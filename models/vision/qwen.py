@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiletune.errors import UserError
+from compiletune.torch_internals import dynamic_dims
 
 from .common import NameMap, activation, config_get, rotate_half
 
@@ -195,6 +196,11 @@ class Qwen35VisionTower(nn.Module):
         frames = frame_ids(grid).to(x.device)
         # One frame: every patch sees every other; several: a block-diagonal mask.
         mask = None if len(grid) == 1 and grid[0][0] == 1 else frames[:, None] == frames[None]
+        # compiled blocks (compiletune/compiler/regions.py): any patch count, one graph
+        for t in (x, cos, sin):
+            dynamic_dims(t, (0,))
+        if mask is not None:
+            dynamic_dims(mask, (0, 1))
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         merged = self.merge_norm(x).reshape(-1, self.merge_fc1.in_features)

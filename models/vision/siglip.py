@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiletune.errors import UserError
+from compiletune.torch_internals import dynamic_dims
 
 from .common import NameMap, activation, config_get
 
@@ -146,6 +147,7 @@ class Gemma3VisionTower(nn.Module):
             )
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))  # [n, d, S/p, S/p]
         x = x.flatten(2).transpose(1, 2) + self.pos_embed.weight
+        dynamic_dims(x, (0,))  # compiled layers: any number of images, one graph
         for layer in self.layers:
             x = layer(x)
         return self.post_norm(x)
