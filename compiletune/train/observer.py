@@ -26,8 +26,9 @@ class BuildObserver(Protocol):
     """Watches a build and its step from outside."""
 
     def scope(self) -> contextlib.AbstractContextManager[object]:
-        """Entered around everything that allocates: materialising the model and its frozen
-        ones, building the optimizer, and each step (the step enters it itself)."""
+        """Entered around everything the build allocates (materialising the model and its
+        frozen ones, building the optimizer); the caller enters it again around each step it
+        runs, which tells `observe` its own phases (step.py)."""
         ...
 
     def observe(self, phase: str, params: list[nn.Parameter]) -> None:
