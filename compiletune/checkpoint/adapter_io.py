@@ -50,11 +50,23 @@ from compiletune.models.lora import (
     lora_experts,
     lora_modules,
 )
+from compiletune.models.vision.model import VisionLanguageModel
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGED_DIR = "merged"  # OUTPUT_DIR/merged: the --merge export
 PEFT_PREFIX = "base_model.model."
+# A vision-language model's decoder as transformers' ForConditionalGeneration names it in memory
+# (what PEFT adapts): its adapters' keys carry this instead of `model.`, and target_modules
+# names the decoder's projections only (the towers have q_proj / v_proj too).
+VISION_TEXT = "model.language_model."
+
+
+def _vision_key(key: str) -> str:
+    """A decoder adapter's PEFT key as a vision-language checkpoint's model names it."""
+    return PEFT_PREFIX + VISION_TEXT + key.removeprefix(PEFT_PREFIX + "model.")
+
+
 _HF_TO_SHORT = {hf: short for short, (_, hf) in TARGETS.items()}
 _PATH_TO_SHORT = {path: short for short, (path, _) in TARGETS.items()}
 _ATTENTION_SHORTS = {"q", "k", "v", "o", "qkv"}
@@ -85,11 +97,12 @@ def _interleaved(model: nn.Module) -> set[str]:
     family = FAMILIES.get(model.args.family)
     if family is None or not family.gate_up_interleaved:
         return set()
-    return {
+    keys = {
         _expert_keys(name, m.adapted)["w13"] + ".lora_B.weight"
         for name, m in lora_experts(model)
         if "w13" in m.adapted
     }
+    return {_vision_key(k) for k in keys} if isinstance(model, VisionLanguageModel) else keys
 
 
 def _to_peft(kind: str, tensor: Tensor) -> Tensor:
@@ -170,6 +183,8 @@ def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
         for weight, peft in _expert_keys(name, m.adapted).items():
             a, b = getattr(m, f"lora_a_{weight}"), getattr(m, f"lora_b_{weight}")
             out[f"{peft}.lora_A.weight"], out[f"{peft}.lora_B.weight"] = a.detach(), b.detach()
+    if isinstance(model, VisionLanguageModel):
+        return {_vision_key(k): v for k, v in out.items()}
     return out
 
 
@@ -204,8 +219,13 @@ def save_adapter(
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     experts = tuple(dict.fromkeys(w for _, m in lora_experts(model) for w in m.adapted))
     config = adapter_config(spec, base_model, [name for name, _ in lora_modules(model)], experts)
+    if isinstance(model, VisionLanguageModel):  # the decoder's projections, not the tower's
+        names = "|".join(config["target_modules"])
+        config["target_modules"] = rf"model\.language_model\..*\.({names})"
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     write_side_files(path, tokenizer, getattr(model, "generation_config", None))
+    if isinstance(model, VisionLanguageModel):  # AutoProcessor loads the step's folder too
+        model.write_processor_files(path)
 
 
 def is_adapter_folder(path: Path) -> bool:
@@ -323,6 +343,8 @@ def _split_key(name: str, file: Path, experts: tuple[str, ...] = ()) -> tuple[st
     """`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ->
     (`layers.0.attention.wq`, `A`, None); an expert adapter (`experts`: the config's adapted
     expert weights) -> (`layers.0.feed_forward.experts`, `A`, "w13" | "w2")."""
+    if name.startswith(PEFT_PREFIX + VISION_TEXT):  # a vision-language model's decoder
+        name = PEFT_PREFIX + "model." + name.removeprefix(PEFT_PREFIX + VISION_TEXT)
     for kind in ("A", "B"):
         suffix = f".lora_{kind}.weight"
         if name.startswith(PEFT_PREFIX) and name.endswith(suffix):

@@ -384,3 +384,35 @@ def test_processor_files_follow_the_model(tmp_path):
     ours = from_hf(tmp_path / "source", dtype=torch.float32, vision=True)
     save_hf(ours, tmp_path / "saved")
     assert (tmp_path / "saved" / "preprocessor_config.json").read_text() == '{"size": 32}\n'
+
+
+def test_lora_adapter_loads_in_peft_with_equal_logits(loaded, tmp_path):
+    """A LoRA vision model's adapter folder: PEFT puts it on transformers' ForConditionalGeneration
+    (the decoder's projections only, under model.language_model.) with our logits, and it loads
+    back into ours."""
+    import peft
+    from lora_cases import randomize_adapters
+
+    from compiletune.checkpoint import adapter_io
+    from compiletune.models.lora import LoRASpec, apply_lora
+
+    family, hf, _ = loaded
+    hf.save_pretrained(tmp_path / "base")
+    spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "v"))
+
+    def lora_model():
+        model = from_hf(tmp_path / "base", dtype=torch.float32, vision=True)
+        return apply_lora(model, spec, dtype=torch.float32, seed=3).eval()
+
+    ours = lora_model()
+    randomize_adapters(ours)
+    adapter_io.save_adapter(ours, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    ids, images, kwargs = batch(family, 1)
+    with torch.no_grad():
+        want = ours(ids, images=images)
+        base = type(hf).from_pretrained(tmp_path / "base", dtype=torch.float32)
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        assert rel(theirs(input_ids=ids, **kwargs).logits, want) <= TOL
+        again = lora_model()
+        adapter_io.load_adapter(again, tmp_path / "adapter")
+        assert rel(again(ids, images=images), want) <= TOL
