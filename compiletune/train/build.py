@@ -53,10 +53,11 @@ from compiletune.train.build_model import (
     materialise,
     resolve_model_args,
     teacher_args,
+    wants_vision,
 )
 from compiletune.train.device import check_compensation, device_and_dtype, pick_dtype
 from compiletune.train.hooks import StepHooks
-from compiletune.train.inputs import Inputs, model_facts, read_inputs
+from compiletune.train.inputs import Inputs, holds_images, model_facts, read_inputs
 from compiletune.train.observer import NO_OBSERVER, BuildObserver, BuildOptions
 from compiletune.train.techniques import apply_techniques, offloaded_blocks, split_sequences
 
@@ -145,7 +146,10 @@ def build_run(
     base_dtype = pick_dtype(cfg.lora.base_dtype, device) if cfg.lora.base_dtype else dtype
     lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.lora.quantize_base}
     resume_from = inputs.resume_from
-    model, full_sd = build_policy_model(cfg, env, args, spec, lora_kw, device, resume_from, read)
+    vision = wants_vision(cfg, holds_images(inputs.data))  # the tower, for image data
+    model, full_sd = build_policy_model(
+        cfg, env, args, spec, lora_kw, device, resume_from, read, vision
+    )
     frozen: tuple[Any, Any] = (None, None)  # the objective's reference and teacher
     if cfg.objective.objective != "sft":
         # one process's policy as it starts: the reference is a copy (not read again)

@@ -38,6 +38,7 @@ from compiletune.models.lora import (
     model_targets,
     parse_targets,
 )
+from compiletune.models.vision.model import VisionLanguageModel, is_vision_checkpoint
 from compiletune.train.techniques import shard_model
 
 # Fields that make two architectures different models (head_dim is compared resolved).
@@ -94,6 +95,14 @@ def _model_name(cfg: TrainConfig) -> str:
     return str(resolve_model_path(m.model_dir).resolve()) if m.model_dir else m.preset or "debug"
 
 
+def wants_vision(cfg: TrainConfig, images: bool) -> bool:
+    """Does the run load --model-dir's vision tower: its data holds images (`images`) and the
+    checkpoint is a vision-language one compiletune loads. A text-only run on a vision
+    checkpoint loads its text model alone, as before."""
+    folder = cfg.model.model_dir
+    return images and folder is not None and is_vision_checkpoint(load_hf_config(folder))
+
+
 def build_model_weights(
     cfg: TrainConfig,
     args: ModelArgs,
@@ -101,21 +110,24 @@ def build_model_weights(
     lora_kw: dict[str, Any],
     device: torch.device | str,
     resume_from: Path | None,
+    vision: bool = False,
 ) -> Transformer:
     """The model with its weights: the checkpoint's, --model-dir's, or drawn from the seed.
     With LoRA each block becomes LoRA (NF4) as soon as it is loaded, so the full-size base never
-    exists, and a LoRA checkpoint's adapters are loaded on top."""
+    exists, and a LoRA checkpoint's adapters are loaded on top. `vision` (`wants_vision`): with
+    the checkpoint's vision tower, trainable with --train-vision."""
     m, seed = cfg.model, cfg.run.seed
     dtype = lora_kw["dtype"]
+    tower = {"vision": vision, "train_vision": m.train_vision}
     if spec is None:
         if resume_from is not None:
-            return from_hf(resume_from, dtype=dtype, device=device)
+            return from_hf(resume_from, dtype=dtype, device=device, **tower)
         if m.model_dir is not None:
-            return from_hf(m.model_dir, dtype=dtype, device=device)
+            return from_hf(m.model_dir, dtype=dtype, device=device, **tower)
         return weight_init.init_hashed(build_model(args, device, dtype, init=False), seed)
     adapt = block_adapter(spec, **lora_kw, seed=seed)
     if m.model_dir is not None:
-        model = from_hf(m.model_dir, dtype=dtype, device=device, on_block=adapt)
+        model = from_hf(m.model_dir, dtype=dtype, device=device, on_block=adapt, **tower)
     else:
         model = build_model(args, device, dtype, init=True, seed=seed, on_block=adapt)
     apply_lora(model, spec, **lora_kw, blocks_adapted=True)
@@ -126,12 +138,21 @@ def build_model_weights(
 
 
 def build_meta_model(
-    cfg: TrainConfig, args: ModelArgs, spec: LoRASpec | None, lora_kw: dict[str, Any]
+    cfg: TrainConfig,
+    args: ModelArgs,
+    spec: LoRASpec | None,
+    lora_kw: dict[str, Any],
+    vision: bool = False,
 ) -> Transformer:
     """The model's structure on the meta device (LoRA adapters and NF4 codes included), as every
     FSDP rank and a build that reads nothing build it; `materialise` gives it storage."""
     with torch.device("meta"):
-        model = Transformer(args)
+        if vision:
+            folder = cfg.model.model_dir
+            model = VisionLanguageModel(args, load_hf_config(folder), str(folder))
+            model.train_vision(cfg.model.train_vision)
+        else:
+            model = Transformer(args)
     model.to(lora_kw["dtype"])
     if spec is not None:
         apply_lora(model, spec, **lora_kw, seed=cfg.run.seed)
@@ -152,19 +173,22 @@ def build_policy_model(
     device: torch.device,
     resume_from: Path | None,
     read: bool,
+    vision: bool = False,
 ) -> tuple[Transformer, dict[str, Tensor] | None]:
     """The model with its weights (one process), or, under FSDP and without `read` (weights
     drawn from the seed later), the model on the meta device plus (FSDP rank 0, reading) the
-    full state dict to fill the shards from."""
+    full state dict to fill the shards from. `vision`: with the tower (`wants_vision`)."""
     if read and env is None:
-        return build_model_weights(cfg, args, spec, lora_kw, device, resume_from), None
+        return build_model_weights(cfg, args, spec, lora_kw, device, resume_from, vision), None
     full_sd = None
     if read and env.is_main and (spec or (resume_from is None and cfg.model.model_dir)):
         # Rank 0 alone reads the checkpoint (or a LoRA run's random base; a full model's random
         # init is drawn shard by shard, see materialise): host RAM holds one model, not one per
         # rank. A LoRA checkpoint holds no base, so its adapters come this way too.
-        full_sd = build_model_weights(cfg, args, spec, lora_kw, "cpu", resume_from).state_dict()
-    model = build_meta_model(cfg, args, spec, lora_kw)
+        full_sd = build_model_weights(
+            cfg, args, spec, lora_kw, "cpu", resume_from, vision
+        ).state_dict()
+    model = build_meta_model(cfg, args, spec, lora_kw, vision)
     if resume_from is not None and spec is None:
         model.hf_config = load_hf_config(resume_from)
         model.generation_config = load_generation_config(resume_from)

@@ -105,10 +105,15 @@ def read_inputs(
     return inputs
 
 
+def holds_images(datas: list | None) -> bool:
+    """Does any of a run's training sources hold images (image conversations)?"""
+    return any(getattr(getattr(d, "store", None), "images", None) for d in datas or [])
+
+
 def check_vision(cfg: TrainConfig, datas: list) -> None:
     """Image data needs a model whose vision tower compiletune loads: --model-dir a
     vision-language checkpoint (Gemma 3 4B and up, Gemma 4, Qwen3.5 with their towers)."""
-    if not any(getattr(getattr(d, "store", None), "images", None) for d in datas):
+    if not holds_images(datas):
         return
     folder = cfg.model.model_dir
     config = load_hf_config(folder) if folder is not None else {}
