@@ -126,6 +126,7 @@ class KVCache:
         here), empty (length 0), for prefilling those rows alone."""
         view = object.__new__(KVCache)
         view.source, view.max_len, view.length, view.lengths = self.source, self.max_len, 0, None
+        view.images, view.position_offset = None, 0  # a text prefill (as __init__ sets them)
         for name in ("k", "v", "conv", "state"):
             setattr(view, name, [t[start:stop] if t.numel() else t for t in getattr(self, name)])
         return view
