@@ -612,9 +612,10 @@ def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
     assert depth.shortcut_depths(cfg, args) == (5, 6, 1, 2)
     moe = resolve({}, {"model": "debug_moe", "n_layers": 16})  # a dense MLP in layer 1 only
     assert depth.shortcut_depths(moe, resolve_model_args(moe)) is None
-    # DeepSeek-V3's three dense layers first: a longer start
+    # DeepSeek-V3's three dense layers first: a longer start, past the dense prefix as past the
+    # first block (the first MoE block's backward still holds the last dense block's gather)
     ds = resolve({}, {"model": "deepseek_v3"})
-    assert depth.shortcut_depths(ds, resolve_model_args(ds)) == (6, 7, 1, 3)
+    assert depth.shortcut_depths(ds, resolve_model_args(ds)) == (7, 8, 1, 4)
     # Gemma 3's five sliding layers, then a global one: the start holds the first global
     # layer, the depths end with a global layer as the model's 48 do
     g3 = resolve({}, {"model": "gemma3_12b"})
