@@ -299,16 +299,38 @@ def agree(error: BaseException | None, describe: Callable[[BaseException], str])
 
 
 def save_sharded(folder: Path, model: nn.Module | None, optimizer_sd: dict[str, Any]) -> None:
-    """Every rank writes its shards of the model and its own optimizer state into `folder`.
+    """Every rank writes its shards of the model and of the optimizer's moments (saved whole
+    once, `_split_optimizer`) and its own rest of the optimizer state into `folder`.
     model None: the optimizer state alone (a LoRA run keeps its adapters in the adapter folder
     and rebuilds its frozen base from the run's source)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state: dict[str, Any] = {"optimizer": {f"rank{dist.get_rank()}": optimizer_sd}}
+    own, whole = _split_optimizer(optimizer_sd)
+    state: dict[str, Any] = {"optimizer": {f"rank{dist.get_rank()}": own}, WHOLE: whole}
     if model is not None:
         state["model"] = global_view(model, get_model_state_dict(model))
     dcp.save(state, storage_writer=_shard_writer_class()(str(folder)))
+
+
+# The sharded checkpoint's section of optimizer state saved whole (parameter -> state name ->
+# tensor, each once): the moments, laid out as their parameters (optim.py `_whole`).
+WHOLE = "optimizer_whole"
+
+
+def _split_optimizer(optimizer_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(this rank's own part, the whole part) of an `Optimizer.state_dict()`: its DTensors go
+    to the whole part, which every rank saves under the same keys (so it is written once and
+    read back under another --ep, each rank taking its own part); the rest (the step counts,
+    8-bit AdamW's blocks, the numbers) stays this rank's."""
+    own = dict(optimizer_sd)
+    own["state"], whole = {}, {}
+    for name, entries in optimizer_sd.get("state", {}).items():
+        own["state"][name] = {k: t for k, t in entries.items() if not hasattr(t, "to_local")}
+        mine = {k: t for k, t in entries.items() if hasattr(t, "to_local")}
+        if mine:
+            whole[name] = mine
+    return own, whole
 
 
 @functools.cache
@@ -333,16 +355,55 @@ def load_sharded(
     into `optimizer_sd` (a template of this rank's optimizer state, filled in place and
     returned)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     key = f"rank{dist.get_rank()}"
-    state: dict[str, Any] = {"optimizer": {key: optimizer_sd}}
+    own, whole = _split_optimizer(optimizer_sd)
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    old = whole and not any(k.startswith(WHOLE + ".") for k in saved)
+    if old:  # written before the moments were saved whole: each rank's, in its own layout
+        own = {
+            **own,
+            "state": {
+                n: {k: _local_of(t) for k, t in e.items()} for n, e in optimizer_sd["state"].items()
+            },
+        }
+        whole = {}
+    state: dict[str, Any] = {"optimizer": {key: own}, WHOLE: whole}
     if model is not None:
         state["model"] = global_view(model, get_model_state_dict(model))
+    if old:
+        _check_own_layout(folder, saved, key, own["state"])
     dcp.load(state, checkpoint_id=str(folder))
     if model is not None:
         set_model_state_dict(model, local_view(model, state["model"]))
-    return state["optimizer"][key]
+    out = state["optimizer"][key]
+    for name, entries in whole.items():
+        out["state"][name].update(entries)
+    return out
+
+
+def _local_of(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _check_own_layout(
+    folder: Path, saved: dict[str, Any], key: str, state: dict[str, dict[str, Any]]
+) -> None:
+    """A checkpoint whose ranks saved their moments in their own layout fits only a run that
+    splits the parameters as it did: one line naming the fix otherwise."""
+    for name, entries in state.items():
+        for k, t in entries.items():
+            md = saved.get(f"optimizer.{key}.state.{name}.{k}")
+            size = getattr(md, "size", None)
+            if size is not None and tuple(size) != tuple(t.shape):
+                raise UserError(
+                    f"{folder.parent} keeps each process's optimizer state in that process's "
+                    f"layout (written before a resume could change --ep; {name}.{k} is "
+                    f"{tuple(size)}, this run's {tuple(t.shape)}); resume it with the --ep it "
+                    "was written with"
+                )
 
 
 def sharded_model_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

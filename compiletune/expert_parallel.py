@@ -139,6 +139,7 @@ def apply_expert_parallel(model: nn.Module, ep: int, device: torch.device | str)
             local.first_row = shards.local.start
             local.expert_group = shards.group  # `gather_experts` reads it
             local.whole_rows = n_experts  # the export's shape (models/lora.dense_tensors)
+            local.expert_mesh = mesh  # the optimizer state's whole layout (optim._whole)
             setattr(experts, name, local)
             state.names[f"{path}.experts.{name}"] = shards.local
             state.held.append(local)

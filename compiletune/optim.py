@@ -358,6 +358,30 @@ def _local(t: Tensor) -> Tensor:
     return to_local() if to_local is not None else t
 
 
+def _whole(local: Tensor, p: Tensor) -> Tensor:
+    """A state tensor shaped like this rank's part of `p` as the whole tensor it is a part of
+    (a DTensor sharing `local`'s storage), laid out as `p` is: FSDP's shards, or an --ep
+    expert weight's rows (`expert_mesh`, set by expert_parallel.py). A sharded checkpoint
+    saves it once, whole, so that a resume under another --ep reads its own part of it.
+    Anything else (a single process's state, 8-bit codes, the step) is returned as is."""
+    # deferred: torch.distributed.tensor is only wanted by a run of several processes
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = getattr(p, "expert_mesh", None)
+    if isinstance(p, DTensor) and local.shape == p.to_local().shape:
+        return DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    if mesh is not None and local.shape == p.shape:
+        shape = (p.whole_rows, *p.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        placements = [Replicate(), Shard(0)]
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+        )
+    return local
+
+
 @functools.cache
 def _fused_adamw_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch's fused AdamW kernel runs for this device and dtype, found by trying it on
@@ -699,14 +723,19 @@ class Optimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors (this rank's shards, not copies), ints, floats and strings only, so
-        `torch.load(weights_only=True)` reads it back."""
+        `torch.load(weights_only=True)` reads it back. Under FSDP or --ep the moments shaped
+        like a parameter's part are DTensors of the whole (`_whole`), which a sharded
+        checkpoint saves once and reads back under another --ep."""
         return {
             "format": _STATE_FORMAT,
             "kind": self.kind,
             "lr": self.lr,
             "seed": self.seed,
             "state": {
-                name: {k: _local(t).detach() for k, t in self._param_state(i).items()}
+                name: {
+                    k: _whole(_local(t).detach(), self._params[i])
+                    for k, t in self._param_state(i).items()
+                }
                 for i, name in enumerate(self._names)
             },
         }
@@ -735,6 +764,7 @@ class Optimizer:
                     t.zero_()  # compensation switched on at resume: start with no residue
                     continue
                 value = saved[name].get(key)
+                value = None if value is None else _local(value)
                 local = _local(t)
                 if value is None or value.shape != local.shape:
                     have = None if value is None else tuple(value.shape)

@@ -352,7 +352,7 @@ class ParallelConfig:
         1,
         "expert parallelism: split each MoE layer's experts over N processes, tokens sent to "
         "their experts' processes (N divides the processes and the experts)",
-        on_resume="fixed",
+        on_resume="free",  # the sharded checkpoint holds experts and moments whole
     )
     ep_skew: float = opt(
         2.0,

@@ -383,3 +383,66 @@ def test_trainer_ep2_matches_one_process(tmp_path):
         assert not bad, (name, bad)
     summary = json.loads((tmp_path / "compiled-selective-lora" / "summary.json").read_text())
     assert summary["compile"]["recompiles"] == 0 and summary["processes"] == 2, summary
+
+
+# ----------------------------------------------------------------------------- resume under another --ep
+
+RESUME = BASE | {"max_steps": 4, "save_every": 2, "fsdp": True}
+
+
+def resume_worker(rank: int, port: int, tmp: str) -> None:
+    """The straight 4-step run under --ep 2 (checkpoints at 2 and 4), then a copy of it cut
+    back to step 2 resumed to step 4 under --ep 1 (FSDP alone)."""
+    import shutil
+
+    from compiletune.config import resolve
+    from compiletune.train.loop import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120)
+    )
+    torch.set_num_threads(1)
+    try:
+        values = {**RESUME, "data": f"{tmp}/corpus.txt"}
+        straight, resumed = f"{tmp}/ep2", f"{tmp}/ep2-to-1"
+        train(resolve({}, {**values, "ep": 2, "output_dir": straight}))
+        if rank == 0:
+            shutil.copytree(straight, resumed)
+            shutil.rmtree(f"{resumed}/step_4")
+        dist.barrier()
+        train(resolve({}, {**values, "ep": 1, "output_dir": resumed, "resume": True}))
+        dist.barrier()
+    finally:
+        close_group()
+
+
+def losses_by_step(folder) -> dict[int, float]:
+    from compiletune.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(folder / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.mark.slow
+def test_resume_under_another_ep_equals_the_straight_run(tmp_path):
+    """A sharded checkpoint of `--fsdp --ep 2` resumed under `--fsdp` alone (--ep 1) on the
+    same 2 ranks: steps 3 and 4 equal the straight run's (the weights, AdamW's moments, the
+    data position and the RNG all came back). On 2 ranks FSDP's rows of an expert weight are
+    --ep 2's; test_expert_parallel_4ranks.py resumes where they differ."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    mp.spawn(resume_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    want = losses_by_step(tmp_path / "ep2")
+    got = losses_by_step(tmp_path / "ep2-to-1")
+    assert sorted(want) == [1, 2, 3, 4] and sorted(got) == [1, 2, 3, 4], (want, got)
+    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5)
+    assert want[4] != pytest.approx(want[2], rel=1e-3)  # the steps moved the weights
+
+
+def test_resume_under_another_ep_refuses_8bit_adamw():
+    from compiletune.config import resolve
+    from compiletune.train.run_dir.resume import check_ep_change
+
+    cfg = resolve({}, {**RESUME, "ep": 1, "optimizer": "adamw8bit"})
+    with pytest.raises(UserError, match=r"--ep 2 -> 1: 8-bit AdamW .* resume with --ep 2$"):
+        check_ep_change(cfg, {"ep": 2, "optimizer": "adamw8bit"})
+    check_ep_change(cfg, {"ep": 1})  # the same --ep: fine

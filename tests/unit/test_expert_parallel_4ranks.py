@@ -1,26 +1,28 @@
 """`train --fsdp --ep 2` on 4 gloo ranks: the mesh `dp_shard_mod_ep x ep` = [2, 2], each expert
 held by two ranks (its gradient all-reduced over `dp_shard_mod_ep`), the other weights
-FSDP-sharded over all 4; against one process that accumulates the 4 ranks' rows. The final
-checkpoint's HF export (the experts gathered) loads in transformers, whose logits equal the
-one-process model's.
+FSDP-sharded over all 4; against one process that accumulates the 4 ranks' rows. Its step-2
+checkpoint resumed under --ep 1 (FSDP alone: each rank holds other expert rows than under --ep 2,
+and other rows of AdamW's moments) gives the same steps 3 and 4. The final checkpoint's HF
+export (the experts gathered) loads in transformers, whose logits equal the one-process model's.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from gloo import free_port
-from test_expert_parallel import BASE, TEXT, exported, losses, rel
+from test_expert_parallel import BASE, TEXT, exported, losses, losses_by_step, rel
 
 from compiletune.distributed import close_group
 
 WORLD = 4
-FLAGS = {**BASE, "router_bias_update_rate": 0.0}
+FLAGS = {**BASE, "router_bias_update_rate": 0.0, "max_steps": 4, "save_every": 2}
 
 
 def worker(rank: int, port: int, tmp: str) -> None:
@@ -35,13 +37,18 @@ def worker(rank: int, port: int, tmp: str) -> None:
     try:
         values = {**FLAGS, "data": f"{tmp}/corpus.txt", "fsdp": True, "ep": 2}
         train(resolve({}, {**values, "output_dir": f"{tmp}/ep"}))
+        if rank == 0:  # the run cut back to its step-2 checkpoint, resumed under --ep 1
+            shutil.copytree(f"{tmp}/ep", f"{tmp}/resumed", ignore=shutil.ignore_patterns("step_4"))
+        dist.barrier()
+        values["ep"] = 1
+        train(resolve({}, {**values, "output_dir": f"{tmp}/resumed", "resume": True}))
         dist.barrier()
     finally:
         close_group()
 
 
 @pytest.mark.slow
-def test_four_ranks_ep2_match_one_process_and_export_to_transformers(tmp_path):
+def test_four_ranks_ep2_match_one_process_resume_under_ep1_and_export(tmp_path):
     import transformers
 
     from compiletune.config import resolve
@@ -54,15 +61,17 @@ def test_four_ranks_ep2_match_one_process_and_export_to_transformers(tmp_path):
     values = {**FLAGS, "data": str(tmp_path / "corpus.txt"), "grad_accum": WORLD}
     train(resolve({}, {**values, "output_dir": str(ref)}))
     want, got = losses(ref), losses(tmp_path / "ep")
-    assert len(got) == 2 and got == pytest.approx(want, rel=1e-5), (got, want)
-    final = tmp_path / "ep" / "step_2"
-    got_t, want_t = exported(final), exported(ref / "step_2")
+    assert len(got) == 4 and got == pytest.approx(want, rel=1e-5), (got, want)
+    resumed = losses_by_step(tmp_path / "resumed")
+    assert [resumed[s] for s in (3, 4)] == pytest.approx(want[2:], rel=1e-5), (resumed, want)
+    final = tmp_path / "ep" / "step_4"
+    got_t, want_t = exported(final), exported(ref / "step_4")
     assert got_t.keys() == want_t.keys() and any("experts" in k for k in got_t)
     bad = {k: rel(got_t[k], want_t[k]) for k in got_t if not rel(got_t[k], want_t[k]) <= 1e-4}
     assert not bad, bad
     # transformers reads the 4-rank export; compiletune's one-process model reads its own
     hf = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
-    mine = from_hf(ref / "step_2", dtype=torch.float32).eval()
+    mine = from_hf(ref / "step_4", dtype=torch.float32).eval()
     tokens = torch.randint(
         3, hf.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
     )

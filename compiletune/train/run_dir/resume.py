@@ -27,6 +27,7 @@ def judge_resume(cfg: TrainConfig, saved: dict[str, Any], at_step: int) -> list[
             "adapters and optimizer state, which a resumed run keeps; drop these options, or "
             "start a new run from the checkpoint's weights with --model-dir"
         )
+    check_ep_change(cfg, saved)
     changed = kinds["same"]
     if changed and not cfg.run.accept_changes:
         raise UserError(
@@ -50,6 +51,18 @@ def judge_resume(cfg: TrainConfig, saved: dict[str, Any], at_step: int) -> list[
             "learning-rate schedule are recomputed for the new number of epochs"
         )
     return notes
+
+
+def check_ep_change(cfg: TrainConfig, saved: dict[str, Any]) -> None:
+    """A resume may change --ep (the sharded checkpoint holds the experts and AdamW's moments
+    whole), except with 8-bit AdamW, whose blocks are cut from each process's own slice."""
+    old = saved.get("ep", 1)
+    if old != cfg.parallel.ep and cfg.optim.optimizer == "adamw8bit":
+        raise UserError(
+            f"--resume: --ep {old} -> {cfg.parallel.ep}: 8-bit AdamW keeps its state in blocks "
+            f"of each process's own slice of the experts, which another --ep cuts differently; "
+            f"resume with --ep {old}"
+        )
 
 
 def merge_pending(cfg: TrainConfig, out: Path) -> bool:
