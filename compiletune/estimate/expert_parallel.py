@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from compiletune.config import TrainConfig
 from compiletune.errors import UserError
 from compiletune.ops.expert_exchange import ExpertShards
-from compiletune.train.build import resolve_model_args
+from compiletune.train.build_model import resolve_model_args
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from compiletune.estimate.fit import advice, ladder
 from compiletune.estimate.fit.capacity import RESERVE_BYTES, Capacity
 from compiletune.estimate.fit.printing import format_estimate
 from compiletune.models import build_model
-from compiletune.train.build import resolve_model_args
+from compiletune.train.build_model import resolve_model_args
 
 FLAGS = {
     "model": "debug_moe",
