@@ -4,6 +4,7 @@ FSDP-sharded over all 4; against one process that accumulates the 4 ranks' rows.
 checkpoint resumed under --ep 1 (FSDP alone: each rank holds other expert rows than under --ep 2,
 and other rows of AdamW's moments) gives the same steps 3 and 4. The final checkpoint's HF
 export (the experts gathered) loads in transformers, whose logits equal the one-process model's.
+A checkpoint of the old layout (each rank's moments its own) is refused under --ep 1 in one line.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ import torch.multiprocessing as mp
 from gloo import free_port
 from test_expert_parallel import BASE, TEXT, exported, losses, losses_by_step, rel
 
+from compiletune import optim
 from compiletune.distributed import close_group
+from compiletune.errors import UserError
 
 WORLD = 4
 FLAGS = {**BASE, "router_bias_update_rate": 0.0, "max_steps": 4, "save_every": 2}
@@ -43,6 +47,16 @@ def worker(rank: int, port: int, tmp: str) -> None:
         values["ep"] = 1
         train(resolve({}, {**values, "output_dir": f"{tmp}/resumed", "resume": True}))
         dist.barrier()
+        # a checkpoint written before the moments were saved whole (each rank's own layout):
+        # refused under another --ep in one line
+        keep, optim._whole = optim._whole, lambda local, p: local
+        train(resolve({}, {**values, "ep": 2, "max_steps": 2, "output_dir": f"{tmp}/old"}))
+        optim._whole = keep
+        try:
+            train(resolve({}, {**values, "output_dir": f"{tmp}/old", "resume": True}))
+        except UserError as e:
+            Path(f"{tmp}/old-{rank}.txt").write_text(str(e))
+        dist.barrier()
     finally:
         close_group()
 
@@ -64,6 +78,9 @@ def test_four_ranks_ep2_match_one_process_resume_under_ep1_and_export(tmp_path):
     assert len(got) == 4 and got == pytest.approx(want, rel=1e-5), (got, want)
     resumed = losses_by_step(tmp_path / "resumed")
     assert [resumed[s] for s in (3, 4)] == pytest.approx(want[2:], rel=1e-5), (resumed, want)
+    for rank in range(WORLD):
+        said = (tmp_path / f"old-{rank}.txt").read_text()
+        assert "resume it with the --ep it was written with" in said and "\n" not in said, said
     final = tmp_path / "ep" / "step_4"
     got_t, want_t = exported(final), exported(ref / "step_4")
     assert got_t.keys() == want_t.keys() and any("experts" in k for k in got_t)
