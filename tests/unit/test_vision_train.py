@@ -112,3 +112,26 @@ def test_lora_run_on_images_lowers_held_out_loss_and_loads_in_peft(tmp_path, che
     # the adapter is trained: without it the logits differ
     with torch.no_grad(), adapted.disable_adapter():
         assert rel(got, adapted(**inputs).logits) > 1e-3
+
+
+def test_the_tower_loads_for_image_data_only(tmp_path, checkpoint):
+    """wants_vision: a vision checkpoint with image data; a text-only run on it, or a preset,
+    loads the text model as before."""
+    from compiletune.config import resolve
+    from compiletune.train.build_model import wants_vision
+
+    cfg = resolve({}, {"model_dir": str(checkpoint)})
+    assert wants_vision(cfg, images=True) and not wants_vision(cfg, images=False)
+    assert not wants_vision(resolve({}, {"model": "debug"}), images=True)
+
+
+def test_estimate_memory_on_a_vision_checkpoint(checkpoint):
+    """The estimate reads no data: a vision checkpoint is estimated as its text model (with
+    --train-vision too), not refused."""
+    from compiletune.config import resolve
+    from compiletune.estimate.estimator import estimate_memory
+
+    flags = {"model_dir": str(checkpoint), "seq_len": 64, "batch_size": 2, "dtype": "fp32"}
+    for extra in ({"lora_rank": 8}, {"train_vision": True}):
+        est = estimate_memory(resolve({}, {**flags, **extra}), 1, round_bytes=1)
+        assert est.peak_bytes > 0
