@@ -98,9 +98,16 @@ def _model_name(cfg: TrainConfig) -> str:
 def wants_vision(cfg: TrainConfig, images: bool) -> bool:
     """Does the run load --model-dir's vision tower: its data holds images (`images`) and the
     checkpoint is a vision-language one compiletune loads. A text-only run on a vision
-    checkpoint loads its text model alone, as before."""
+    checkpoint loads its text model alone, as before. --train-vision with LoRA is refused: the
+    adapter folder would not hold the tower's trained weights."""
     folder = cfg.model.model_dir
-    return images and folder is not None and is_vision_checkpoint(load_hf_config(folder))
+    vision = images and folder is not None and is_vision_checkpoint(load_hf_config(folder))
+    if vision and cfg.model.train_vision and cfg.lora.rank:
+        raise UserError(
+            "--train-vision trains the whole vision tower, which a LoRA step's adapter folder "
+            "does not hold; drop --lora-rank (a full fine-tune) or --train-vision"
+        )
+    return vision
 
 
 def build_model_weights(

@@ -20,6 +20,7 @@ from vision_cases import gemma3_config, randomize, rel
 from compiletune.checkpoint.adapter_io import load_adapter, read_adapter_spec
 from compiletune.cli import main
 from compiletune.data.images import ImageRef, load_image
+from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import from_hf
 from compiletune.models.lora import apply_lora
@@ -123,6 +124,10 @@ def test_the_tower_loads_for_image_data_only(tmp_path, checkpoint):
     cfg = resolve({}, {"model_dir": str(checkpoint)})
     assert wants_vision(cfg, images=True) and not wants_vision(cfg, images=False)
     assert not wants_vision(resolve({}, {"model": "debug"}), images=True)
+    lora = resolve({}, {"model_dir": str(checkpoint), "lora_rank": 4, "train_vision": True})
+    with pytest.raises(UserError, match="--train-vision trains the whole vision tower"):
+        wants_vision(lora, images=True)
+    assert not wants_vision(lora, images=False)  # a text-only run: the flag has nothing to do
 
 
 def test_estimate_memory_on_a_vision_checkpoint(checkpoint):
