@@ -388,11 +388,16 @@ def test_trainer_ep2_matches_one_process(tmp_path):
 # ----------------------------------------------------------------------------- resume under another --ep
 
 RESUME = BASE | {"max_steps": 4, "save_every": 2, "fsdp": True}
+# name -> (--ep of the straight run, --ep of the resume, flags); 4 ranks: test_expert_parallel_4ranks
+RESUME_CASES = {
+    "full-1-to-2": (1, 2, {}),
+    "lora-2-to-1": (2, 1, {"lora_rank": 4, "lora_targets": "q,v,gate,up,down"}),
+}
 
 
 def resume_worker(rank: int, port: int, tmp: str) -> None:
-    """The straight 4-step run under --ep 2 (checkpoints at 2 and 4), then a copy of it cut
-    back to step 2 resumed to step 4 under --ep 1 (FSDP alone)."""
+    """Per case: the straight 4-step run (checkpoints at 2 and 4), then a copy of it cut back
+    to step 2 resumed to step 4 under the other --ep."""
     import shutil
 
     from compiletune.config import resolve
@@ -404,14 +409,14 @@ def resume_worker(rank: int, port: int, tmp: str) -> None:
     )
     torch.set_num_threads(1)
     try:
-        values = {**RESUME, "data": f"{tmp}/corpus.txt"}
-        straight, resumed = f"{tmp}/ep2", f"{tmp}/ep2-to-1"
-        train(resolve({}, {**values, "ep": 2, "output_dir": straight}))
-        if rank == 0:
-            shutil.copytree(straight, resumed)
-            shutil.rmtree(f"{resumed}/step_4")
-        dist.barrier()
-        train(resolve({}, {**values, "ep": 1, "output_dir": resumed, "resume": True}))
+        for name, (ep, other, flags) in RESUME_CASES.items():
+            values = {**RESUME, **flags, "data": f"{tmp}/corpus.txt"}
+            straight, resumed = f"{tmp}/{name}", f"{tmp}/{name}-resumed"
+            train(resolve({}, {**values, "ep": ep, "output_dir": straight}))
+            if rank == 0:
+                shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step_4"))
+            dist.barrier()
+            train(resolve({}, {**values, "ep": other, "output_dir": resumed, "resume": True}))
         dist.barrier()
     finally:
         close_group()
@@ -425,17 +430,19 @@ def losses_by_step(folder) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_resume_under_another_ep_equals_the_straight_run(tmp_path):
-    """A sharded checkpoint of `--fsdp --ep 2` resumed under `--fsdp` alone (--ep 1) on the
-    same 2 ranks: steps 3 and 4 equal the straight run's (the weights, AdamW's moments, the
-    data position and the RNG all came back). On 2 ranks FSDP's rows of an expert weight are
-    --ep 2's; test_expert_parallel_4ranks.py resumes where they differ."""
+    """A sharded checkpoint of `--fsdp` alone (--ep 1) resumed under `--fsdp --ep 2` on the same
+    2 ranks, and of a LoRA run on the experts under --ep 2 resumed under --ep 1: steps 3 and 4
+    equal the straight run's (the weights or adapters, AdamW's moments, the data position and
+    the RNG all came back). On 2 ranks FSDP's rows of an expert weight are --ep 2's;
+    test_expert_parallel_4ranks.py resumes where they differ."""
     (tmp_path / "corpus.txt").write_text(TEXT)
     mp.spawn(resume_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    want = losses_by_step(tmp_path / "ep2")
-    got = losses_by_step(tmp_path / "ep2-to-1")
-    assert sorted(want) == [1, 2, 3, 4] and sorted(got) == [1, 2, 3, 4], (want, got)
-    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5)
-    assert want[4] != pytest.approx(want[2], rel=1e-3)  # the steps moved the weights
+    for name in RESUME_CASES:
+        want = losses_by_step(tmp_path / name)
+        got = losses_by_step(tmp_path / f"{name}-resumed")
+        assert sorted(want) == [1, 2, 3, 4] and sorted(got) == [1, 2, 3, 4], (name, want, got)
+        assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5)
+        assert want[4] != pytest.approx(want[2], rel=1e-3)  # the steps moved the weights
 
 
 def test_resume_under_another_ep_refuses_8bit_adamw():
