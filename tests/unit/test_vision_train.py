@@ -140,3 +140,29 @@ def test_estimate_memory_on_a_vision_checkpoint(checkpoint):
     for extra in ({"lora_rank": 8}, {"train_vision": True}):
         est = estimate_memory(resolve({}, {**flags, **extra}), 1, round_bytes=1)
         assert est.peak_bytes > 0
+
+
+def test_the_meta_build_of_an_image_run_has_the_loaded_models_tensors(checkpoint):
+    """FSDP ranks build the model on the meta device and fill it from rank 0's state dict: with
+    the tower, the same names and shapes as the model loaded with its weights."""
+    from compiletune.config import resolve
+    from compiletune.train.build_model import (
+        build_meta_model,
+        build_model_weights,
+        lora_spec,
+        resolve_model_args,
+    )
+
+    cfg = resolve({}, {"model_dir": str(checkpoint), "lora_rank": 4, "dtype": "fp32"})
+    args = resolve_model_args(cfg)
+    spec = lora_spec(cfg, args)
+    kw = {"dtype": torch.float32, "base_dtype": torch.float32, "quantize": None}
+    loaded = build_model_weights(cfg, args, spec, kw, "cpu", None, vision=True)
+    meta = build_meta_model(cfg, args, spec, kw, vision=True)
+    shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}  # noqa: E731
+    assert shapes(meta) == shapes(loaded) and any(
+        k.startswith("vision_tower.") for k in shapes(meta)
+    )
+    trainable = lambda m: {n for n, p in m.named_parameters() if p.requires_grad}  # noqa: E731
+    assert trainable(meta) == trainable(loaded)
+    assert not any(n.startswith("vision_tower.") for n in trainable(meta))
