@@ -12,7 +12,7 @@ from compiletune.cli import main
 from compiletune.compiler.ac_policy import ActivationPolicy
 from compiletune.config import resolve, schema
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_ac_is_parsed_once_where_the_config_is_resolved(monkeypatch):

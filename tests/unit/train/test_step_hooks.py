@@ -18,7 +18,7 @@ from compiletune.train.hooks import InBackwardCheck, RouterBiasUpdate, StepHook
 from compiletune.train.step import next_batch, train_step
 from compiletune.train.strategy import StepOutcome, SupervisedStep
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run(tmp_path: Path, **flags):

@@ -169,7 +169,7 @@ def test_eval_loss_equals_transformers_per_example_loss(tmp_path):
 def test_a_run_reports_its_fill_ratio(tmp_path):
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tiny_run import tiny_run
 
     _, tok = _held_out(tmp_path, 40)
