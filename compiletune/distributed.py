@@ -163,7 +163,8 @@ def apply_fsdp(
     grad_hooks: bool = False,
     ep: int = 1,
 ) -> None:
-    """`fully_shard` the blocks, the embedding, the head (norm + output) and then the root.
+    """`fully_shard` the blocks (a vision model's tower blocks too), the embedding, the head
+    (norm + output) and then the root.
 
     param_dtype: the compute dtype of gathered parameters (bf16 mixed precision keeps fp32
     master weights and reduces gradients in fp32); None computes in the storage dtype.
@@ -202,6 +203,10 @@ def apply_fsdp(
     reshard = sharding in ("full", "hybrid")
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard, **common)
+    vision = getattr(model, "vision_blocks", None)  # a vision-language model's tower
+    if vision is not None:  # a unit per tower block; its embeddings and projector in the root
+        for block in vision():
+            fully_shard(block, reshard_after_forward=reshard, **common)
     if model.per_layer_inputs is not None:  # Gemma 4's embedding per layer: large, used once
         fully_shard(model.per_layer_inputs, reshard_after_forward=reshard, **common)
     if not model.args.tie_embeddings:

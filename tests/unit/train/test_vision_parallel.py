@@ -1,0 +1,94 @@
+"""A vision-language model's tower under the trainer's parallel and memory mechanisms: FSDP2 (a
+unit per tower block, `distributed.apply_fsdp`) on 2 gloo ranks equals one process. A tiny
+Gemma 3 vision checkpoint (tests/vision_cases.py), the tower trainable (--train-vision); fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from gloo import free_port, run_in_gloo
+from vision_cases import gemma3_config, randomize, rel
+
+from compiletune.loss.head import LossHead
+from compiletune.models.hf import from_hf
+from compiletune.models.vision.inputs import ImageInputs
+
+IMAGE_TOKEN = 299  # gemma3_config's image_token_index
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("gemma3")
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(gemma3_config()).eval()
+    randomize(hf.model.vision_tower, 1)
+    randomize(hf.model.multi_modal_projector, 2)
+    hf.save_pretrained(folder)
+    return folder
+
+
+def load(folder: Path, train_vision: bool = True):
+    model = from_hf(folder, dtype=torch.float32, vision=True)
+    model.train_vision(train_vision)
+    return model
+
+
+def row(seed: int = 0) -> tuple[torch.Tensor, ImageInputs]:
+    """One row of two 32x32 images (16 tokens each) between text."""
+    gen = torch.Generator().manual_seed(seed)
+    pieces = [torch.randint(1, 290, (3,), generator=gen)]
+    for _ in range(2):
+        pieces += [torch.full((16,), IMAGE_TOKEN), torch.randint(1, 290, (4,), generator=gen)]
+    pixels = torch.randn(2, 3, 32, 32, generator=gen)
+    return torch.cat(pieces)[None], ImageInputs(pixels)
+
+
+def loss_and_grads(model, head) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ids, images = row()
+    loss = head(model.hidden_states(ids, images=images), torch.roll(ids, -1, dims=1))
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            grads[name] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    return loss.detach(), grads
+
+
+def _fsdp_worker(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from compiletune.distributed import apply_fsdp
+
+    torch.set_num_threads(1)
+
+    def body() -> None:
+        model = load(Path(folder))
+        apply_fsdp(model, init_device_mesh("cpu", (world,)))
+        kinds = {type(b).__name__ for b in model.vision_blocks()}
+        loss, grads = loss_and_grads(model, LossHead(model.output, "plain"))
+        if rank == 0:
+            torch.save((loss, grads, kinds), out)
+
+    run_in_gloo(rank, world, port, body)
+
+
+@pytest.mark.slow
+def test_fsdp_tower_blocks_are_units_and_equal_one_process(tmp_path, checkpoint):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "rank0.pt")
+    args = (2, free_port(), str(checkpoint), out)
+    mp.start_processes(_fsdp_worker, args=args, nprocs=2, start_method="spawn")
+    loss, grads, kinds = torch.load(out)
+    assert all(k.startswith("FSDP") for k in kinds)  # each tower block its own unit
+    ref = load(checkpoint)
+    ref_loss, ref_grads = loss_and_grads(ref, LossHead(ref.output, "plain"))
+    assert rel(loss, ref_loss) <= 1e-5
+    assert any(n.startswith("vision_tower.") for n in ref_grads)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert rel(grads[name], g) <= 1e-5, name
