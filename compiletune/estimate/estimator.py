@@ -50,6 +50,7 @@ from compiletune.config import TrainConfig, fill_defaults
 from compiletune.errors import UserError
 from compiletune.estimate import depth as depth_
 from compiletune.estimate import expert_parallel as ep_
+from compiletune.estimate import images as images_
 from compiletune.estimate import memory_internals as mi
 from compiletune.estimate.selective_saves import follow_selective_blocks
 from compiletune.estimate.tracker import (
@@ -469,19 +470,12 @@ def run_step(
 
     if cfg.objective.objective == "grpo":  # an update's micro-batch: G completions a prompt
         cfg = cfg.replace(batch_size=cfg.data.batch_size * cfg.objective.num_generations)
-    run = build_run(cfg, env, _options(cfg, device, fake, depth), _Watcher(scope, observe))
+    plan = images_.image_plan(cfg, resolve_model_args(cfg))  # the data's images, if any
+    opts = _options(cfg, device, fake, depth, plan is not None)
+    run = build_run(cfg, env, opts, _Watcher(scope, observe))
     if swap is not None:
         swap.built()
-    rows = cfg.data.batch_size * run.dp_world
-    # global batches, as the trainer draws them; each rank trains its slice
-    micro = [
-        _random_batch(cfg, rows, run.args.vocab_size) for _ in range(min(cfg.data.grad_accum, 2))
-    ]
-    if "pairs" in micro[0]:
-        pairs = [mb["pairs"].tolist() for mb in micro]
-        batch = StepBatch(micro, sum(sum(p) for p in pairs), pairs)
-    else:
-        batch = StepBatch(micro, len(micro) * rows * (cfg.data.seq_len - 1))
+    batch = _step_batch(cfg, run, plan)
     offload = None
     if tracker is not None:
         _mark_blocks(tracker, run.model)
@@ -510,10 +504,30 @@ def run_step(
     return run
 
 
-def _options(cfg: TrainConfig, device: str, fake: bool, depth: int | None) -> BuildOptions:
+def _step_batch(cfg: TrainConfig, run: Run, plan: images_.ImagePlan | None) -> StepBatch:
+    """The step's min(grad_accum, 2) random global batches, as the trainer draws them (each
+    rank trains its slice), with `plan`'s images where the data holds images."""
+    rows = cfg.data.batch_size * run.dp_world
+    micro = [
+        _random_batch(cfg, rows, run.args.vocab_size) for _ in range(min(cfg.data.grad_accum, 2))
+    ]
+    if plan is not None:
+        micro = [images_.add_images(mb, plan) for mb in micro]
+    if "pairs" in micro[0]:
+        pairs = [mb["pairs"].tolist() for mb in micro]
+        batch = StepBatch(micro, sum(sum(p) for p in pairs), pairs)
+    else:
+        batch = StepBatch(micro, len(micro) * rows * (cfg.data.seq_len - 1))
+    return batch
+
+
+def _options(
+    cfg: TrainConfig, device: str, fake: bool, depth: int | None, images: bool = False
+) -> BuildOptions:
     """run_step's build: on `device` in the dtype of the GPU estimated for, nothing read (random
     weights and tokens), fake tensors under a tracker, the first `depth` blocks, an eager step
-    (compiled blocks modelled by the same policies run eagerly), float8 emulated."""
+    (compiled blocks modelled by the same policies run eagerly), float8 emulated; with the
+    vision tower where the data holds `images`."""
     return BuildOptions(
         device=torch.device(device),
         dtype=gpu_dtype(cfg),
@@ -522,6 +536,7 @@ def _options(cfg: TrainConfig, device: str, fake: bool, depth: int | None) -> Bu
         depth=depth,
         compile=False,
         emulate_fp8=True,
+        images=images,
     )
 
 

@@ -146,7 +146,8 @@ def build_run(
     base_dtype = pick_dtype(cfg.lora.base_dtype, device) if cfg.lora.base_dtype else dtype
     lora_kw = {"dtype": dtype, "base_dtype": base_dtype, "quantize": cfg.lora.quantize_base}
     resume_from = inputs.resume_from
-    vision = wants_vision(cfg, holds_images(inputs.data))  # the tower, for image data
+    # the tower, for image data (read, or found by the estimate)
+    vision = wants_vision(cfg, opts.images or holds_images(inputs.data))
     model, full_sd = build_policy_model(
         cfg, env, args, spec, lora_kw, device, resume_from, read, vision
     )

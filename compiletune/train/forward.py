@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,8 +39,9 @@ def local_batch(batch: Batch, rows: slice, seq: SeqShards | None, device: torch.
         out[k] = v.to(device, non_blocking=True)
     images = batch.get("images")
     if images is not None:  # the images of this part's rows (models/vision/inputs.py)
-        mine = torch.arange(batch["inputs"].shape[0])[rows]
-        picked = torch.isin(batch["image_rows"], mine).nonzero()[:, 0]
+        # on the host's copy (also under the estimate's fake mode, where nonzero has no shape)
+        mine = np.arange(batch["inputs"].shape[0])[rows]
+        picked = torch.from_numpy(np.isin(host_array(batch["image_rows"]), mine).nonzero()[0])
         images = images.select(picked)
         if images is not None:
             out["images"] = images.to(device)

@@ -69,6 +69,8 @@ class BuildOptions:
     compile       False: the blocks, the head and the optimizer's step run eagerly whatever
                   --compile says (the estimate models compiled blocks by the same policies)
     emulate_fp8   --fp8's float8 matmuls emulated whatever the device (the estimate's)
+    images        the run's data holds images, as the estimate found without reading it
+                  (estimate/images.py): the vision tower is built as for image data
     """
 
     device: torch.device | None = None
@@ -78,6 +80,7 @@ class BuildOptions:
     depth: int | None = None
     compile: bool = True
     emulate_fp8: bool = False
+    images: bool = False
 
     def __post_init__(self) -> None:
         if self.fake and self.read_inputs:

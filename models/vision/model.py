@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from compiletune.errors import UserError
+from compiletune.torch_internals import is_fake
 
 from ..args import ModelArgs
 from ..cache import KVCache
@@ -217,7 +218,9 @@ class VisionLanguageModel(Transformer):
         h = self.embed(text)
         if images is not None:
             features = self.image_features(images).to(h.dtype)
-            n = int(is_image.sum())
+            # (a fake tensor, the memory estimate's, has no count to check: its batch is built
+            # with one image token per embedding, estimate/images.py)
+            n = features.shape[0] if is_fake(is_image) else int(is_image.sum())
             if features.shape[0] != n:
                 raise ValueError(
                     f"{n} image tokens in the batch, but its images give {features.shape[0]} "
