@@ -39,7 +39,9 @@ def apply_eager_checkpointing(model: torch.nn.Module, policy: ActivationPolicy) 
             "add --compile, or use --ac full|selective without it"
         )
     count = 0
-    for index, block in enumerate(model.layers):
+    vision = getattr(model, "vision_blocks", None)  # a vision tower's blocks: by their own index
+    towers = enumerate(vision()) if vision is not None else ()
+    for index, block in [*enumerate(model.layers), *towers]:
         if not policy.applies_to(index):
             continue
         context_fn = (

@@ -5,6 +5,7 @@ Regions:
            another kind, sliding-window ones, are a second region: `block.sliding`; so are
            the blocks past the first --offload-activations N: `block.on_device`)
     head   the loss head (output projection + cross-entropy), where the fused-loss pass works
+    vision a vision-language model's tower blocks (one graph for all; under --ac as blocks are)
 
 Each block is compiled in place (`module.compile`), so parameter names, checkpoints and, later,
 FSDP wrapping see the same module tree; FSDP hooks stay outside the traced region.
@@ -126,6 +127,27 @@ def _inputs_require_grad(model: torch.nn.Module) -> None:
     emb.register_forward_hook(hook)
 
 
+def _compile_tower(
+    blocks: torch.nn.ModuleList, opts: CompileOptions, backends: dict[str, CompiletuneBackend]
+) -> None:
+    """Compile a vision tower's blocks as the region `vision` (one graph for every block: the
+    towers mark their image and patch counts dynamic), under --ac as decoder blocks are (the
+    tower's own block index picks the --ac-every blocks; the others are `vision.no_ac`).
+    --offload-activations counts decoder blocks only: the tower's blocks keep what they save."""
+    for index, block in enumerate(blocks):
+        with_policy = opts.ac.applies_to(index)
+        name = "vision" if with_policy or opts.ac.kind == "none" else "vision.no_ac"
+        if name not in backends:
+            backends[name] = CompiletuneBackend(
+                name,
+                block_passes(opts, with_policy, offload=False),
+                mode=opts.backend,
+                dump=opts.dump,
+                memory_budget=opts.ac.budget if with_policy else None,
+            )
+        block.compile(backend=backends[name], fullgraph=True, dynamic=False)
+
+
 def compile_regions(
     model: torch.nn.Module, head: LossHead, opts: CompileOptions
 ) -> CompiledRegions:
@@ -161,9 +183,7 @@ def compile_regions(
         block.compile(backend=backends[name], fullgraph=True, dynamic=False)
     vision = getattr(model, "vision_blocks", None)  # a vision-language model's tower
     if vision is not None:
-        backends["vision"] = CompiletuneBackend("vision", [], mode=opts.backend, dump=opts.dump)
-        for block in vision():  # the towers mark their image and patch counts dynamic
-            block.compile(backend=backends["vision"], fullgraph=True, dynamic=False)
+        _compile_tower(vision(), opts, backends)
     heads = CompiletuneBackend(
         "head", head_passes(opts), mode=opts.backend, dump=opts.dump, watch=head_logits_shape
     )

@@ -92,3 +92,52 @@ def test_fsdp_tower_blocks_are_units_and_equal_one_process(tmp_path, checkpoint)
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
         assert rel(grads[name], g) <= 1e-5, name
+
+
+def compiled_run(folder: Path, ac: str):
+    """Loss and gradients of one compiled step (aot_eager) under `--ac ac`, and the tower
+    region's record."""
+    from compiletune.compiler.activation import parse_ac
+    from compiletune.compiler.regions import CompileOptions, compile_regions
+
+    model = load(folder)
+    head = LossHead(model.output, "plain")
+    opts = CompileOptions(backend="aot_eager", loss="plain", dump=True, ac=parse_ac(ac))
+    regions = compile_regions(model, head, opts)
+    loss, grads = loss_and_grads(model, head)
+    (record,) = regions.backends["vision"].records  # one graph for the tower's blocks
+    return loss, grads, record.summary()
+
+
+@pytest.mark.slow
+def test_activation_policies_on_the_tower_keep_loss_and_gradients(checkpoint):
+    """--ac full / selective under --compile: the tower's region runs the policy pass (it
+    fires, and the tower's blocks save less), and the loss and every gradient (the tower's
+    included) equal the run without a policy."""
+    ref_loss, ref_grads, ref_record = compiled_run(checkpoint, "none")
+    assert any(n.startswith("vision_tower.") for n in ref_grads)
+    for ac in ("full", "selective"):
+        loss, grads, record = compiled_run(checkpoint, ac)
+        fired = {p["pass"] for p in record["passes"] if p["fired"]}
+        assert f"activation_policy.{ac}" in fired
+        assert record["saved_activation_bytes"] < ref_record["saved_activation_bytes"], ac
+        assert rel(loss, ref_loss) <= 1e-6
+        assert grads.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            assert rel(grads[name], g) <= 1e-5, (ac, name)
+
+
+def test_eager_activation_policy_wraps_the_tower_blocks(checkpoint):
+    """Without --compile, --ac full checkpoints the tower's blocks too (torch.utils.checkpoint),
+    with the same loss and gradients."""
+    from compiletune.compiler.activation import apply_eager_checkpointing, parse_ac
+
+    ref = load(checkpoint)
+    ref_loss, ref_grads = loss_and_grads(ref, LossHead(ref.output, "plain"))
+    model = load(checkpoint)
+    count = apply_eager_checkpointing(model, parse_ac("full"))
+    assert count == len(model.layers) + len(model.vision_blocks())
+    loss, grads = loss_and_grads(model, LossHead(model.output, "plain"))
+    assert rel(loss, ref_loss) <= 1e-6
+    for name, g in ref_grads.items():
+        assert rel(grads[name], g) <= 1e-6, name
