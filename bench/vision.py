@@ -14,14 +14,18 @@ included), the same batch for both. Reported per model:
                    full fine-tune, --train-vision, AdamW, the batch's rows and length)
     real_gib       that run's step for real: weights + what forward, backward and an AdamW step
                    allocate above them, on our image-text step
-The estimate reads no data, so it builds the text model alone: the tower's weights, gradients,
-optimizer state and the image activations are missing from its figure (see the report).
+    estimate_text_gib  the same estimate without --data: the text model alone (nothing says
+                   the run has images)
+The estimate is given --data, a file of rows with one image part each (no pixels read): it
+builds the tower and, for Gemma 3, steps fake images of the config's size; for Qwen3.5 it
+counts the tower without its activations (docs/estimate-memory.md, "Image runs").
 Writes bench/results/vision-<device>.json and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -173,10 +177,23 @@ def measure(name: str, iters: int, folder: Path) -> dict[str, Any]:
     real = weights + peak_bytes(train_step, torch.device("cpu"))
     flags = {"model_dir": str(folder), "seq_len": SEQ, "batch_size": ROWS, "dtype": "fp32"}
     flags.update(train_vision=True, loss="plain")
+    text = estimator.estimate_memory(resolve({}, flags), 1, round_bytes=1)
+    flags["data"] = str(image_rows(folder / "rows.jsonl"))
     est = estimator.estimate_memory(resolve({}, flags), 1, round_bytes=1)
     row.update(estimate_gib=est.peak_bytes / 2**30, real_gib=real / 2**30)
+    row["estimate_text_gib"] = text.peak_bytes / 2**30
     row["estimate_error"] = est.peak_bytes / real - 1
     return row
+
+
+def image_rows(path: Path) -> Path:
+    """A --data file of ROWS conversations with one image part each (the estimate reads no
+    pixels: the file it names need not exist)."""
+    user = [{"type": "image", "image": "a.png"}, {"type": "text", "text": "What is it?"}]
+    reply = [{"type": "text", "text": "a square"}]
+    row = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
+    path.write_text((json.dumps(row) + "\n") * ROWS)
+    return path
 
 
 def table(rows: list[dict[str, Any]]) -> str:
