@@ -99,9 +99,11 @@ def image_plan(cfg: TrainConfig, args: ModelArgs) -> ImagePlan | None:
         tokens = s.mm_tokens_per_image
     else:
         pixels, tokens = None, 0
-    # the images of a row fit in it, with a token before and after
-    per_row = max(1, min(per_row, (cfg.data.seq_len - 2) // tokens)) if tokens else per_row
-    return ImagePlan(per_row, tokens, token_id, pixels)
+    # the images of a row fit in it, with a token before and after (none fits: no images)
+    fits = (cfg.data.seq_len - 2) // tokens if tokens else per_row
+    if not fits:
+        pixels = None
+    return ImagePlan(max(1, min(per_row, fits)), tokens, token_id, pixels)
 
 
 def add_images(batch: dict[str, Tensor], plan: ImagePlan) -> dict:

@@ -89,6 +89,8 @@ def test_the_plan_follows_the_data_and_the_checkpoint(tmp_path: Path, checkpoint
     # a row of 20 tokens holds one image; text data or a text preset: no images
     short = cfg.replace(seq_len=20)
     assert image_plan(short, resolve_model_args(short)).per_row == 1
+    tiny = cfg.replace(seq_len=16)  # no image fits: the tower without images in the step
+    assert image_plan(tiny, resolve_model_args(tiny)).pixels is None
     plain = resolve({}, {"model_dir": str(checkpoint), "data": str(text)})
     assert image_plan(plain, resolve_model_args(plain)) is None
     preset = resolve({}, {"model": "debug", "data": str(two)})
