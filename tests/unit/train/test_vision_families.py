@@ -1,0 +1,250 @@
+"""Gemma 4 and Qwen3.5 image conversations end to end from the CLI (Gemma 3's is in
+test_vision_train.py): a tiny checkpoint of each family (transformers' config classes, random
+vision weights) saved with its processor, a short LoRA run on synthetic shapes and colours whose
+training loss falls, the saved step loaded by transformers + PEFT with logits equal to ours for
+one image; and a compiled Qwen3.5 run over images of two sizes: 0 recompiles, the eager run's loss.
+
+Both families' processors need a video processor, and transformers' video processors need
+torchvision, which is not installed here: AutoProcessor cannot load them. The runs get the
+checkpoint's processor built in the test (the families' own image processors and processor
+classes, without the video part), handed to the CLI in place of its AutoProcessor load
+(compiletune.train.inputs.load_processor).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from vision_cases import gemma4_pair, qwen35_config, randomize, rel
+
+import compiletune.train.inputs
+from compiletune.checkpoint.adapter_io import load_adapter, read_adapter_spec
+from compiletune.cli import main
+from compiletune.data.images import ImageRef, load_image
+from compiletune.data.tokenizer import byte_tokenizer
+from compiletune.metrics import read_metrics
+from compiletune.models import from_hf
+from compiletune.models.lora import apply_lora
+from compiletune.models.vision.inputs import ImageInputs
+
+peft = pytest.importorskip("peft")
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+GEMMA4_TEMPLATE = (
+    "{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|image|>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+GEMMA4_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>"}
+
+
+class TinyGemma4Processor(transformers.Gemma4Processor):
+    """Gemma 4's processor without its video processor (which needs torchvision) or audio."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kw):
+        self.image_seq_length = 70
+        self.image_token_id, self.image_token = tokenizer.image_token_id, tokenizer.image_token
+        self.boi_token, self.eoi_token = tokenizer.boi_token, tokenizer.eoi_token
+        self.video_token, self.video_token_id = "<|video|>", None
+        self.audio_token = self.audio_token_id = None
+        # transformers' input check asks for these even without audio (never used here)
+        self.boa_token, self.eoa_token = "<|audio>", "<audio|>"
+        transformers.ProcessorMixin.__init__(
+            self, image_processor, tokenizer, chat_template=chat_template
+        )
+
+
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_TOKENS = {"image_token": "<|image_pad|>"}
+QWEN_TOKENS |= {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
+
+
+class TinyQwenProcessor(transformers.Qwen3VLProcessor):
+    """Qwen3.5's processor without its video processor (which needs torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kw):
+        transformers.ProcessorMixin.__init__(
+            self, image_processor, tokenizer, chat_template=chat_template
+        )
+        self.image_token, self.image_token_id = tokenizer.image_token, tokenizer.image_token_id
+        self.vision_start_token = QWEN_TOKENS["vision_start_token"]
+        self.vision_end_token = QWEN_TOKENS["vision_end_token"]
+        self.video_token = "<|video_pad|>"
+
+
+def tokenizer_with(tokens: dict[str, str]) -> transformers.PreTrainedTokenizerFast:
+    """The byte tokenizer with the family's image tokens (ids 259 on)."""
+    base = byte_tokenizer()
+    base.add_special_tokens({"additional_special_tokens": list(tokens.values())})
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer,
+        bos_token=base.bos_token,
+        eos_token=base.eos_token,
+        pad_token=base.pad_token,
+        extra_special_tokens=tokens,
+    )
+
+
+def qwen_processor() -> TinyQwenProcessor:
+    """Patches of 4 merged 2x2: 16x16 pixels take 4 image tokens, 32x32 take 16."""
+    images = Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+    )
+    return TinyQwenProcessor(images, tokenizer_with(QWEN_TOKENS), chat_template=QWEN_TEMPLATE)
+
+
+def gemma4_processor() -> TinyGemma4Processor:
+    tokenizer = tokenizer_with(GEMMA4_TOKENS)
+    images = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+    return TinyGemma4Processor(images, tokenizer, chat_template=GEMMA4_TEMPLATE)
+
+
+def picture(path: Path, colour: str, shape: str, seed: int, size: int = 32) -> None:
+    """A `size` x `size` image: a `colour` square or stripe on noise-tinted grey."""
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(100, 140, (size, size, 3), dtype=np.uint8)
+    q = size // 4
+    if shape == "square":
+        pixels[q : 3 * q, q : 3 * q] = COLOURS[colour]
+    else:
+        pixels[size // 2 - 2 : size // 2 + 2, :] = COLOURS[colour]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path)
+
+
+def rows(folder: Path, n: int, sizes: tuple[int, ...] = (32,)) -> Path:
+    """`n` image conversations in folder/train.jsonl, images beside it, sizes taken in turn."""
+    lines = []
+    for i in range(n):
+        colour, shape = list(COLOURS)[i % 3], ("square", "stripe")[(i // 3) % 2]
+        image = f"img/{i}.png"
+        picture(folder / image, colour, shape, i, sizes[i % len(sizes)])
+        user = [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]
+        reply = [{"type": "text", "text": f"a {colour} {shape}"}]
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        lines.append(json.dumps({"messages": messages}))
+    path = folder / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def gemma4_checkpoint(folder: Path, processor) -> None:
+    hf, _, _ = gemma4_pair()
+    tok = processor.tokenizer
+    hf.config.image_token_id = tok.image_token_id
+    hf.config.boi_token_id = tok.convert_tokens_to_ids(tok.boi_token)
+    hf.config.eoi_token_id = tok.convert_tokens_to_ids(tok.eoi_token)
+    hf.save_pretrained(folder)
+
+
+def qwen35_checkpoint(folder: Path, processor) -> None:
+    config = qwen35_config()
+    tok = processor.tokenizer
+    config.image_token_id = tok.image_token_id
+    config.vision_start_token_id = tok.convert_tokens_to_ids(processor.vision_start_token)
+    config.vision_end_token_id = tok.convert_tokens_to_ids(processor.vision_end_token)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    randomize(hf.model.visual, 3)
+    hf.save_pretrained(folder)
+
+
+FAMILIES = {
+    "gemma4": (gemma4_processor, gemma4_checkpoint),
+    "qwen35": (qwen_processor, qwen35_checkpoint),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    out = {}
+    for name, (make_processor, save) in FAMILIES.items():
+        folder = tmp_path_factory.mktemp(name)
+        processor = make_processor()
+        save(folder, processor)
+        processor.save_pretrained(folder)  # the files a step folder carries on
+        out[name] = folder, processor
+    return out
+
+
+def cli_run(folder: Path, processor, data: Path, out: Path, *extra: str) -> list[float]:
+    """`compiletune train`, 6 LoRA steps, on the checkpoint in `folder`, its processor the
+    test's (see above); the training losses."""
+    seq = "192" if isinstance(processor, TinyGemma4Processor) else "128"  # Gemma 4: 64 / image
+    argv = ["train", "--model-dir", str(folder), "--data", str(data), "--lora-rank", "8"]
+    argv += ["--lr", "1e-2", "--batch-size", "4", "--seq-len", seq, "--dtype", "fp32"]
+    argv += ["--max-steps", "6", "--save-every", "6", "--output-dir", str(out), *extra]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiletune.train.inputs, "load_processor", lambda *a: processor)
+        assert main(argv) == 0
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory) -> dict[str, tuple[Path, list[float]]]:
+    """Each family's eager run (data folder, losses; the step in data/run), made once: 12
+    examples, Qwen3.5's images of 32x32 and 16x16 pixels (16 and 4 image tokens), 2 epochs."""
+    out = {}
+    for name, (folder, processor) in checkpoints.items():
+        data = tmp_path_factory.mktemp(f"{name}_data")
+        sizes = (32, 16) if name == "qwen35" else (32,)
+        losses = cli_run(folder, processor, rows(data, 12, sizes), data / "run")
+        out[name] = data, losses
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma4", "qwen35"])
+def test_lora_run_on_images_and_peft_loads_the_step(family, checkpoints, runs):
+    folder, processor = checkpoints[family]
+    data, losses = runs[family]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+
+    step = data / "run" / "step_6"
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    image = load_image(ImageRef(data / "img" / "0.png", ""))
+    inputs = processor(text=[text], images=[image], add_special_tokens=False, return_tensors="pt")
+    base = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base.eval(), step).eval()
+    ours = from_hf(folder, dtype=torch.float32, vision=True)
+    apply_lora(ours, read_adapter_spec(step), dtype=torch.float32)
+    load_adapter(ours, step)
+    ours.eval()
+    with torch.no_grad():
+        want = adapted(**inputs).logits
+        got = ours(inputs["input_ids"], images=ImageInputs.from_processor(inputs))
+        assert rel(got, want) <= 1e-5
+        with adapted.disable_adapter():  # the adapter is trained: without it the logits differ
+            assert rel(got, adapted(**inputs).logits) > 1e-3
+
+
+@pytest.mark.slow
+def test_compiled_qwen35_image_run_equals_eager_without_recompiles(checkpoints, runs, tmp_path):
+    """The eager run's argv with --compile: images of two sizes over the run's 6 batches (every
+    example twice), one graph per region, the eager run's losses."""
+    folder, processor = checkpoints["qwen35"]
+    data, eager = runs["qwen35"]
+    out = tmp_path / "compiled"
+    compiled = cli_run(
+        folder, processor, data / "train.jsonl", out, "--compile", "--compile-backend", "aot_eager"
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["compile"]["recompiles"] == 0, summary["compile"]
+    assert len(compiled) == 6 and rel(torch.tensor(compiled), torch.tensor(eager)) <= 1e-5
