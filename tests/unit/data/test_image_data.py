@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_images import png, save_tiny_gemma3_processor
+from image_cases import png, save_tiny_gemma3_processor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from compiletune.data.image_batch import ImagePrep

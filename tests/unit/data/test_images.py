@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import pytest
 import torch
 import transformers
-from PIL import Image
-from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from image_cases import png, save_tiny_gemma3_processor
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from vision_cases import (
@@ -34,16 +32,7 @@ from compiletune.data.images import (
     parse_image_messages,
     process_example,
 )
-from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.errors import UserError
-
-
-def png(path, width: int, height: int, seed: int = 0, mode: str = "RGB"):
-    """A random-coloured PNG of `width` x `height` at `path` (folders made)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    Image.fromarray(pixels).convert(mode).save(path)
-    return path
 
 
 def conversation(*user_parts, reply: str = "a red square") -> list[dict]:
@@ -161,35 +150,6 @@ def test_missing_pillow_names_the_extra(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------ pixels: the checkpoint's processor -> the tower
-
-GEMMA3_TEMPLATE = (
-    "{% for m in messages %}### {{ m['role'] }}:\n{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}<|end_of_text|>{% endfor %}"
-)
-
-
-def save_tiny_gemma3_processor(folder) -> None:
-    """Gemma 3's processor over the byte tokenizer with Gemma 3's image tokens: 32x32 pixels,
-    16 image tokens per image."""
-    tokens = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
-    tokens["image_token"] = "<image_soft_token>"
-    base = byte_tokenizer()
-    base.add_special_tokens({"additional_special_tokens": list(tokens.values())})
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer,
-        bos_token=base.bos_token,
-        eos_token=base.eos_token,
-        pad_token=base.pad_token,
-        extra_special_tokens=tokens,
-    )
-    processor = transformers.Gemma3Processor(
-        image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
-        tokenizer=tokenizer,
-        chat_template=GEMMA3_TEMPLATE,
-        image_seq_length=16,
-    )
-    processor.save_pretrained(folder)
 
 
 def test_gemma3_processor_pixels_through_the_native_tower(data_dir, tmp_path):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from image_cases import save_tiny_gemma3_processor
 from PIL import Image
-from test_images import save_tiny_gemma3_processor
 from vision_cases import gemma3_config, randomize, rel
 
 from compiletune.checkpoint.adapter_io import load_adapter, read_adapter_spec
