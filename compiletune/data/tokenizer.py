@@ -173,9 +173,16 @@ def load_processor(path: str | Path, flag: str = "--model-dir") -> Any:
     try:
         return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # a missing optional package (torchvision), a broken file
+        # Qwen3.5's and Gemma 4's processors also load a video processor, which needs
+        # torchvision: not in the vision extra, as its wheel must match the installed torch
+        need = (
+            "pip install torchvision (the build made for your torch)"
+            if "torchvision" in str(e).lower() or "video processor" in str(e).lower()
+            else "pip install 'compiletune[vision]'"
+        )
         raise UserError(
             f"could not load the image processor in {folder} ({brief(e)}); image conversations "
-            "need it: install what it names (pip install 'compiletune[vision]') or fix the files"
+            f"need it: install what it names ({need}) or fix the files"
         ) from e
 
 

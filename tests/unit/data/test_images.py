@@ -227,3 +227,24 @@ def test_gemma4_image_processor_pixels_through_the_native_tower(data_dir):
         out = ours(pixels, positions)
     assert out.shape[0] == int(inputs["num_soft_tokens_per_image"].sum())
     assert rel(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "error,names",
+    [
+        (ValueError("Can't load video processor for 'x'"), "pip install torchvision"),
+        (OSError("preprocessor_config.json is not valid JSON"), "compiletune[vision]"),
+    ],
+)
+def test_a_processor_that_cannot_load_names_what_to_install(tmp_path, monkeypatch, error, names):
+    from compiletune.data.tokenizer import load_processor
+
+    (tmp_path / "preprocessor_config.json").write_text("{}")
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", fail)
+    with pytest.raises(UserError, match="could not load the image processor") as caught:
+        load_processor(tmp_path)
+    assert names in str(caught.value) and "\n" not in str(caught.value)
