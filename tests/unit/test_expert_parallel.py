@@ -309,6 +309,8 @@ TRAINER_CASES = {
     # sigmoid router, groups, shared expert, a dense first layer; the bias nudged by the loads
     # of both ranks' rows
     "deepseek-bias-update": {"model": "debug_deepseek", "router_bias_update_rate": 1e-2},
+    # QLoRA: each rank keeps its experts' NF4 codes and scales (rows of the whole model's)
+    "qlora": {"lora_rank": 4, "lora_targets": "q,v,gate,up,down", "quantize_base": "nf4"},
 }
 
 
@@ -351,8 +353,8 @@ def losses(folder) -> list[float]:
 def test_trainer_ep2_matches_one_process(tmp_path):
     """`train --fsdp --ep 2` on 2 ranks (compiled with an activation policy and LoRA on the
     experts; 8-bit AdamW stepping in backward; DeepSeek's router with its bias update, eager,
-    clipped) against one process with the whole batch: the second step's loss shows the first
-    update."""
+    clipped; QLoRA with NF4 experts) against one process with the whole batch: the second
+    step's loss shows the first update."""
     from compiletune.config import resolve
     from compiletune.train.loop import train
 
@@ -373,7 +375,7 @@ def test_trainer_ep2_matches_one_process(tmp_path):
     assert not failures, "\n".join(failures)
     # the final checkpoint gathers the experts: the HF weights of a full fine-tune and the
     # adapter folder of a LoRA run are one process's
-    for name in ("deepseek-bias-update", "compiled-selective-lora"):
+    for name in ("deepseek-bias-update", "compiled-selective-lora", "qlora"):
         got, want = (
             exported(tmp_path / name / "step_2"),
             exported(tmp_path / f"ref-{name}" / "step_2"),
