@@ -14,6 +14,7 @@ classes, without the video part), handed to the CLI in place of its AutoProcesso
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -195,23 +196,29 @@ def cli_run(folder: Path, processor, data: Path, out: Path, *extra: str) -> list
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoints, tmp_path_factory) -> dict[str, tuple[Path, list[float]]]:
-    """Each family's eager run (data folder, losses; the step in data/run), made once: 12
+def runs(checkpoints, tmp_path_factory) -> Callable[[str], tuple[Path, list[float]]]:
+    """A family's eager run (data folder, losses; the step in data/run), made once, when a test
+    first asks for it (under -n auto a worker runs only the families its tests need): 12
     examples, Qwen3.5's images of 32x32 and 16x16 pixels (16 and 4 image tokens), 2 epochs."""
-    out = {}
-    for name, (folder, processor) in checkpoints.items():
-        data = tmp_path_factory.mktemp(f"{name}_data")
-        sizes = (32, 16) if name == "qwen35" else (32,)
-        losses = cli_run(folder, processor, rows(data, 12, sizes), data / "run")
-        out[name] = data, losses
-    return out
+    made: dict[str, tuple[Path, list[float]]] = {}
+
+    def run(name: str) -> tuple[Path, list[float]]:
+        if name not in made:
+            folder, processor = checkpoints[name]
+            data = tmp_path_factory.mktemp(f"{name}_data")
+            sizes = (32, 16) if name == "qwen35" else (32,)
+            losses = cli_run(folder, processor, rows(data, 12, sizes), data / "run")
+            made[name] = data, losses
+        return made[name]
+
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma4", "qwen35"])
 def test_lora_run_on_images_and_peft_loads_the_step(family, checkpoints, runs):
     folder, processor = checkpoints[family]
-    data, losses = runs[family]
+    data, losses = runs(family)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
 
     step = data / "run" / "step_6"
@@ -240,7 +247,7 @@ def test_compiled_qwen35_image_run_equals_eager_without_recompiles(checkpoints, 
     """The eager run's argv with --compile: images of two sizes over the run's 6 batches (every
     example twice), one graph per region, the eager run's losses."""
     folder, processor = checkpoints["qwen35"]
-    data, eager = runs["qwen35"]
+    data, eager = runs("qwen35")
     out = tmp_path / "compiled"
     compiled = cli_run(
         folder, processor, data / "train.jsonl", out, "--compile", "--compile-backend", "aot_eager"
