@@ -11,14 +11,22 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from compiletune.config import TrainConfig
 from compiletune.estimate.tracker import Key, Segment
 from compiletune.models import ModelArgs
 
 
 def can_fork() -> bool:
-    """Whether `Forked` runs its work in a child process here."""
-    return hasattr(os, "fork") and not os.environ.get("COMPILETUNE_ESTIMATE_NO_FORK")
+    """Whether `Forked` runs its work in a child process here: not in a process with a live
+    torch.distributed group, whose fork keeps the locks of the group's threads (gloo's) but not
+    the threads (a CI worker's child hung in a futex so)."""
+    if not hasattr(os, "fork") or os.environ.get("COMPILETUNE_ESTIMATE_NO_FORK"):
+        return False
+    dist = torch.distributed
+    live = dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+    return not live  # the estimator's own fake group (--gpus) has no threads
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
