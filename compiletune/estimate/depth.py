@@ -7,7 +7,10 @@ import contextlib
 import ctypes
 import os
 import pickle
+import select
 import signal
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,14 +22,19 @@ from compiletune.models import ModelArgs
 
 
 def can_fork() -> bool:
-    """Whether `Forked` runs its work in a child process here: not in a process with a live
-    torch.distributed group, whose fork keeps the locks of the group's threads (gloo's) but not
-    the threads (a CI worker's child hung in a futex so)."""
+    """Whether `Forked` runs its work in a child process here. A fork keeps only the thread
+    that forks: a lock another thread held at that moment stays held in the child for good,
+    and the child hangs at its first use of it. So only from a process with no other Python
+    thread (an xdist worker's reader, a progress bar's monitor, a logger's sender) and no live
+    torch.distributed group (gloo's native threads); the estimator's own fake group (--gpus)
+    has no threads. A CI worker's child hung in a futex so."""
     if not hasattr(os, "fork") or os.environ.get("COMPILETUNE_ESTIMATE_NO_FORK"):
+        return False
+    if len(sys._current_frames()) > 1:  # counts threads that `threading` does not know of
         return False
     dist = torch.distributed
     live = dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
-    return not live  # the estimator's own fake group (--gpus) has no threads
+    return not live
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -39,6 +47,12 @@ def _die_with_parent(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def _patience(own_seconds: float) -> float:
+    """How long to wait for a child whose share of the work is no larger than this process's
+    own (`own_seconds`), on a machine shared with other work."""
+    return 60.0 + 4.0 * own_seconds
 
 
 class Forked:
@@ -66,14 +80,28 @@ class Forked:
                 os._exit(code)
         os.close(write)
         self.read = os.fdopen(read, "rb")
+        self.started = time.monotonic()
 
     def result(self) -> Any:
+        """The child's value; None where it failed, or gave nothing within `_patience` of the
+        time this process took for its own share (a child hung on an inherited lock is
+        killed, and the caller does the work itself)."""
         if not self.pid:
             return None
-        data = self.read.read()
-        _, status = os.waitpid(self.pid, 0)
-        self.pid = 0
-        return pickle.loads(data) if status == 0 and data else None
+        deadline = time.monotonic() + _patience(time.monotonic() - self.started)
+        chunks = []
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([self.read], [], [], left)[0]:
+                break
+            chunk = os.read(self.read.fileno(), 1 << 20)
+            if not chunk:  # the child closed its end: all written, or it died
+                _, status = os.waitpid(self.pid, 0)
+                self.pid = 0
+                data = b"".join(chunks)
+                return pickle.loads(data) if status == 0 and data else None
+            chunks.append(chunk)
+        self.__exit__()
+        return None
 
     def __enter__(self) -> Forked:
         return self

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fresh_process import FreshProcess, fresh_process
 from gloo import free_port, run_in_gloo
 
 from compiletune.cli import main
@@ -38,6 +39,12 @@ TOLERANCE = 0.10
 @pytest.fixture(autouse=True)
 def _eager_loss_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COMPILETUNE_LCE_EAGER", "1")
+
+
+@pytest.fixture(scope="module")
+def fresh() -> Iterator[FreshProcess]:
+    with fresh_process() as f:
+        yield f
 
 
 def _cfg(**flags) -> object:
@@ -466,7 +473,7 @@ DEEP = {"model": "debug", "n_layers": 16, "seq_len": 64, "batch_size": 2, "dtype
         ({"cpu_offload": True, "optimizer_in_backward": True}, 4),
         ({"objective": "dpo", "ac": "selective"}, 1),
         ({"model": "debug_gemma2", "n_layers": 30}, 2),  # sliding, full, ...
-        ({"model": "debug_gemma3", "n_layers": 30, "ac": "full"}, 1),  # the first full: 4th
+        ({"model": "debug_gemma3", "n_layers": 40, "ac": "full"}, 1),  # the first full: 4th
         ({"n_layers": 32, "ac": "full", "ac_every": 2}, 1),
         ({"model": "debug_deepseek", "n_layers": 16}, 2),  # a dense layer first
         ({"model": "debug_deepseek", "n_layers": 16, "ep": 2}, 2),  # its experts split
@@ -556,13 +563,19 @@ def test_replayed_calls_give_the_bytes_of_running_every_call(
     ],
     ids=["fused-to-8bit", "8bit-accum", "qlora-deep", "fsdp-deep", "cpu-offload", "dpo"],
 )
-@pytest.mark.skipif(not depth.can_fork(), reason="the other optimizers' steps run in forks")
 def test_other_optimizers_from_one_step_give_their_whole_estimates(
-    flags: dict, gpus: int, other: str
+    fresh: FreshProcess, flags: dict, gpus: int, other: str
 ) -> None:
     """An estimate asked for another optimizer as well (`also`) gets it from its own step
-    (the state swapped after the backward): every number equals estimating that optimizer's
-    step whole, and the next call for it returns it without running."""
+    (the state swapped after the backward, each other optimizer's step in a fork): every number
+    equals estimating that optimizer's step whole, and the next call for it returns it without
+    running. In a fresh process, which forks (an xdist worker does not)."""
+    fresh(_other_optimizer_case, flags, gpus, other)
+
+
+def _other_optimizer_case(flags: dict, gpus: int, other: str) -> None:
+    os.environ["COMPILETUNE_LCE_EAGER"] = "1"
+    assert depth.can_fork()  # else the swap is not asked for, and this proves nothing
     cfg = resolve({}, {**SMALL, "n_layers": 4, **flags, **({"fsdp": True} if gpus > 1 else {})})
     theirs = cfg.replace(optimizer=other)
     estimate._DERIVED.clear()
@@ -588,7 +601,9 @@ def test_other_optimizers_from_one_step_give_their_whole_estimates(
     )
 
 
-def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
+def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Two short runs that do not follow one step per block (a middle block off by a byte, a
     stretch missing) give no extension; MoE layers mixed with dense ones have no period, unless
     the dense ones come first."""
@@ -618,8 +633,12 @@ def test_depth_shortcut_falls_back_when_the_blocks_do_not_repeat() -> None:
     assert depth.shortcut_depths(ds, resolve_model_args(ds)) == (7, 8, 1, 4)
     # Gemma 3's five sliding layers, then a global one: the start holds the first global
     # layer, the depths end with a global layer as the model's 48 do
+    # (18 + 24 blocks cost less than 48 with the smaller forked; run one after the other, not)
     g3 = resolve({}, {"model": "gemma3_12b"})
+    monkeypatch.setattr(depth, "can_fork", lambda: True)
     assert depth.shortcut_depths(g3, resolve_model_args(g3)) == (18, 24, 6, 6)
+    monkeypatch.setattr(depth, "can_fork", lambda: False)
+    assert depth.shortcut_depths(g3, resolve_model_args(g3)) is None
 
 
 def test_max_seq_len_is_the_longest_length_that_fits(capsys) -> None:
@@ -673,39 +692,102 @@ def test_length_ladder_reaches_further_with_each_rung(capsys) -> None:
     assert "seq 4096 (2048 each, --cp 2)" in printing.format_estimate(half)
 
 
-@pytest.mark.skipif(
-    not depth.can_fork() or not Path("/proc").is_dir(), reason="needs os.fork and /proc"
-)
-def test_leaving_a_fork_early_kills_its_forks_too(tmp_path) -> None:
-    """A forked estimate that forked again (the depth shortcut's child forks the optimizers'
-    children) leaves no process behind when its parent gives up on it (an exception)."""
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _within(seconds: float, done: Callable[[], bool]) -> bool:
     import time
 
-    def grandchild() -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return done()
+
+
+def _sleep_a_minute() -> None:
+    import time
+
+    time.sleep(60)
+
+
+def _fork_and_sleep(written: Path) -> None:
+    import time
+
+    with depth.Forked(_sleep_a_minute) as inner:
+        written.write_text(str(inner.pid))
         time.sleep(60)
 
-    def child() -> None:
-        with depth.Forked(grandchild) as inner:
-            (tmp_path / "pid").write_text(str(inner.pid))
-            time.sleep(60)
 
-    def alive(pid: int) -> bool:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return False
-        return state not in ("Z", "X")
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_leaving_a_fork_early_kills_its_forks_too(fresh: FreshProcess, tmp_path: Path) -> None:
+    """A forked estimate that forked again (the depth shortcut's child forks the optimizers'
+    children) leaves no process behind when its parent gives up on it (an exception)."""
+    fresh(_kill_case, tmp_path)
 
-    def wait(done: Callable[[], bool]) -> bool:
-        deadline = time.monotonic() + 30
-        while not done() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return done()
 
+def _kill_case(tmp_path: Path) -> None:
+    from functools import partial
+
+    assert depth.can_fork()
     written = tmp_path / "pid"
-    with pytest.raises(KeyboardInterrupt), depth.Forked(child) as outer:
-        assert wait(lambda: written.exists() and written.read_text() != "")
+    with pytest.raises(KeyboardInterrupt), depth.Forked(partial(_fork_and_sleep, written)) as outer:
+        assert _within(30, lambda: written.exists() and written.read_text() != "")
         pids = [outer.pid, int(written.read_text())]
-        assert all(alive(p) for p in pids)
+        assert all(_alive(p) for p in pids)
         raise KeyboardInterrupt
-    assert wait(lambda: not any(alive(p) for p in pids)), pids
+    assert _within(30, lambda: not any(_alive(p) for p in pids)), pids
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_child_that_hangs_is_given_up_and_killed(fresh: FreshProcess) -> None:
+    """A forked child that never answers (hung on a lock another thread held at the fork)
+    costs the parent its patience, not the run: `result()` gives None and the child is gone."""
+    assert fresh(_hang_case) is None
+
+
+def _hang_case() -> object:
+    import time
+
+    depth._patience = lambda own: 1.0
+    with depth.Forked(_sleep_a_minute) as child:
+        pid, t0 = child.pid, time.monotonic()
+        assert pid and _alive(pid)
+        got = child.result()
+        assert time.monotonic() - t0 < 30 and not _alive(pid) and not child.pid
+    return got
+
+
+def test_no_fork_beside_another_python_thread(fresh: FreshProcess) -> None:
+    """A fork keeps the forking thread only: beside another Python thread (an xdist worker's
+    reader, this test's) or a live gloo group, the estimate does its work in this process."""
+    assert fresh(_threads_case) == (True, False, True, False)
+
+
+def _threads_case() -> tuple[bool, ...]:
+    import threading
+
+    from gloo import free_port
+
+    seen = [depth.can_fork()]
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    seen.append(depth.can_fork())
+    with depth.Forked(lambda: 1) as child:  # runs here: nothing forked
+        assert not child.pid and child.result() is None
+    stop.set()
+    other.join()
+    seen.append(depth.can_fork())
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        seen.append(depth.can_fork())
+    finally:
+        dist.destroy_process_group()
+    return tuple(seen)
