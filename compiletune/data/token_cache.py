@@ -619,7 +619,9 @@ def _build(
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
         import multiprocessing
 
-        ctx = multiprocessing.get_context("fork")
+        from compiletune.forks import pool_context  # (torch, wanted only for a pool)
+
+        ctx = multiprocessing.get_context(pool_context())  # spawn beside other threads
         with ProcessPoolExecutor(
             workers, mp_context=ctx, initializer=_init_worker, initargs=(tokens,)
         ) as pool:

@@ -9,32 +9,19 @@ import os
 import pickle
 import select
 import signal
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from compiletune.config import TrainConfig
 from compiletune.estimate.tracker import Key, Segment
+from compiletune.forks import fork_is_safe
 from compiletune.models import ModelArgs
 
 
 def can_fork() -> bool:
-    """Whether `Forked` runs its work in a child process here. A fork keeps only the thread
-    that forks: a lock another thread held at that moment stays held in the child for good,
-    and the child hangs at its first use of it. So only from a process with no other Python
-    thread (an xdist worker's reader, a progress bar's monitor, a logger's sender) and no live
-    torch.distributed group (gloo's native threads); the estimator's own fake group (--gpus)
-    has no threads. A CI worker's child hung in a futex so."""
-    if not hasattr(os, "fork") or os.environ.get("COMPILETUNE_ESTIMATE_NO_FORK"):
-        return False
-    if len(sys._current_frames()) > 1:  # counts threads that `threading` does not know of
-        return False
-    dist = torch.distributed
-    live = dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
-    return not live
+    """Whether `Forked` runs its work in a child process here (`forks.fork_is_safe`)."""
+    return not os.environ.get("COMPILETUNE_ESTIMATE_NO_FORK") and fork_is_safe()
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
