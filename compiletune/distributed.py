@@ -18,8 +18,11 @@ over ranks) is undone by scaling the loss by the world size, so N ranks compute 
 one big batch, exactly as a single process with N x --batch-size rows would.
 
 Checkpoints (`step_N/sharded/`, torch.distributed.checkpoint): every rank writes its shards of
-the model (resharding on load is possible: `compiletune convert` reads them without a process
-group) and its optimizer state under its own key (a resume needs the same number of ranks).
+the model and of AdamW's moments, both laid out as the whole tensors (`compiletune convert`
+reads them without a process group), and the rest of its optimizer state (the step counts,
+8-bit AdamW's blocks) under its own key. A resume reshards on load: another number of
+processes or another --ep reads its own shards of the same whole tensors (8-bit AdamW, whose
+blocks are cut from each process's shard, resumes on as many processes as wrote it).
 A LoRA run saves the optimizer state alone there: its adapters go to the PEFT adapter folder
 beside it and its frozen base is rebuilt from the run's source.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import re
 import socket
 import warnings
 from collections.abc import Callable
@@ -363,10 +367,10 @@ def load_sharded(
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    key = f"rank{dist.get_rank()}"
     own, whole = _split_optimizer(optimizer_sd)
     saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     old = whole and not any(k.startswith(WHOLE + ".") for k in saved)
+    key = _own_key(folder, saved, own, bool(old))
     if old:  # written before the moments were saved whole: each rank's, in its own layout
         own = {
             **own,
@@ -387,6 +391,30 @@ def load_sharded(
     for name, entries in whole.items():
         out["state"][name].update(entries)
     return out
+
+
+_RANK_KEY = re.compile(r"^optimizer\.rank(\d+)\.")
+
+
+def _own_key(folder: Path, saved: dict[str, Any], own: dict[str, Any], old: bool) -> str:
+    """Whose own part of the optimizer state this rank reads: its own, or, when the checkpoint
+    was written by another number of processes, rank 0's. That part then holds the step
+    counts alone (every rank's are the same); the moments come from the whole part, each rank
+    reading its new shard of them. 8-bit AdamW's blocks and a checkpoint of the old layout
+    (each rank's moments its own) are cut from each process's shard: refused in one line."""
+    written = {int(m.group(1)) for k in saved if (m := _RANK_KEY.match(k))}
+    world = dist.get_world_size()
+    if len(written) == world:
+        return f"rank{dist.get_rank()}"
+    cut = sorted({k for e in own["state"].values() for k in e if k != "step"})
+    if old or cut:
+        what = f"8-bit AdamW's blocks ({', '.join(cut)})" if cut else "its AdamW moments"
+        raise UserError(
+            f"{folder.parent} was written by {len(written)} processes and keeps {what} in "
+            f"each process's own shard, which {world} processes cut differently; resume it "
+            f"with {len(written)} processes"
+        )
+    return "rank0"
 
 
 def _local_of(t: Any) -> Any:

@@ -63,7 +63,9 @@ stepped in, resume exactly, and are the same in the torch step and the C++ CPU s
 
 `state_dict()` keys every tensor by parameter name and is the same in both modes and for both
 step engines of `adamw`, so a run may resume with or without `--optimizer-in-backward`. Under
-FSDP2 it holds this rank's shards (plain tensors): resume with the same number of GPUs.
+FSDP2 (or --ep) the moments are DTensors of the whole tensors (`_whole`), which a sharded
+checkpoint saves once and a resume on another number of processes reshards; 8-bit codes and
+scales are this rank's blocks and resume on as many processes as wrote them.
 """
 
 from __future__ import annotations

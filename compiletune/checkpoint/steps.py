@@ -10,6 +10,8 @@ Under FSDP (`--fsdp`) a checkpoint is sharded instead:
     config.json, tokenizer    the architecture (`compiletune convert` needs it)
     model*.safetensors        only at the end of the run: exported tensor by tensor
     trainer_state.pt          step, data position, RNG, config, number of ranks
+A resume under FSDP may use another number of processes (or --ep): each reads its shards of
+the whole tensors saved (`check_resumable` says where it cannot).
 
 A LoRA run under FSDP writes the same adapter folder as one process (adapter_config.json,
 adapter_model.safetensors: rank 0 writes the adapters gathered whole) plus `sharded/` with each
@@ -185,21 +187,23 @@ def is_sharded(ckpt: Path) -> bool:
 def check_resumable(
     ckpt: Path, state: dict[str, Any], world: int | None, sharding: str | None = None
 ) -> None:
-    """A single-process checkpoint resumes in a single process, a sharded one under FSDP with
-    the same number of ranks (each rank's optimizer state is its own). world None: no FSDP."""
+    """A single-process checkpoint resumes in a single process, a sharded one under FSDP on any
+    number of processes (the weights and AdamW's moments are saved as whole tensors and
+    resharded on load), but for 8-bit AdamW's state, which resumes on as many processes as
+    wrote it. world None: no FSDP."""
     if is_sharded(ckpt):
         saved = state.get("world_size")
         if world is None and (ckpt / "adapter_config.json").is_file():
             raise UserError(
                 f"{ckpt} is a LoRA checkpoint of an FSDP run of {saved} processes; resume it "
-                f"with torchrun --nproc-per-node {saved} ... --fsdp (its adapter folder loads "
-                "in peft as is)"
+                "with --fsdp (on any number of processes, one included; its adapter folder "
+                "loads in peft as is)"
             )
         if world is None:
             raise UserError(
                 f"{ckpt} is a sharded (FSDP) checkpoint of {saved} processes; resume it with "
-                f"torchrun --nproc-per-node {saved} ... --fsdp, or turn it into an HF folder with "
-                "`compiletune convert` and start a new run from it with --model-dir"
+                "--fsdp (on any number of processes, one included), or turn it into an HF "
+                "folder with `compiletune convert` and start a new run from it with --model-dir"
             )
         config = state.get("config", {})
         if sharding is not None and config.get("sharding", sharding) != sharding:
@@ -207,10 +211,11 @@ def check_resumable(
                 f"{ckpt} was written with --sharding {config.get('sharding')}; resume with the "
                 "same --sharding (each rank's optimizer state has that layout)"
             )
-        if saved != world:
+        if saved != world and config.get("optimizer") == "adamw8bit":
             raise UserError(
-                f"{ckpt} was written by {saved} processes and this run has {world}; resume with "
-                f"{saved} processes, or `compiletune convert` it and start a new run with --model-dir"
+                f"{ckpt} holds 8-bit AdamW state of {saved} processes, quantized in blocks of "
+                f"each process's own shard, which {world} processes cut differently; resume "
+                f"with {saved} processes"
             )
     elif world is not None:
         raise UserError(

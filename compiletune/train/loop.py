@@ -138,7 +138,8 @@ class Trainer:
         self.main = env is None or env.is_main
         self.graphs_before = torch_internals.dynamo_graphs_compiled()
         # Everything that can be wrong is checked before anything is written.
-        self.out, resume_notes = contents.check_output_dir(cfg)
+        world = env.world if env is not None else 1
+        self.out, resume_notes = contents.check_output_dir(cfg, world)
         self.log_names = parse_loggers(cfg.run.log)
         check_available(self.log_names)
         # --eval-tasks: lm-eval's task names looked up now, so a wrong one is refused here

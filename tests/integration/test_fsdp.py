@@ -92,10 +92,13 @@ def test_checkpoint_kind_must_match_the_launch(tmp_path: Path) -> None:
     check_resumable(single, {}, world=None)
     sharded = tmp_path / "step_2"
     (sharded / "sharded").mkdir(parents=True)
-    with pytest.raises(UserError, match="torchrun --nproc-per-node 2"):
+    with pytest.raises(UserError, match=r"checkpoint of 2 processes; resume it with --fsdp"):
         check_resumable(sharded, {"world_size": 2}, world=None)
-    with pytest.raises(UserError, match="written by 2 processes and this run has 4"):
-        check_resumable(sharded, {"world_size": 2}, world=4)
+    check_resumable(sharded, {"world_size": 2}, world=4)  # resharded as it loads
+    eight = {"world_size": 2, "config": {"optimizer": "adamw8bit"}}
+    with pytest.raises(UserError, match=r"8-bit AdamW .* resume with 2 processes$"):
+        check_resumable(sharded, eight, world=4)
+    check_resumable(sharded, eight, world=2)
     state = {"world_size": 2, "config": {"sharding": "full"}}
     with pytest.raises(UserError, match="resume with the same --sharding"):
         check_resumable(sharded, state, world=2, sharding="hybrid")

@@ -24,10 +24,11 @@ from compiletune.train.run_dir.lock import LOCK_FILE
 from compiletune.train.run_dir.resume import judge_resume
 
 
-def check_output_dir(cfg: TrainConfig) -> tuple[Path, list[str]]:
+def check_output_dir(cfg: TrainConfig, world: int = 1) -> tuple[Path, list[str]]:
     """The run folder, checked: holding checkpoints only with --resume or --overwrite, and with
-    --resume the changes to the saved config judged. Returns the folder and what to tell the
-    user about the resumed run. Nothing is written."""
+    --resume the changes to the saved config judged (`world`: this run's processes, against
+    the checkpoint's). Returns the folder and what to tell the user about the resumed run.
+    Nothing is written."""
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"--output-dir {out} is a file; pass a folder path")
@@ -60,7 +61,10 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, list[str]]:
         at = ckpt.pick_resume(out, cfg.run.resume_from, lambda line: None)
         saved = read_saved_config(out)
         if saved is not None:
-            notes += judge_resume(cfg, saved, int(at.name.removeprefix("step_")))
+            # a sharded checkpoint without --fsdp: refused by checkpoint/steps.check_resumable
+            written = ckpt.load_train_state(at).get("world_size", 1) if cfg.parallel.fsdp else world
+            step = int(at.name.removeprefix("step_"))
+            notes += judge_resume(cfg, saved, step, (written, world))
     return out, notes
 
 

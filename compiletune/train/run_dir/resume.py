@@ -17,9 +17,12 @@ from compiletune.errors import UserError
 from compiletune.train.step import lr_factor
 
 
-def judge_resume(cfg: TrainConfig, saved: dict[str, Any], at_step: int) -> list[str]:
+def judge_resume(
+    cfg: TrainConfig, saved: dict[str, Any], at_step: int, worlds: tuple[int, int] = (1, 1)
+) -> list[str]:
     """Refuse a resume whose options change the result (unless --accept-changes); explain a
-    changed length. Returns the lines to print."""
+    changed length. `worlds`: (processes that wrote the checkpoint, processes of this run).
+    Returns the lines to print."""
     kinds = resume_changes(saved, cfg)
     if kinds["fixed"]:
         raise UserError(
@@ -28,14 +31,15 @@ def judge_resume(cfg: TrainConfig, saved: dict[str, Any], at_step: int) -> list[
             "start a new run from the checkpoint's weights with --model-dir"
         )
     check_ep_change(cfg, saved)
-    changed = kinds["same"]
+    changed, notes = judge_world_change(cfg, saved, *worlds, kinds["same"])
     if changed and not cfg.run.accept_changes:
         raise UserError(
             f"--resume: these options differ from the run's {SAVED_CONFIG} and change its result: "
             f"{'; '.join(changed)}; drop them to continue the run as it was, or add "
             "--accept-changes to continue with them"
         )
-    notes = [f"--resume with changed options (accepted): {'; '.join(changed)}"] if changed else []
+    if changed:
+        notes.append(f"--resume with changed options (accepted): {'; '.join(changed)}")
     new, old = cfg.run.max_steps, saved.get("max_steps")
     if new is not None:
         check_length(new, at_step, merge_pending(cfg, Path(cfg.run.output_dir)))
@@ -51,6 +55,47 @@ def judge_resume(cfg: TrainConfig, saved: dict[str, Any], at_step: int) -> list[
             "learning-rate schedule are recomputed for the new number of epochs"
         )
     return notes
+
+
+def global_batch(batch_size: int, grad_accum: int, world: int, cp: int) -> int:
+    """Rows per optimizer step: --batch-size x --grad-accum x the data-parallel processes."""
+    return batch_size * grad_accum * max(1, world // cp)
+
+
+def judge_world_change(
+    cfg: TrainConfig, saved: dict[str, Any], old_world: int, world: int, changed: list[str]
+) -> tuple[list[str], list[str]]:
+    """A resume on another number of processes: (the changes that alter the result, the
+    lines to print). The data position is a row of the epoch's order, the same whatever the
+    batch, so the run continues at the row it had reached. With the same global batch the
+    steps are the ones the old run would have taken (a --batch-size or --grad-accum change
+    that keeps it is no change); another global batch is a change of the result."""
+    if old_world == world:
+        return changed, []
+    d = cfg.data
+    old = global_batch(
+        saved.get("batch_size", d.batch_size),
+        saved.get("grad_accum", d.grad_accum),
+        old_world,
+        saved.get("cp", cfg.parallel.cp),
+    )
+    new = global_batch(d.batch_size, d.grad_accum, world, cfg.parallel.cp)
+    said = (
+        f"--resume on {world} processes (the checkpoint's run had {old_world}): the weights "
+        "and AdamW's moments are resharded as they load, and the data continue at the row "
+        "the run had reached"
+    )
+    if old == new:
+        kept = [c for c in changed if not c.startswith(("--batch-size ", "--grad-accum "))]
+        return kept, [f"{said}; the global batch stays {new} rows per step"]
+    groups = max(1, world // cfg.parallel.cp)
+    fits = old % (groups * d.grad_accum) == 0
+    keep = f"; --batch-size {old // (groups * d.grad_accum)} keeps it" if fits else ""
+    what = (
+        f"the global batch {old} -> {new} rows per step (--batch-size x --grad-accum x "
+        f"{groups} data-parallel processes{keep})"
+    )
+    return [*changed, what], [said]
 
 
 def check_ep_change(cfg: TrainConfig, saved: dict[str, Any]) -> None:
