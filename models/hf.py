@@ -500,7 +500,7 @@ def save_hf(
     cfg = hf_config_from_args(model.args, dtype, base=getattr(model, "hf_config", None))
     if isinstance(model, VisionLanguageModel):  # the ForConditionalGeneration checkpoint
         renamed = [(text_checkpoint_name(model.vision, n), s, f) for n, s, f in entries]
-        entries = renamed + model.tower_entries(gather=full_tensor)
+        entries = renamed + model.tower_entries(gather=full_tensor, merge=merge_lora)
         cfg = vision_config(model, cfg, dtype)
     write_hf_folder(
         path,

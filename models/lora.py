@@ -61,12 +61,16 @@ QUANTIZE = choices(Quantize)
 
 @dataclass(frozen=True)
 class LoRASpec:
-    """What `--lora-*` asks for. targets: short names from `TARGETS`, in that order."""
+    """What `--lora-*` asks for. targets: short names from `TARGETS`, in that order (none: the
+    decoder is not adapted). vision: the vision tower's projections by the checkpoint's module
+    names (`q_proj`, `fc1`, ...), sorted; a model without a tower ignores them
+    (models/vision/lora.py)."""
 
     rank: int
     alpha: float
     dropout: float = 0.0
     targets: tuple[str, ...] = SPEC_TARGETS
+    vision: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -76,8 +80,10 @@ class LoRASpec:
 def model_targets(args: ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     """`targets` less the projections no layer of this model has: q/k/v/o live in attention
     layers, in_proj_* / out_proj in linear-attention ones; latent attention (MLA) has o, q or
-    q_a/q_b, and kv_a/kv_b instead of k/v. A target none of the model's layers has is refused
-    (one line naming it)."""
+    q_a/q_b, and kv_a/kv_b instead of k/v. Targets none of the model's layers has are refused
+    (one line naming them); no targets (a run that adapts the vision tower alone) stay none."""
+    if not targets:
+        return ()
     kinds = {args.layer_kind(i) for i in range(args.n_layers)}
     fused = ("in_proj_qkvz", "in_proj_ba")
     mixer = (*(fused if args.linear_fused else LINEAR_ATTENTION_TARGETS[:4]), "out_proj")
@@ -543,7 +549,8 @@ def apply_lora(
     with quantize="nf4" the projections are NF4 and base_dtype applies to the embedding only.
     The head stays in `dtype`. The model may be in any dtype when this is called.
     blocks_adapted: the blocks went through `block_adapter(...)` while loading; only the
-    embedding, final norm and head are left to do.
+    embedding, final norm and head are left to do (and the vision tower's adapters, `spec.vision`,
+    drawn from a generator seeded with `seed` + 1).
     """
     base_dtype = base_dtype or dtype
     if not blocks_adapted:
@@ -570,6 +577,8 @@ def apply_lora(
         model.tok_embeddings = cast
     else:
         model.tok_embeddings.weight.data = model.tok_embeddings.weight.data.to(dtype)
+    if spec.vision and hasattr(model, "adapt_tower"):  # a vision-language model's tower
+        model.adapt_tower(spec, dtype, seed)
     model.lora_spec = spec
     model.lora_base_dtype = base_dtype  # what a merged export is saved in
     return model

@@ -3,6 +3,8 @@ the flag. Plain data (no torch), so the CLI checks the flag before the model loa
 
 from __future__ import annotations
 
+import re
+
 # short name -> (attribute path inside a block, HF module name). A block has the ones of its
 # kind: q/k/v/o in attention layers, in_proj_* / out_proj in linear-attention layers; the last
 # two exist only in models with fused projections, where they stand for q+k+v and gate+up.
@@ -39,17 +41,44 @@ FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 SPEC_TARGETS = tuple(t for t in TARGETS if t not in FUSED_PARTS)
 
 
+# `--lora-targets` entries with this prefix name the vision tower's projections by their module
+# names in the checkpoint, as PEFT's target_modules does (`vision.q_proj`, `vision.fc1`;
+# `vision.all-linear`: every linear projection of the tower); models/vision/lora.py.
+VISION_PREFIX = "vision."
+ALL_LINEAR = "all-linear"
+
+
 def parse_targets(text: str) -> tuple[str, ...]:
-    """'q,k,v,o,gate,up,down' (any subset) or 'all-linear' -> short names in `TARGETS` order.
+    """'q,k,v,o,gate,up,down' (any subset) or 'all-linear' -> short names in `TARGETS` order;
+    the `vision.` entries (`parse_tower_targets`) are left out, and may be all there is (an
+    empty tuple: no decoder projection).
 
     Raises ValueError naming the unknown entry."""
-    if text.strip() == "all-linear":
-        return SPEC_TARGETS
     names = [t.strip() for t in text.split(",") if t.strip()]
+    tower = parse_tower_targets(text)
+    names = [n for n in names if not n.startswith(VISION_PREFIX)]
+    if ALL_LINEAR in names:
+        names = [n for n in names if n != ALL_LINEAR] + list(SPEC_TARGETS)
     unknown = [n for n in names if n not in SPEC_TARGETS]
-    if unknown or not names:
+    if unknown or not (names or tower):
         raise ValueError(
             f"unknown LoRA target {unknown[0] if unknown else text!r}; use a comma list of "
-            f"{','.join(SPEC_TARGETS)} or all-linear"
+            f"{','.join(SPEC_TARGETS)} or all-linear, and vision.NAME for the vision tower's "
+            "projections (vision.all-linear: all of them)"
         )
     return tuple(t for t in SPEC_TARGETS if t in names)
+
+
+def parse_tower_targets(text: str) -> tuple[str, ...]:
+    """The names after `vision.` in a --lora-targets value ('vision.q_proj,vision.fc1' ->
+    ('q_proj', 'fc1'); 'all-linear' stays as such), in the order given, without repeats; which
+    of them the checkpoint's tower has is checked against it (models/vision/lora.py)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    tower = [n.removeprefix(VISION_PREFIX) for n in names if n.startswith(VISION_PREFIX)]
+    bad = [n for n in tower if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|all-linear", n)]
+    if bad:
+        raise ValueError(
+            f"LoRA target vision.{bad[0]}: name one module of the vision tower as the "
+            "checkpoint names it (e.g. vision.q_proj), or vision.all-linear"
+        )
+    return tuple(dict.fromkeys(tower))

@@ -11,6 +11,11 @@ An adapter folder is what `peft.PeftModel.from_pretrained(base, folder)` loads:
                                base_model.model.<HF module>.lora_B.weight  [out, r]
                                in the adapters' dtype
 
+A vision-language model's decoder modules are `model.language_model.*` there, and its vision
+tower's adapted projections (`--lora-targets vision.*`, models/vision/lora.py) are named as in
+transformers' model (`model.vision_tower.*`, `model.visual.*`); target_modules is then a regex
+that matches exactly the adapted modules.
+
 A LoRA run's checkpoint `step_N/` is such a folder plus the tokenizer files and
 `trainer_state.pt`; it holds no base weights (the run's --model-dir, or the seeded preset, is the
 base). `--merge` writes `OUTPUT_DIR/merged/`, a plain HF model folder with every adapter folded
@@ -50,6 +55,8 @@ from compiletune.models.lora import (
     lora_experts,
     lora_modules,
 )
+from compiletune.models.lora_targets import VISION_PREFIX
+from compiletune.models.vision import lora as tower_lora
 from compiletune.models.vision.model import VisionLanguageModel
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -172,10 +179,22 @@ def adapter_config(
     }
 
 
+def _tower(model: nn.Module) -> dict[str, str]:
+    """Native module name -> PEFT module name of a vision tower's projections ({} without)."""
+    return dict(model.tower_modules()) if isinstance(model, VisionLanguageModel) else {}
+
+
+def targets_text(spec: LoRASpec) -> str:
+    """`spec`'s targets as --lora-targets spells them (`q,v,vision.fc1`)."""
+    return ",".join((*spec.targets, *(VISION_PREFIX + t for t in spec.vision)))
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """PEFT name -> adapter tensor (detached; the model's own storage)."""
-    out = {}
+    out, tower = {}, _tower(model)
     for name, m in lora_modules(model):
+        if name in tower:
+            continue  # below
         peft = peft_module_name(name)
         out[f"{peft}.lora_A.weight"] = m.lora_a.detach()
         out[f"{peft}.lora_B.weight"] = m.lora_b.detach()
@@ -184,7 +203,11 @@ def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
             a, b = getattr(m, f"lora_a_{weight}"), getattr(m, f"lora_b_{weight}")
             out[f"{peft}.lora_A.weight"], out[f"{peft}.lora_B.weight"] = a.detach(), b.detach()
     if isinstance(model, VisionLanguageModel):
-        return {_vision_key(k): v for k, v in out.items()}
+        out = {_vision_key(k): v for k, v in out.items()}
+    for name, m in lora_modules(model):
+        if name in tower:
+            out[f"{PEFT_PREFIX}{tower[name]}.lora_A.weight"] = m.lora_a.detach()
+            out[f"{PEFT_PREFIX}{tower[name]}.lora_B.weight"] = m.lora_b.detach()
     return out
 
 
@@ -218,10 +241,16 @@ def save_adapter(
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     experts = tuple(dict.fromkeys(w for _, m in lora_experts(model) for w in m.adapted))
-    config = adapter_config(spec, base_model, [name for name, _ in lora_modules(model)], experts)
-    if isinstance(model, VisionLanguageModel):  # the decoder's projections, not the tower's
+    tower = _tower(model)
+    adapted = [name for name, _ in lora_modules(model)]
+    decoder = [name for name in adapted if name not in tower]
+    config = adapter_config(spec, base_model, decoder, experts)
+    if isinstance(model, VisionLanguageModel):  # the decoder's projections, and the tower's
         names = "|".join(config["target_modules"])
-        config["target_modules"] = rf"model\.language_model\..*\.({names})"
+        parts = [rf"model\.language_model\..*\.({names})"] if names else []
+        if any(name in tower for name in adapted):
+            parts.append(tower_lora.peft_pattern(tower[n] for n in adapted if n in tower))
+        config["target_modules"] = "|".join(f"(?:{p})" for p in parts)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     write_side_files(path, tokenizer, getattr(model, "generation_config", None))
     if isinstance(model, VisionLanguageModel):  # AutoProcessor loads the step's folder too
@@ -280,11 +309,16 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
         names = list(f.keys())
     per_block: dict[str, set[str]] = {}
     experts = _expert_params(cfg)
+    tower = {tower_lora.target_name(m) for n in names if (m := _tower_module(n))}
     for name in names:
+        if _tower_module(name):
+            continue
         module, _, weight = _split_key(name, weights, experts)
         _, block, inside = module.split(".", 2)  # "layers", "3", "attention.wq"
         shorts = _EXPERT_SHORTS[weight] if weight else (_PATH_TO_SHORT[inside],)
         per_block.setdefault(block, set()).update(shorts)
+    if not per_block:  # the vision tower's adapters alone
+        return LoRASpec(**_numbers(cfg), targets=(), vision=tuple(sorted(tower)))
     if experts:  # a MoE model's dense layers carry no MLP adapters (models/lora.py)
         mlp = {s for w in experts for s in _EXPERT_SHORTS[w]}
         per_block = {b: v | mlp for b, v in per_block.items()}
@@ -307,12 +341,25 @@ def read_adapter_spec(path: str | os.PathLike) -> LoRASpec:
     union = set().union(*per_block.values())
     present = {p for t in union for p in FUSED_PARTS.get(t, (t,))}
     targets = tuple(t for t in SPEC_TARGETS if t in present)
-    return LoRASpec(
-        rank=int(cfg["r"]),
-        alpha=float(cfg.get("lora_alpha", 8)),  # PEFT's default when absent
-        dropout=float(cfg.get("lora_dropout") or 0.0),
-        targets=targets,
-    )
+    return LoRASpec(**_numbers(cfg), targets=targets, vision=tuple(sorted(tower)))
+
+
+def _numbers(cfg: dict) -> dict[str, Any]:
+    """rank, alpha and dropout of an adapter config (checked)."""
+    return {
+        "rank": int(cfg["r"]),
+        "alpha": float(cfg.get("lora_alpha", 8)),  # PEFT's default when absent
+        "dropout": float(cfg.get("lora_dropout") or 0.0),
+    }
+
+
+def _tower_module(name: str) -> str | None:
+    """The module (as transformers' model names it) of a vision tower's adapter tensor `name`;
+    None for any other tensor."""
+    module = re.sub(r"\.lora_[AB]\.weight$", "", name.removeprefix(PEFT_PREFIX))
+    if name.startswith(PEFT_PREFIX) and module != name and tower_lora.is_tower_module(module):
+        return module
+    return None
 
 
 def _open(file: Path) -> Any:
@@ -371,16 +418,19 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
     path = Path(path)
     saved = read_adapter_spec(path)
     spec: LoRASpec = model.lora_spec
-    if (saved.rank, saved.alpha, saved.targets) != (spec.rank, spec.alpha, spec.targets):
+    if _kind(saved) != _kind(spec):
         raise UserError(
             f"{path} holds a rank {saved.rank}, alpha {saved.alpha:g} adapter on "
-            f"{','.join(saved.targets)}, but this run asks for rank {spec.rank}, alpha "
-            f"{spec.alpha:g} on {','.join(spec.targets)}; pass the adapter's --lora-rank, "
+            f"{targets_text(saved)}, but this run asks for rank {spec.rank}, alpha "
+            f"{spec.alpha:g} on {targets_text(spec)}; pass the adapter's --lora-rank, "
             "--lora-alpha and --lora-targets"
         )
     params: dict[tuple[str, str], Tensor] = {}
     for module, m in lora_modules(model):
         params[module, "A"], params[module, "B"] = m.lora_a, m.lora_b
+    # a vision tower's adapters by their PEFT module name; a model without the tower (a
+    # text-only run or generate) leaves them out: they act on images only
+    tower = {peft: native for native, peft in _tower(model).items()}
     for module, m in lora_experts(model):
         for w in m.adapted:
             params[f"{module}:{w}", "A"] = getattr(m, f"lora_a_{w}")
@@ -391,7 +441,13 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
     weights = path / ADAPTER_WEIGHTS
     with _open(weights) as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            module, kind, weight = _split_key(name, weights, experts)
+            if (peft := _tower_module(name)) is not None:
+                if not isinstance(model, VisionLanguageModel):
+                    continue
+                kind = "A" if name.endswith(".lora_A.weight") else "B"
+                module, weight = tower.get(peft, peft), None
+            else:
+                module, kind, weight = _split_key(name, weights, experts)
             module = f"{module}:{weight}" if weight else module
             if (module, kind) not in params:
                 raise UserError(
@@ -488,9 +544,14 @@ def check_resume_kind(checkpoint: Path, spec: LoRASpec | None) -> None:
             "to continue that run, or start the LoRA run in another --output-dir"
         )
     saved = read_adapter_spec(checkpoint)
-    if (saved.rank, saved.alpha, saved.targets) != (spec.rank, spec.alpha, spec.targets):
+    if _kind(saved) != _kind(spec):
         raise UserError(
             f"--resume: {checkpoint} has rank {saved.rank}, alpha {saved.alpha:g} adapters on "
-            f"{','.join(saved.targets)}; pass --lora-rank {saved.rank} --lora-alpha "
-            f"{saved.alpha:g} --lora-targets {','.join(saved.targets)}"
+            f"{targets_text(saved)}; pass --lora-rank {saved.rank} --lora-alpha "
+            f"{saved.alpha:g} --lora-targets {targets_text(saved)}"
         )
+
+
+def _kind(spec: LoRASpec) -> tuple:
+    """What a checkpoint's adapters and a run's must share."""
+    return spec.rank, spec.alpha, spec.targets, spec.vision

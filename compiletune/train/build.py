@@ -53,6 +53,7 @@ from compiletune.train.build_model import (
     materialise,
     resolve_model_args,
     teacher_args,
+    tower_lora,
     wants_vision,
 )
 from compiletune.train.device import check_compensation, device_and_dtype, pick_dtype
@@ -148,6 +149,7 @@ def build_run(
     resume_from = inputs.resume_from
     # the tower, for image data (read, or found by the estimate)
     vision = wants_vision(cfg, opts.images or holds_images(inputs.data))
+    spec = tower_lora(cfg, spec, vision)  # the tower's adapters, where the tower is loaded
     model, full_sd = build_policy_model(
         cfg, env, args, spec, lora_kw, device, resume_from, read, vision
     )

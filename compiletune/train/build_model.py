@@ -7,6 +7,7 @@ frozen reference or teacher (`build_frozen`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,13 @@ from compiletune.models.lora import (
     model_targets,
     parse_targets,
 )
-from compiletune.models.vision.model import VisionLanguageModel, is_vision_checkpoint
+from compiletune.models.lora_targets import ALL_LINEAR, parse_tower_targets
+from compiletune.models.vision.lora import resolve as resolve_tower
+from compiletune.models.vision.model import (
+    VisionLanguageModel,
+    is_vision_checkpoint,
+    tower_targets,
+)
 from compiletune.train.techniques import shard_model
 
 # Fields that make two architectures different models (head_dim is compared resolved).
@@ -80,13 +87,42 @@ def resolve_model_args(cfg: TrainConfig) -> ModelArgs:
 
 def lora_spec(cfg: TrainConfig, args: ModelArgs) -> LoRASpec | None:
     """What the --lora-* flags ask for on this model (None: full fine-tuning): the targets it
-    has (`all-linear` on a model without linear-attention layers leaves theirs out). Values
-    were checked in config."""
+    has (`all-linear` on a model without linear-attention layers leaves theirs out), and the
+    vision tower's (`vision.NAME` entries; all of its projections with --train-vision when
+    none is named, on a vision-language --model-dir). Values were checked in config."""
     lo = cfg.lora
     if not lo.rank:
         return None
     targets = model_targets(args, parse_targets(lo.targets))
-    return LoRASpec(rank=lo.rank, alpha=float(lo.alpha), dropout=lo.dropout, targets=targets)
+    tower = parse_tower_targets(lo.targets)
+    folder = cfg.model.model_dir
+    config = load_hf_config(folder) if folder is not None else {}
+    if tower and not is_vision_checkpoint(config):
+        raise UserError(
+            f"--lora-targets {lo.targets}: vision.* targets adapt a vision tower, and "
+            f"{folder or 'the preset'} has none that compiletune loads; drop them"
+        )
+    if not tower and cfg.model.train_vision and is_vision_checkpoint(config):
+        tower = (ALL_LINEAR,)  # --train-vision in a LoRA run: adapters on all of the tower
+    if tower:  # checked against the checkpoint's tower, sorted
+        tower = resolve_tower(tower, tower_targets(args, config, str(folder)), str(folder))
+    return LoRASpec(
+        rank=lo.rank, alpha=float(lo.alpha), dropout=lo.dropout, targets=targets, vision=tower
+    )
+
+
+def tower_lora(cfg: TrainConfig, spec: LoRASpec | None, vision: bool) -> LoRASpec | None:
+    """`spec` for a run that loads the vision tower (`vision`) or not: a text-only run drops the
+    tower's targets that --train-vision implied (the flag has nothing to do there) and refuses
+    the ones --lora-targets names."""
+    if spec is None or vision or not spec.vision:
+        return spec
+    if parse_tower_targets(cfg.lora.targets):
+        raise UserError(
+            f"--lora-targets {cfg.lora.targets}: vision.* targets adapt the vision tower, which "
+            "a run loads for image data only (this data has no images); drop them"
+        )
+    return dataclasses.replace(spec, vision=())
 
 
 def _model_name(cfg: TrainConfig) -> str:
@@ -98,16 +134,10 @@ def _model_name(cfg: TrainConfig) -> str:
 def wants_vision(cfg: TrainConfig, images: bool) -> bool:
     """Does the run load --model-dir's vision tower: its data holds images (`images`) and the
     checkpoint is a vision-language one compiletune loads. A text-only run on a vision
-    checkpoint loads its text model alone, as before. --train-vision with LoRA is refused: the
-    adapter folder would not hold the tower's trained weights."""
+    checkpoint loads its text model alone, as before. --train-vision with LoRA puts adapters
+    on the tower's projections (`lora_spec`)."""
     folder = cfg.model.model_dir
-    vision = images and folder is not None and is_vision_checkpoint(load_hf_config(folder))
-    if vision and cfg.model.train_vision and cfg.lora.rank:
-        raise UserError(
-            "--train-vision trains the whole vision tower, which a LoRA step's adapter folder "
-            "does not hold; drop --lora-rank (a full fine-tune) or --train-vision"
-        )
-    return vision
+    return images and folder is not None and is_vision_checkpoint(load_hf_config(folder))
 
 
 def build_model_weights(
@@ -137,7 +167,7 @@ def build_model_weights(
         model = from_hf(m.model_dir, dtype=dtype, device=device, on_block=adapt, **tower)
     else:
         model = build_model(args, device, dtype, init=True, seed=seed, on_block=adapt)
-    apply_lora(model, spec, **lora_kw, blocks_adapted=True)
+    apply_lora(model, spec, **lora_kw, seed=seed, blocks_adapted=True)
     model.lora_base = _model_name(cfg)
     if resume_from is not None:
         adapter_io.load_adapter(model, resume_from)

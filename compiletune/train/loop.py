@@ -568,8 +568,8 @@ class Trainer:
             stored = cfg.lora.quantize_base or str(run.base_dtype).split(".")[-1]
             self.say(
                 f"LoRA rank {run.lora.rank} (alpha {run.lora.alpha:g}) on "
-                f"{','.join(run.lora.targets)}: {n_trainable / 1e6:.2f}M trainable parameters "
-                f"({n_trainable / n_params:.2%}), frozen projections stored as {stored}"
+                f"{adapter_io.targets_text(run.lora)}: {n_trainable / 1e6:.2f}M trainable "
+                f"parameters ({n_trainable / n_params:.2%}), frozen projections stored as {stored}"
             )
 
     def summarise(

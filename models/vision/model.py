@@ -37,8 +37,10 @@ from ..cache import KVCache
 from ..decoder import Transformer
 from ..families import FAMILIES
 from ..families.base import Vision
+from ..lora import FrozenLinear, LoRALinear, LoRASpec
 from ..names import strip_wrappers
 from ..rope import rope_inv_freq
+from . import lora as tower_lora
 from .common import NameMap, hf_state_dict, load_hf_state_dict
 from .gemma4 import Gemma4VisionArgs, Gemma4VisionTower, gemma4_vision_names
 from .inputs import ImageInputs
@@ -68,6 +70,8 @@ class TowerKind:
     names: Callable[[Any], NameMap]
     features: Callable[[nn.Module, ImageInputs], Tensor]
     blocks: str = "layers"  # the tower's attribute holding its blocks (each compiled alone)
+    # (checkpoint prefix, prefix in transformers' model) where they differ: PEFT's names
+    peft_prefixes: tuple[tuple[str, str], ...] = ()
 
 
 def _gemma3_features(tower: nn.Module, images: ImageInputs) -> Tensor:
@@ -87,7 +91,13 @@ def _gemma4_features(tower: nn.Module, images: ImageInputs) -> Tensor:
 
 
 TOWERS: dict[str, TowerKind] = {
-    "siglip": TowerKind(SiglipArgs, Gemma3VisionTower, gemma3_vision_names, _gemma3_features),
+    "siglip": TowerKind(
+        SiglipArgs,
+        Gemma3VisionTower,
+        gemma3_vision_names,
+        _gemma3_features,
+        peft_prefixes=(("vision_tower.vision_model.", "model.vision_tower."),),
+    ),
     "qwen": TowerKind(
         QwenVisionArgs, Qwen35VisionTower, qwen35_vision_names, _qwen_features, "blocks"
     ),
@@ -105,6 +115,17 @@ def vision_of(args: ModelArgs, where: str = "config.json") -> Vision:
             + ", ".join(a for f in FAMILIES.values() if f.vision for a in f.multimodal)
         )
     return fam.vision
+
+
+def tower_targets(args: ModelArgs, config: dict, where: str = "config.json") -> tuple[str, ...]:
+    """The names `--lora-targets vision.NAME` may give on the tower `config` (a checkpoint's
+    whole config.json) describes, sorted (built on the meta device: no weights)."""
+    kind = TOWERS[vision_of(args, where).tower]
+    tower_args = kind.args.from_hf(config, where)
+    with torch.device("meta"):
+        tower = kind.build(tower_args)
+    found = tower_lora.tower_linears(tower, kind.names(tower_args).names, kind.peft_prefixes)
+    return tuple(sorted({tower_lora.target_name(hf) for _, hf in found}))
 
 
 def is_vision_checkpoint(config: dict) -> bool:
@@ -166,15 +187,46 @@ class VisionLanguageModel(Transformer):
         self.vision_tower = tower
 
     def tower_entries(
-        self, gather: Callable[[Tensor], Tensor] = lambda t: t
+        self, gather: Callable[[Tensor], Tensor] = lambda t: t, merge: bool = False
     ) -> list[tuple[str, tuple[int, ...], Callable[[], Tensor]]]:
-        """(checkpoint name, shape, fetch) of every tower tensor, for `write_hf_folder`."""
+        """(checkpoint name, shape, fetch) of every tower tensor, for `write_hf_folder`. An
+        adapted projection gives its base weight, with the adapter folded in if `merge`."""
         names = self.names.names
+        lora = {
+            strip_wrappers(n): m
+            for n, m in self.vision_tower.named_modules()
+            if isinstance(m, FrozenLinear)
+        }
         out = []
         for native, tensor in self.vision_tower.state_dict().items():
-            hf = names[strip_wrappers(native)]
-            out.append((hf, tuple(tensor.shape), lambda t=tensor: gather(t).detach()))
+            native = strip_wrappers(native)
+            module, _, leaf = native.rpartition(".")
+            fetch = lambda t=tensor: gather(t).detach()  # noqa: E731
+            if module in lora and leaf in ("lora_a", "lora_b"):
+                continue  # (saved in the adapter folder)
+            if module in lora and leaf == "weight":
+                m = lora[module]
+                fetch = m.merged_weight if merge and isinstance(m, LoRALinear) else m.dense_weight
+            out.append((names[native], tuple(tensor.shape), fetch))
         return out
+
+    def tower_modules(self) -> list[tuple[str, str]]:
+        """(native module name, module name in transformers' model) of the tower's linear
+        projections, in module order; native names start with `vision_tower.`."""
+        kind = TOWERS[self.vision.tower]
+        found = tower_lora.tower_linears(self.vision_tower, self.names.names, kind.peft_prefixes)
+        return [(f"{TOWER}.{native}", hf) for native, hf in found]
+
+    def adapt_tower(self, spec: LoRASpec, dtype: torch.dtype, seed: int) -> None:
+        """LoRA on the tower's projections `spec.vision` names (models/vision/lora.py); the
+        rest of the tower frozen. Adapters drawn from a generator seeded with `seed` + 1."""
+        modules = self.tower_modules()
+        names = {tower_lora.target_name(hf) for _, hf in modules}
+        wanted = set(tower_lora.resolve(spec.vision, names, self.args.family))
+        adapted = [
+            n.removeprefix(f"{TOWER}.") for n, hf in modules if tower_lora.target_name(hf) in wanted
+        ]
+        tower_lora.adapt(self.vision_tower, adapted, spec, dtype, seed + 1)
 
     def tower_state_dict(self) -> dict[str, Tensor]:
         """The tower's tensors under the checkpoint's names."""

@@ -6,6 +6,7 @@ classes (tests/vision_cases.py), random weights and random images made here; fp3
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -416,3 +417,164 @@ def test_lora_adapter_loads_in_peft_with_equal_logits(loaded, tmp_path):
         again = lora_model()
         adapter_io.load_adapter(again, tmp_path / "adapter")
         assert rel(again(ids, images=images), want) <= TOL
+
+
+# --- LoRA on the tower's projections (--lora-targets vision.*, models/vision/lora.py) ---------
+
+TOWER_NAMES = {
+    "gemma3": ("fc1", "fc2", "k_proj", "out_proj", "q_proj", "v_proj"),
+    "qwen35": ("linear_fc1", "linear_fc2", "proj", "qkv"),
+    "gemma4": (
+        *("down_proj", "embedding_projection", "gate_proj", "input_proj", "k_proj", "o_proj"),
+        *("q_proj", "up_proj", "v_proj"),
+    ),
+}
+
+
+def test_tower_targets_are_the_checkpoints_module_names():
+    """The names --lora-targets vision.NAME takes are those of the tower's linear modules in
+    transformers' model (PEFT's target_modules), the Gemma 3 projector (a plain matrix) not
+    among them; an unknown one is one line listing the tower's."""
+    from compiletune.errors import UserError
+    from compiletune.models.hf_config import args_from_hf_config
+    from compiletune.models.lora_targets import parse_targets, parse_tower_targets
+    from compiletune.models.vision.lora import resolve
+    from compiletune.models.vision.model import tower_targets
+
+    for family, case in CASES.items():
+        hf = case().hf_class(case().config)
+        config = {**hf.config.to_dict(), "architectures": [type(hf).__name__]}
+        got = tower_targets(args_from_hf_config(config), config)
+        assert got == TOWER_NAMES[family] == tuple(sorted(_tower_linears(hf))), family
+    assert parse_targets("q,v,vision.q_proj,vision.fc1") == ("q", "v")
+    assert parse_targets("vision.all-linear") == ()  # the tower alone
+    assert parse_tower_targets("q,vision.fc1,vision.q_proj,vision.fc1") == ("fc1", "q_proj")
+    assert resolve(("all-linear",), TOWER_NAMES["qwen35"], "x") == TOWER_NAMES["qwen35"]
+    with pytest.raises(UserError, match="has no linear projection named q_proj; it has "):
+        resolve(("q_proj",), TOWER_NAMES["qwen35"], "x")
+    with pytest.raises(ValueError, match="vision.a.b"):
+        parse_targets("q,vision.a.b")
+
+
+def _tower_linears(hf: Any) -> set[str]:
+    """The last part of the name of every Linear in transformers' towers (the wrapper's, for
+    Gemma 4's `q_proj.linear`)."""
+    prefixes = ("model.vision_tower.", "model.visual.", "model.embed_vision.")
+    return {
+        n.removesuffix(".linear").rsplit(".", 1)[-1]
+        for n, m in hf.named_modules()
+        if n.startswith(prefixes) and isinstance(m, torch.nn.Linear)
+    }
+
+
+def tower_lora_pair(
+    family: str, hf: Any, folder: Any, targets: tuple[str, ...] = (), peft_model: bool = True
+):
+    """(ours with LoRA on every projection of the tower (and the decoder's `targets`), random
+    adapters, saved to folder/adapter; PEFT's model of that folder, trainable, or None without
+    `peft_model`). Gemma 4's clipping bounds are set so that some values clip (transformers'
+    are +-inf)."""
+    import peft
+    from lora_cases import randomize_adapters
+
+    from compiletune.checkpoint import adapter_io
+    from compiletune.models.lora import LoRASpec, apply_lora
+
+    hf = copy.deepcopy(hf)
+    gen = torch.Generator().manual_seed(6)
+    for name, bound in hf.named_buffers():
+        if name.endswith(("_min", "_max")):
+            sign = -1.0 if name.endswith("_min") else 1.0
+            bound.fill_(sign * (0.5 + torch.rand((), generator=gen).item()))
+    hf.save_pretrained(folder / "base")
+    ours = from_hf(folder / "base", dtype=torch.float32, vision=True)
+    spec = LoRASpec(rank=4, alpha=8.0, targets=targets, vision=TOWER_NAMES[family])
+    apply_lora(ours, spec, dtype=torch.float32, seed=3)
+    randomize_adapters(ours)
+    adapter_io.save_adapter(ours, folder / "adapter", base_model=str(folder / "base"))
+    if not peft_model:
+        return ours.eval(), None
+    base = type(hf).from_pretrained(folder / "base", dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base, folder / "adapter", is_trainable=True)
+    return ours.eval(), theirs.eval()
+
+
+def test_lora_on_the_towers_projections_loads_in_peft_with_equal_logits(loaded, tmp_path):
+    """`--lora-targets vision.all-linear` (the tower alone): the adapter folder's keys are
+    PEFT's names of the tower's modules, PEFT on transformers' model gives our logits with one
+    and two images, the adapters matter, and the folder loads back into ours."""
+    from safetensors import safe_open
+
+    from compiletune.checkpoint import adapter_io
+    from compiletune.models.lora import apply_lora
+
+    family, hf, _ = loaded
+    ours, theirs = tower_lora_pair(family, hf, tmp_path)
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    peft_keys = {k.replace(".default", "") for k, _ in theirs.named_parameters() if "lora_" in k}
+    assert saved == peft_keys and len(saved) > 8
+    assert all(
+        k.startswith(
+            (
+                "base_model.model.model.vision_tower.",
+                "base_model.model.model.visual.",
+                "base_model.model.model.embed_vision.",
+            )
+        )
+        for k in saved
+    )
+    spec = adapter_io.read_adapter_spec(tmp_path / "adapter")
+    assert spec.targets == () and spec.vision == TOWER_NAMES[family]
+    again = from_hf(tmp_path / "base", dtype=torch.float32, vision=True)
+    apply_lora(again, spec, dtype=torch.float32)
+    adapter_io.load_adapter(again, tmp_path / "adapter")
+    for n_images in (1, 2):
+        ids, images, kwargs = batch(family, n_images, seed=4)
+        with torch.no_grad():
+            want = ours(ids, images=images)
+            assert rel(theirs(input_ids=ids, **kwargs).logits, want) <= TOL
+            assert rel(again.eval()(ids, images=images), want) <= TOL
+            with theirs.disable_adapter():  # the tower's adapters change the logits
+                assert rel(theirs(input_ids=ids, **kwargs).logits, want) > 1e-3
+
+
+def test_tower_adapter_gradients_equal_peft(loaded, tmp_path):
+    """One loss's gradients reach the tower's adapters (and the decoder's), equal to PEFT's on
+    transformers' model; no frozen weight of the tower or the decoder gets one."""
+    family, hf, _ = loaded
+    ours, theirs = tower_lora_pair(family, hf, tmp_path, targets=("q", "v"))
+    ids, images, kwargs = batch(family, 2, seed=5)
+    weights = torch.randn(*ids.shape, hf.config.get_text_config().vocab_size)
+    (ours(ids, images=images) * weights).sum().backward()
+    (theirs(input_ids=ids, **kwargs).logits * weights).sum().backward()
+    modules = dict(theirs.named_modules())
+    checked = 0
+    for native, peft_name in ours.tower_modules():
+        mine = ours.get_submodule(native)
+        other = modules[f"base_model.model.{peft_name}"]
+        for ab, theirs_ab in (("lora_a", other.lora_A), ("lora_b", other.lora_B)):
+            grad = getattr(mine, ab).grad
+            assert grad is not None and grad.norm() > 0, (native, ab)
+            assert rel(grad, theirs_ab["default"].weight.grad) <= 1e-4, (native, ab)
+            checked += 1
+    assert checked == 2 * len(ours.tower_modules())
+    trained = {n for n, p in ours.named_parameters() if p.grad is not None}
+    assert trained == {n for n, p in ours.named_parameters() if p.requires_grad}
+    assert all(n.endswith(("lora_a", "lora_b")) for n in trained)
+    assert any(n.startswith("layers.") for n in trained)
+
+
+def test_merged_export_folds_the_tower_adapters(loaded, tmp_path):
+    """--merge of a run with tower adapters: transformers' class loads the merged folder (the
+    tower's weights with their adapters folded in, Gemma 4's clipping bounds kept) with our
+    logits."""
+    from compiletune.checkpoint import adapter_io
+
+    family, hf, _ = loaded
+    ours, _ = tower_lora_pair(family, hf, tmp_path, targets=("q",), peft_model=False)
+    adapter_io.save_merged(ours, tmp_path / "merged", dtype=torch.float32)
+    merged = type(hf).from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids, images, kwargs = batch(family, 2, seed=6)
+    with torch.no_grad():
+        assert rel(merged(input_ids=ids, **kwargs).logits, ours(ids, images=images)) <= TOL

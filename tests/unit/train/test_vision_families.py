@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 from PIL import Image
+from safetensors import safe_open
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from vision_cases import gemma4_pair, qwen35_config, randomize, rel
@@ -221,7 +222,11 @@ def test_lora_run_on_images_and_peft_loads_the_step(family, checkpoints, runs):
     data, losses = runs(family)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
 
-    step = data / "run" / "step_6"
+    assert_peft_loads(folder, processor, data, data / "run" / "step_6")
+
+
+def assert_peft_loads(folder: Path, processor, data: Path, step: Path) -> None:
+    """transformers + PEFT on the step give our logits for one image; trained adapters."""
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
     ]
@@ -240,6 +245,27 @@ def test_lora_run_on_images_and_peft_loads_the_step(family, checkpoints, runs):
         assert rel(got, want) <= 1e-5
         with adapted.disable_adapter():  # the adapter is trained: without it the logits differ
             assert rel(got, adapted(**inputs).logits) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["gemma4", pytest.param("qwen35", marks=pytest.mark.slow)])
+def test_lora_on_the_towers_projections_from_the_cli(family, checkpoints, tmp_path):
+    """--lora-targets naming tower projections as PEFT does (vision.NAME): 6 steps lower the
+    training loss, the step's adapter holds them (trained) beside the decoder's, and PEFT loads
+    it on transformers' model with our logits."""
+    folder, processor = checkpoints[family]
+    data = tmp_path / "data"
+    tower = {"qwen35": ("linear_fc1", "qkv"), "gemma4": ("down_proj", "q_proj")}[family]
+    targets = ["--lora-targets", ",".join(("q", "v", *(f"vision.{n}" for n in tower)))]
+    losses = cli_run(folder, processor, rows(data, 8), data / "run", *targets)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+    step = data / "run" / "step_6"
+    spec = read_adapter_spec(step)
+    assert (spec.targets, spec.vision) == (("q", "v"), tower)
+    with safe_open(str(step / "adapter_model.safetensors"), "pt") as f:
+        names = [k for k in f.keys() if ".lora_B." in k]  # noqa: SIM118 (not a dict)
+        b = {k: f.get_tensor(k) for k in names if ".language_model." not in k}
+    assert len(b) > 2 and all(t.abs().max() > 0 for t in b.values()), sorted(b)
+    assert_peft_loads(folder, processor, data, step)
 
 
 @pytest.mark.slow

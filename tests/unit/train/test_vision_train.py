@@ -23,7 +23,7 @@ from compiletune.data.images import ImageRef, load_image
 from compiletune.errors import UserError
 from compiletune.metrics import read_metrics
 from compiletune.models import from_hf
-from compiletune.models.lora import apply_lora
+from compiletune.models.lora import apply_lora, lora_modules
 from compiletune.models.vision.inputs import ImageInputs
 
 peft = pytest.importorskip("peft")
@@ -125,9 +125,36 @@ def test_the_tower_loads_for_image_data_only(tmp_path, checkpoint):
     assert wants_vision(cfg, images=True) and not wants_vision(cfg, images=False)
     assert not wants_vision(resolve({}, {"model": "debug"}), images=True)
     lora = resolve({}, {"model_dir": str(checkpoint), "lora_rank": 4, "train_vision": True})
-    with pytest.raises(UserError, match="--train-vision trains the whole vision tower"):
-        wants_vision(lora, images=True)
-    assert not wants_vision(lora, images=False)  # a text-only run: the flag has nothing to do
+    assert wants_vision(lora, images=True) and not wants_vision(lora, images=False)
+
+
+def test_lora_targets_in_the_tower(checkpoint):
+    """--train-vision in a LoRA run: adapters on all of the tower's projections; vision.NAME
+    entries name some of them (without --train-vision too); a text-only run drops the ones
+    --train-vision implied and refuses named ones; a name the tower lacks, or a tower target on
+    a checkpoint without one, is one line."""
+    from compiletune.config import resolve
+    from compiletune.train.build_model import lora_spec, resolve_model_args, tower_lora
+
+    def spec(**flags):
+        cfg = resolve({}, {"model_dir": str(checkpoint), "lora_rank": 4, **flags})
+        return cfg, lora_spec(cfg, resolve_model_args(cfg))
+
+    everything = ("fc1", "fc2", "k_proj", "out_proj", "q_proj", "v_proj")
+    cfg, implied = spec(train_vision=True)
+    assert implied.vision == everything and implied.targets[:4] == ("q", "k", "v", "o")
+    assert tower_lora(cfg, implied, vision=True) == implied
+    assert tower_lora(cfg, implied, vision=False).vision == ()
+    cfg, named = spec(lora_targets="q,v,vision.v_proj,vision.q_proj")
+    assert (named.targets, named.vision) == (("q", "v"), ("q_proj", "v_proj"))
+    with pytest.raises(UserError, match="a run loads for image data only"):
+        tower_lora(cfg, named, vision=False)
+    assert spec(lora_targets="vision.all-linear")[1].vision == everything
+    with pytest.raises(UserError, match="no linear projection named qkv; it has vision.fc1,"):
+        spec(lora_targets="q,vision.qkv")
+    preset = resolve({}, {"model": "debug", "lora_rank": 4, "lora_targets": "q,vision.fc1"})
+    with pytest.raises(UserError, match="vision.* targets adapt a vision tower"):
+        lora_spec(preset, resolve_model_args(preset))
 
 
 def test_estimate_memory_on_a_vision_checkpoint(checkpoint):
@@ -142,9 +169,11 @@ def test_estimate_memory_on_a_vision_checkpoint(checkpoint):
         assert est.peak_bytes > 0
 
 
-def test_the_meta_build_of_an_image_run_has_the_loaded_models_tensors(checkpoint):
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_the_meta_build_of_an_image_run_has_the_loaded_models_tensors(checkpoint, train_vision):
     """FSDP ranks build the model on the meta device and fill it from rank 0's state dict: with
-    the tower, the same names and shapes as the model loaded with its weights."""
+    the tower, the same names and shapes as the model loaded with its weights; with
+    --train-vision the tower's adapters are its only trainable tensors."""
     from compiletune.config import resolve
     from compiletune.train.build_model import (
         build_meta_model,
@@ -153,7 +182,8 @@ def test_the_meta_build_of_an_image_run_has_the_loaded_models_tensors(checkpoint
         resolve_model_args,
     )
 
-    cfg = resolve({}, {"model_dir": str(checkpoint), "lora_rank": 4, "dtype": "fp32"})
+    flags = {"model_dir": str(checkpoint), "lora_rank": 4, "dtype": "fp32"}
+    cfg = resolve({}, {**flags, "train_vision": train_vision})
     args = resolve_model_args(cfg)
     spec = lora_spec(cfg, args)
     kw = {"dtype": torch.float32, "base_dtype": torch.float32, "quantize": None}
@@ -165,4 +195,46 @@ def test_the_meta_build_of_an_image_run_has_the_loaded_models_tensors(checkpoint
     )
     trainable = lambda m: {n for n, p in m.named_parameters() if p.requires_grad}  # noqa: E731
     assert trainable(meta) == trainable(loaded)
-    assert not any(n.startswith("vision_tower.") for n in trainable(meta))
+    tower = {n for n in trainable(meta) if n.startswith("vision_tower.")}
+    assert len(tower) == (2 * 6 * 2 if train_vision else 0)  # A and B, 6 projections, 2 layers
+    assert all(n.endswith(("lora_a", "lora_b")) for n in tower)
+
+
+def test_train_vision_lora_run_adapts_the_tower_and_loads_in_peft(tmp_path, checkpoint, capsys):
+    """`--train-vision --lora-rank 8`: LoRA on the decoder and on every projection of the
+    tower; 6 steps lower the training loss, the tower's adapters are trained (B left zero), and
+    PEFT puts the step on transformers' model with logits equal to ours for one image."""
+    train = rows(tmp_path / "data", "train", 12, seed=1)
+    out = tmp_path / "run"
+    argv = ["train", "--model-dir", str(checkpoint), "--data", str(train), "--lora-rank", "8"]
+    argv += ["--train-vision", "--lr", "1e-2", "--max-steps", "6", "--batch-size", "4"]
+    argv += ["--seq-len", "128", "--dtype", "fp32", "--save-every", "6"]
+    assert main([*argv, "--output-dir", str(out)]) == 0, capsys.readouterr().err
+    assert "vision.fc1,vision.fc2,vision.k_proj" in capsys.readouterr().out
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+
+    step = out / "step_6"
+    spec = read_adapter_spec(step)
+    assert spec.vision == ("fc1", "fc2", "k_proj", "out_proj", "q_proj", "v_proj")
+    ours = from_hf(checkpoint, dtype=torch.float32, vision=True)
+    apply_lora(ours, spec, dtype=torch.float32)
+    load_adapter(ours, step)
+    tower_b = [m.lora_b for n, m in lora_modules(ours) if n.startswith("vision_tower.")]
+    assert len(tower_b) == 12 and all(b.abs().max() > 0 for b in tower_b)
+
+    processor = transformers.AutoProcessor.from_pretrained(step)
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    image = load_image(ImageRef(tmp_path / "data" / "img" / "train_0.png", ""))
+    inputs = processor(text=[text], images=[image], add_special_tokens=False, return_tensors="pt")
+    base = transformers.AutoModelForImageTextToText.from_pretrained(
+        checkpoint, dtype=torch.float32
+    ).eval()
+    adapted = peft.PeftModel.from_pretrained(base, step).eval()
+    with torch.no_grad():
+        want = adapted(**inputs).logits
+        got = ours.eval()(inputs["input_ids"], images=ImageInputs.from_processor(inputs))
+    assert rel(got, want) <= 1e-5
