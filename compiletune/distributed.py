@@ -411,8 +411,8 @@ def _own_key(folder: Path, saved: dict[str, Any], own: dict[str, Any], old: bool
         what = f"8-bit AdamW's blocks ({', '.join(cut)})" if cut else "its AdamW moments"
         raise UserError(
             f"{folder.parent} was written by {len(written)} processes and keeps {what} in "
-            f"each process's own shard, which {world} processes cut differently; resume it "
-            f"with {len(written)} processes"
+            f"each process's own shard, which {world} process{'es' * (world > 1)} cut "
+            f"differently; resume it with {len(written)} processes"
         )
     return "rank0"
 

@@ -214,8 +214,8 @@ def check_resumable(
         if saved != world and config.get("optimizer") == "adamw8bit":
             raise UserError(
                 f"{ckpt} holds 8-bit AdamW state of {saved} processes, quantized in blocks of "
-                f"each process's own shard, which {world} processes cut differently; resume "
-                f"with {saved} processes"
+                f"each process's own shard, which {world} process{'es' * (world > 1)} cut "
+                f"differently; resume with {saved} processes"
             )
     elif world is not None:
         raise UserError(

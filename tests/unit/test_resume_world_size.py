@@ -211,7 +211,7 @@ def test_a_changed_global_batch_is_a_change_and_a_kept_one_is_not():
     kept = resolve({}, {**BASE, "batch_size": 4})
     changed, notes = judge_world_change(kept, saved, 2, 1, ["--batch-size 2 -> 4", "--seed 0 -> 1"])
     assert changed == ["--seed 0 -> 1"]
-    assert "on 1 processes" in notes[0] and "stays 4 rows per step" in notes[0], notes
+    assert "on 1 process (" in notes[0] and "stays 4 rows per step" in notes[0], notes
     halved = resolve({}, {**BASE, "batch_size": 2})
     with pytest.raises(UserError, match=r"global batch 4 -> 2 rows .*--batch-size 4 keeps it"):
         judge_resume(halved, {**saved, "max_steps": 4}, 2, (2, 1))

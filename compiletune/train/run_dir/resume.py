@@ -81,9 +81,9 @@ def judge_world_change(
     )
     new = global_batch(d.batch_size, d.grad_accum, world, cfg.parallel.cp)
     said = (
-        f"--resume on {world} processes (the checkpoint's run had {old_world}): the weights "
-        "and AdamW's moments are resharded as they load, and the data continue at the row "
-        "the run had reached"
+        f"--resume on {world} process{'es' * (world > 1)} (the checkpoint's run had "
+        f"{old_world}): the weights and AdamW's moments are resharded as they load, and the "
+        "data continue at the row the run had reached"
     )
     if old == new:
         kept = [c for c in changed if not c.startswith(("--batch-size ", "--grad-accum "))]
