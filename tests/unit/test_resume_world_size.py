@@ -13,6 +13,7 @@ shard, is refused on another number of processes in one line.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shutil
 import warnings
@@ -75,16 +76,19 @@ def resume_worker(rank: int, world: int, port: int, tmp: str, data: str) -> None
 
     _join(rank, world, port)
     try:
+        if world == 1:  # refused, each in one line: 8-bit AdamW; the global batch 4 -> 2 rows
+            said = []
+            for out, flags in (("8bit", {"optimizer": "adamw8bit"}), ("full-on-1", {})):
+                values = {**BASE, **flags, "batch_size": 4 if flags else 2, "resume": True}
+                try:
+                    train(resolve({}, {**values, "data": data, "output_dir": f"{tmp}/{out}"}))
+                except UserError as e:
+                    said.append(str(e))
+            Path(f"{tmp}/said.json").write_text(json.dumps(said))
         for name, (flags, _, ep4) in CASES.items():
             values = {**BASE, **flags, "ep": ep4 if world == 4 else 1, "batch_size": ROWS // world}
             out = f"{tmp}/{name}-on-{world}"
             train(resolve({}, {**values, "data": data, "output_dir": out, "resume": True}))
-        if world == 1:
-            values = {**BASE, "batch_size": 4, "optimizer": "adamw8bit", "resume": True}
-            try:
-                train(resolve({}, {**values, "data": data, "output_dir": f"{tmp}/8bit"}))
-            except UserError as e:
-                Path(f"{tmp}/8bit-said.txt").write_text(str(e))
         dist.barrier()
     finally:
         close_group()
@@ -188,12 +192,14 @@ def _check_equal(world: int, straight: Path, tmp: Path) -> None:
 @pytest.mark.slow
 def test_two_ranks_resumed_on_one_process(straight, tmp_path):
     """2 ranks -> 1 process (--fsdp, a group of one, --ep 1): the same steps 3 and 4 and the
-    same weights and moments; an 8-bit AdamW checkpoint is refused in one line."""
+    same weights and moments; an 8-bit AdamW checkpoint is refused in one line, and so is a
+    resume whose global batch would halve (--batch-size 2 on 1 process)."""
     _resume_on(1, straight, tmp_path)
     _check_equal(1, straight, tmp_path)
-    said = (tmp_path / "8bit-said.txt").read_text()
-    assert "8-bit AdamW" in said and said.endswith("resume with 2 processes"), said
-    assert "\n" not in said, said
+    eight, batch = json.loads((tmp_path / "said.json").read_text())
+    assert "8-bit AdamW" in eight and eight.endswith("resume with 2 processes"), eight
+    assert "global batch 4 -> 2 rows per step" in batch and "--batch-size 4 keeps it" in batch
+    assert "\n" not in eight + batch, (eight, batch)
 
 
 @pytest.mark.slow

@@ -93,7 +93,7 @@ def judge_world_change(
     keep = f"; --batch-size {old // (groups * d.grad_accum)} keeps it" if fits else ""
     what = (
         f"the global batch {old} -> {new} rows per step (--batch-size x --grad-accum x "
-        f"{groups} data-parallel processes{keep})"
+        f"{groups} data-parallel process{'es' * (groups > 1)}{keep})"
     )
     return [*changed, what], [said]
 
