@@ -40,6 +40,18 @@ def activation(name: str, where: str) -> Callable[[Tensor], Tensor]:
     return _ACTIVATIONS[name]
 
 
+def block_input(x: Tensor, blocks: nn.ModuleList) -> Tensor:
+    """`x` as the first block's input: marked as requiring grad when the blocks train (LoRA on
+    the tower) but nothing before them does, so that the first block's input requires grad as
+    every later one's, and the compiled blocks keep one graph (dynamo guards on it; the decoder's
+    frozen embedding output is marked so too, compiler/regions.py). Costs the first block's input
+    gradient in the backward."""
+    trains = torch.is_grad_enabled() and not x.requires_grad
+    if trains and any(p.requires_grad for p in blocks.parameters()):
+        return x.detach().requires_grad_()
+    return x
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """[..., d] -> [..., d]: (x1, x2) -> (-x2, x1), the halves rotary embeddings pair."""
     x1, x2 = x.chunk(2, dim=-1)

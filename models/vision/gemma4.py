@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from compiletune.errors import UserError
 from compiletune.torch_internals import dynamic_dims
 
-from .common import NameMap, activation, config_get, rotate_half
+from .common import NameMap, activation, block_input, config_get, rotate_half
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ class Gemma4VisionTower(nn.Module):
                 f"pixels must be [images, patches, {3 * a.patch_size**2}], got {tuple(pixels.shape)}"
             )
         real = (positions != -1).any(dim=-1)  # [b, P]
-        x = self.embed(pixels, positions, real)
+        x = block_input(self.embed(pixels, positions, real), self.layers)
         angles = positions[..., None].float() * self.inv_freq  # [b, P, 2, head_dim / 4]
         angles = torch.cat([angles[:, :, 0]] * 2 + [angles[:, :, 1]] * 2, dim=-1)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)

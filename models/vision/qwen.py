@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from compiletune.errors import UserError
 from compiletune.torch_internals import dynamic_dims
 
-from .common import NameMap, activation, config_get, rotate_half
+from .common import NameMap, activation, block_input, config_get, rotate_half
 
 
 @dataclass(frozen=True)
@@ -197,6 +197,7 @@ class Qwen35VisionTower(nn.Module):
         # One frame: every patch sees every other; several: a block-diagonal mask.
         mask = None if len(grid) == 1 and grid[0][0] == 1 else frames[:, None] == frames[None]
         # compiled blocks (compiletune/compiler/regions.py): any patch count, one graph
+        x = block_input(x, self.blocks)
         for t in (x, cos, sin):
             dynamic_dims(t, (0,))
         if mask is not None:

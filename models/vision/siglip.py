@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from compiletune.errors import UserError
 from compiletune.torch_internals import dynamic_dims
 
-from .common import NameMap, activation, config_get
+from .common import NameMap, activation, block_input, config_get
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class Gemma3VisionTower(nn.Module):
                 f"size), got {tuple(pixels.shape)}"
             )
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))  # [n, d, S/p, S/p]
-        x = x.flatten(2).transpose(1, 2) + self.pos_embed.weight
+        x = block_input(x.flatten(2).transpose(1, 2) + self.pos_embed.weight, self.layers)
         dynamic_dims(x, (0,))  # compiled layers: any number of images, one graph
         for layer in self.layers:
             x = layer(x)

@@ -251,13 +251,20 @@ def assert_peft_loads(folder: Path, processor, data: Path, step: Path) -> None:
 def test_lora_on_the_towers_projections_from_the_cli(family, checkpoints, tmp_path):
     """--lora-targets naming tower projections as PEFT does (vision.NAME): 6 steps lower the
     training loss, the step's adapter holds them (trained) beside the decoder's, and PEFT loads
-    it on transformers' model with our logits."""
+    it on transformers' model with our logits. Qwen3.5's run is compiled (aot_eager), over
+    images of two sizes: the tower's adapted blocks compile too, with 0 recompiles."""
     folder, processor = checkpoints[family]
     data = tmp_path / "data"
     tower = {"qwen35": ("linear_fc1", "qkv"), "gemma4": ("down_proj", "q_proj")}[family]
-    targets = ["--lora-targets", ",".join(("q", "v", *(f"vision.{n}" for n in tower)))]
-    losses = cli_run(folder, processor, rows(data, 8), data / "run", *targets)
+    flags = ["--lora-targets", ",".join(("q", "v", *(f"vision.{n}" for n in tower)))]
+    if family == "qwen35":
+        flags += ["--compile", "--compile-backend", "aot_eager"]
+    sizes = (32, 16) if family == "qwen35" else (32,)
+    losses = cli_run(folder, processor, rows(data, 8, sizes), data / "run", *flags)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+    if family == "qwen35":
+        summary = json.loads((data / "run" / "summary.json").read_text())
+        assert summary["compile"]["recompiles"] == 0, summary["compile"]
     step = data / "run" / "step_6"
     spec = read_adapter_spec(step)
     assert (spec.targets, spec.vision) == (("q", "v"), tower)
