@@ -110,8 +110,8 @@ class ModelConfig:
     )
     train_vision: bool = opt(
         False,
-        "vision-language checkpoints: train the vision tower too (frozen by default; the build "
-        "reads this)",
+        "vision-language checkpoints: train the vision tower too (frozen by default; with "
+        "--lora-rank: LoRA on all of its projections; the build reads this)",
         on_resume="fixed",
     )
 
@@ -384,7 +384,8 @@ class LoRAConfig:
     dropout: float = opt(0.0, "dropout on the adapters' input", key="lora_dropout", estimate=False)
     targets: str = opt(
         "all-linear",
-        "q,k,v,o,gate,up,down (any of them) or all-linear",
+        "q,k,v,o,gate,up,down (any of them) or all-linear; vision.NAME: the vision tower's "
+        "projection NAME as the checkpoint names it (vision.all-linear: all)",
         key="lora_targets",
         on_resume="fixed",
     )

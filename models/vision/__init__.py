@@ -7,9 +7,11 @@ checkpoint's own tensor names (a `NameMap` in the tower's module):
 - `qwen`: Qwen3.5's vision transformer (dynamic resolution, 2-D rotary positions, patch merger)
   and the 3-D (mrope) text positions its images give the decoder;
 - `gemma4`: Gemma 4's image encoder (aspect-ratio preserving padded patches, 2-D rotary
-  positions, position-wise pooling) and its embedder into the text width.
+  positions, position-wise pooling) and its embedder into the text width;
+- `lora`: LoRA on a tower's linear projections, named as transformers' model (and PEFT) name
+  them (`--lora-targets vision.NAME`).
 
-Plain PyTorch like `models/decoder.py`: no compile, checkpointing or sharding here. Wiring into
-the families, the decoder's image-token merge and the CLI are not done yet (docs/models.md,
+Plain PyTorch like `models/decoder.py`: no compile, checkpointing or sharding here. The decoder
+with its family's tower, and the image-token merge, is `model` (docs/models.md,
 "Vision-language: status").
 """

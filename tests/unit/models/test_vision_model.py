@@ -502,7 +502,8 @@ def tower_lora_pair(
 def test_lora_on_the_towers_projections_loads_in_peft_with_equal_logits(loaded, tmp_path):
     """`--lora-targets vision.all-linear` (the tower alone): the adapter folder's keys are
     PEFT's names of the tower's modules, PEFT on transformers' model gives our logits with one
-    and two images, the adapters matter, and the folder loads back into ours."""
+    and two images, the adapters matter, and the folder loads back into ours (and into the
+    text model alone)."""
     from safetensors import safe_open
 
     from compiletune.checkpoint import adapter_io
@@ -537,6 +538,13 @@ def test_lora_on_the_towers_projections_loads_in_peft_with_equal_logits(loaded, 
             assert rel(again.eval()(ids, images=images), want) <= TOL
             with theirs.disable_adapter():  # the tower's adapters change the logits
                 assert rel(theirs(input_ids=ids, **kwargs).logits, want) > 1e-3
+    # the text model alone (a text-only run, `generate` without an image) loads the folder,
+    # leaving the tower's adapters out, and gives PEFT's text-only logits
+    text = apply_lora(from_hf(tmp_path / "base", dtype=torch.float32), spec, dtype=torch.float32)
+    adapter_io.load_adapter(text, tmp_path / "adapter")
+    ids = torch.randint(1, 280, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert rel(text.eval()(ids), theirs(input_ids=ids).logits) <= TOL
 
 
 def test_tower_adapter_gradients_equal_peft(loaded, tmp_path):

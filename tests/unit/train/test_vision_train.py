@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -238,3 +239,26 @@ def test_train_vision_lora_run_adapts_the_tower_and_loads_in_peft(tmp_path, chec
         want = adapted(**inputs).logits
         got = ours.eval()(inputs["input_ids"], images=ImageInputs.from_processor(inputs))
     assert rel(got, want) <= 1e-5
+
+
+def test_resume_with_tower_adapters_equals_the_straight_run(tmp_path, checkpoint, capsys):
+    """--resume from step 2 of a run with adapters on the tower's q/v projections: the step-4
+    adapters (the tower's among them) equal the straight run's."""
+    from safetensors.torch import load_file
+
+    train = rows(tmp_path / "data", "train", 8, seed=3)
+    out = tmp_path / "run"
+    argv = ["train", "--model-dir", str(checkpoint), "--data", str(train), "--lora-rank", "4"]
+    argv += ["--lora-targets", "q,v,vision.q_proj,vision.v_proj", "--lr", "1e-2"]
+    argv += ["--max-steps", "4", "--save-every", "2", "--batch-size", "2", "--seq-len", "128"]
+    argv += ["--dtype", "fp32", "--output-dir", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    straight = load_file(out / "step_4" / "adapter_model.safetensors")
+    assert sum(".vision_tower." in k for k in straight) == 2 * 2 * 2  # q, v; 2 layers; A, B
+    shutil.rmtree(out / "step_4")  # made again by the resumed run
+    assert main([*argv, "--resume", "--resume-from", "2"]) == 0, capsys.readouterr().err
+    assert "resuming from step_2" in capsys.readouterr().out
+    resumed = load_file(out / "step_4" / "adapter_model.safetensors")
+    assert resumed.keys() == straight.keys()
+    for k, v in straight.items():
+        assert rel(resumed[k], v) <= 1e-5 if v.abs().max() > 0 else torch.equal(resumed[k], v), k
