@@ -30,9 +30,19 @@ def checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-def load(folder: Path, train_vision: bool = True):
+def load(folder: Path, train_vision: bool = True, lora: bool = False):
+    """The model, its tower trainable (`train_vision`), or with `lora` LoRA on the decoder's
+    q/v and the tower's q_proj/fc1 (random adapters, the same in every process)."""
     model = from_hf(folder, dtype=torch.float32, vision=True)
     model.train_vision(train_vision)
+    if lora:
+        from lora_cases import randomize_adapters
+
+        from compiletune.models.lora import LoRASpec, apply_lora
+
+        spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "v"), vision=("fc1", "q_proj"))
+        apply_lora(model, spec, dtype=torch.float32, seed=1)
+        randomize_adapters(model)
     return model
 
 
@@ -58,7 +68,7 @@ def loss_and_grads(model, head) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), grads
 
 
-def _fsdp_worker(rank: int, world: int, port: int, folder: str, out: str) -> None:
+def _fsdp_worker(rank: int, world: int, port: int, folder: str, out: str, lora: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from compiletune.distributed import apply_fsdp
@@ -66,7 +76,7 @@ def _fsdp_worker(rank: int, world: int, port: int, folder: str, out: str) -> Non
     torch.set_num_threads(1)
 
     def body() -> None:
-        model = load(Path(folder))
+        model = load(Path(folder), lora=lora)
         apply_fsdp(model, init_device_mesh("cpu", (world,)))
         kinds = {type(b).__name__ for b in model.vision_blocks()}
         loss, grads = loss_and_grads(model, LossHead(model.output, "plain"))
@@ -77,18 +87,20 @@ def _fsdp_worker(rank: int, world: int, port: int, folder: str, out: str) -> Non
 
 
 @pytest.mark.slow
-def test_fsdp_tower_blocks_are_units_and_equal_one_process(tmp_path, checkpoint):
+@pytest.mark.parametrize("lora", [False, True], ids=["train-vision", "lora-on-the-tower"])
+def test_fsdp_tower_blocks_are_units_and_equal_one_process(tmp_path, checkpoint, lora):
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "rank0.pt")
-    args = (2, free_port(), str(checkpoint), out)
+    args = (2, free_port(), str(checkpoint), out, lora)
     mp.start_processes(_fsdp_worker, args=args, nprocs=2, start_method="spawn")
     loss, grads, kinds = torch.load(out)
     assert all(k.startswith("FSDP") for k in kinds)  # each tower block its own unit
-    ref = load(checkpoint)
+    ref = load(checkpoint, lora=lora)
     ref_loss, ref_grads = loss_and_grads(ref, LossHead(ref.output, "plain"))
     assert rel(loss, ref_loss) <= 1e-5
-    assert any(n.startswith("vision_tower.") for n in ref_grads)
+    tower = [n for n in ref_grads if n.startswith("vision_tower.")]
+    assert tower and (not lora or all(n.endswith(("lora_a", "lora_b")) for n in tower))
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
         assert rel(grads[name], g) <= 1e-5, name
