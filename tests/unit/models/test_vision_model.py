@@ -586,3 +586,43 @@ def test_merged_export_folds_the_tower_adapters(loaded, tmp_path):
     ids, images, kwargs = batch(family, 2, seed=6)
     with torch.no_grad():
         assert rel(merged(input_ids=ids, **kwargs).logits, ours(ids, images=images)) <= TOL
+
+
+# Gemma 4's tower projections are Linears inside clipping modules: PEFT needs the inner one
+GEMMA4_PEFT = r".*language_model.*\.(q_proj|v_proj)|.*vision_tower.*\.(q_proj|v_proj)\.linear"
+PEFT_TARGETS = {  # as a PEFT user writes them (decoder and tower), and the tower's names here
+    "gemma3": (["q_proj", "v_proj"], ("q_proj", "v_proj")),
+    "qwen35": (["q_proj", "v_proj", "qkv"], ("qkv",)),
+    "gemma4": (GEMMA4_PEFT, ("q_proj", "v_proj")),
+}
+
+
+def test_an_adapter_peft_made_on_the_tower_loads_into_ours(loaded, tmp_path):
+    """PEFT's own adapter on the decoder's q/v and tower projections (random A and B) loads
+    into ours: its targets read back as --lora-targets would name them, our logits equal
+    PEFT's."""
+    import peft
+
+    from compiletune.checkpoint import adapter_io
+    from compiletune.models.lora import apply_lora
+
+    family, hf, _ = loaded
+    hf.save_pretrained(tmp_path / "base")
+    target_modules, tower = PEFT_TARGETS[family]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=target_modules)
+    config.init_lora_weights = False  # B random too: the adapters change the logits
+    base = type(hf).from_pretrained(tmp_path / "base", dtype=torch.float32)
+    torch.manual_seed(8)
+    theirs = peft.get_peft_model(base, config).eval()
+    theirs.save_pretrained(tmp_path / "adapter")
+    spec = adapter_io.read_adapter_spec(tmp_path / "adapter")
+    assert (spec.targets, spec.vision) == (("q", "v"), tower)
+    ours = from_hf(tmp_path / "base", dtype=torch.float32, vision=True)
+    apply_lora(ours, spec, dtype=torch.float32)
+    adapter_io.load_adapter(ours, tmp_path / "adapter")
+    ids, images, kwargs = batch(family, 2, seed=9)
+    with torch.no_grad():
+        want = theirs(input_ids=ids, **kwargs).logits
+        assert rel(ours.eval()(ids, images=images), want) <= TOL
+        with theirs.disable_adapter():
+            assert rel(theirs(input_ids=ids, **kwargs).logits, want) > 1e-3
