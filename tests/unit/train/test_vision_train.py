@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -262,3 +263,27 @@ def test_resume_with_tower_adapters_equals_the_straight_run(tmp_path, checkpoint
     assert resumed.keys() == straight.keys()
     for k, v in straight.items():
         assert rel(resumed[k], v) <= 1e-5 if v.abs().max() > 0 else torch.equal(resumed[k], v), k
+
+
+@pytest.mark.parametrize(
+    "targets, data, needle",
+    [
+        ("q,vision.qkv", "images", "vision tower has no linear projection named qkv; it has "),
+        ("q,vision.fc1", "text", "vision.\\* targets adapt the vision tower, which a run loads"),
+    ],
+    ids=["unknown-name", "text-only-data"],
+)
+def test_bad_tower_targets_one_line_exit_2(tmp_path, checkpoint, capsys, targets, data, needle):
+    if data == "images":
+        path = rows(tmp_path / "data", "train", 2, seed=4)
+    else:
+        path = tmp_path / "text.jsonl"
+        path.write_text(json.dumps({"text": "a red square " * 8}) + "\n")
+    out = tmp_path / "run"
+    argv = ["train", "--model-dir", str(checkpoint), "--data", str(path), "--lora-rank", "4"]
+    argv += ["--lora-targets", targets, "--max-steps", "1", "--dtype", "fp32"]
+    assert main([*argv, "--seq-len", "128", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("compiletune: error: "), err
+    assert re.search(needle, err[0]), err[0]
+    assert not out.exists()  # refused before anything is written
