@@ -10,11 +10,14 @@ each image, int64 [n_images]: what a rank's share of the rows needs to pick its 
 
 from __future__ import annotations
 
+import itertools
+from functools import partial
 from typing import Any
 
 import torch
 
 from compiletune.data.images import MAX_IMAGE_PIXELS, ImageRef, load_image
+from compiletune.data.token_store import PIXEL_JOB
 from compiletune.models.vision.inputs import ImageInputs
 
 
@@ -41,14 +44,31 @@ class ImagePrep:
 
 def join_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Batches of rows joined row after row (a mixture's draws): tensors concatenated, images
-    concatenated in row order with their rows renumbered."""
-    keys = [k for k in parts[0] if k not in ("images", "image_rows")]
+    concatenated in row order with their rows renumbered. Parts whose pixels are still to
+    prepare (`PIXEL_JOB`) give a joined batch with one job that prepares and joins them."""
+    keys = [k for k in parts[0] if k not in ("images", "image_rows", PIXEL_JOB)]
     out: dict[str, Any] = {k: torch.cat([p[k] for p in parts]) for k in keys}
-    with_images = [(i, p) for i, p in enumerate(parts) if p.get("images") is not None]
-    if with_images:
-        starts = [0]
-        for p in parts:
-            starts.append(starts[-1] + p["inputs"].shape[0])
-        out["images"] = ImageInputs.concat([p["images"] for _, p in with_images])
-        out["image_rows"] = torch.cat([p["image_rows"] + starts[i] for i, p in with_images])
+    sizes = [p["inputs"].shape[0] for p in parts]
+    jobs = [p.get(PIXEL_JOB) for p in parts]
+    if any(job is not None for job in jobs):
+        out[PIXEL_JOB] = partial(_join_jobs, sizes, jobs)
+    else:
+        out |= join_images(sizes, parts)
     return out
+
+
+def _join_jobs(sizes: list[int], jobs: list[Any]) -> dict[str, Any]:
+    return join_images(sizes, [{} if job is None else job() for job in jobs])
+
+
+def join_images(sizes: list[int], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `images` and `image_rows` of parts of `sizes` rows joined in order (nothing when
+    none holds an image)."""
+    with_images = [(i, p) for i, p in enumerate(parts) if p.get("images") is not None]
+    if not with_images:
+        return {}
+    starts = [0, *itertools.accumulate(sizes)]
+    return {
+        "images": ImageInputs.concat([p["images"] for _, p in with_images]),
+        "image_rows": torch.cat([p["image_rows"] + starts[i] for i, p in with_images]),
+    }

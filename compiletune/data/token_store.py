@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ import torch
 IGNORE_INDEX = -100  # targets value for "not a target", what cross_entropy ignores by default
 IDS, FLAGS, DOCS, META = "ids.i32", "flags.u8", "docs.i64", "meta.json"
 IMAGES = "images.jsonl"  # image conversations: each document's image references, a JSON line
+# A batch's key for its pixels still to prepare (`ExampleRows.defer_pixels`): a callable that
+# returns what `image_batch.ImagePrep` would have added (`images`, `image_rows`, or nothing).
+PIXEL_JOB = "pixel_job"
 
 
 class Store:
@@ -412,6 +416,8 @@ class ExampleRows(_Rows):
             raise ValueError("a store with images needs `images` (data.image_batch.ImagePrep)")
         self.store, self.seq_len, self.truncation = store, seq_len, truncation
         self.prep = images  # prepares the pixels of a batch's images
+        # set by data/prefetch.py: `take` leaves the pixels as a job (PIXEL_JOB) for its worker
+        self.defer_pixels = False
         lens = store._lens
         # the part of each document a row holds: [first, first + used) of its tokens
         used = np.minimum(lens, seq_len + 1)
@@ -494,7 +500,11 @@ class ExampleRows(_Rows):
             "doc_ids": torch.from_numpy(doc_ids),
         }
         if self.prep is not None:  # the rows' images, in the order of their tokens
-            batch |= self.prep([self.row_images(int(r)) for r in idx])
+            refs = [self.row_images(int(r)) for r in idx]
+            if self.defer_pixels:  # prepared by the data worker (data/prefetch.py)
+                batch[PIXEL_JOB] = partial(self.prep, refs)
+            else:
+                batch |= self.prep(refs)
         return batch
 
     def row_images(self, r: int) -> list[dict]:

@@ -28,6 +28,7 @@ from compiletune import distributed as dist_
 from compiletune.checkpoint import steps as ckpt
 from compiletune.compiler.regions import CompiledRegions
 from compiletune.config import TrainConfig, fill_defaults
+from compiletune.data import prefetch
 from compiletune.data.rows import (
     Batches,
     Mixture,
@@ -81,7 +82,7 @@ class Run:
     tokenizer: Any = None
     data: list[PackedData] | None = None  # one per --data source
     eval_set: Any = None  # held-out rows (PackedData), pairs (PairRows) or prompts (PromptSet)
-    batches: Batches | None = None
+    batches: Batches | Mixture | prefetch.PixelPrefetch | None = None
     resume_from: Path | None = None
     start_step: int = 0
     # what the run did before this invocation (a checkpoint's "totals": tokens, padding,
@@ -248,6 +249,8 @@ def _attach_batches(run: Run, inputs: Inputs) -> None:
         run.batches = Batches(inputs.data[0], global_batch, cfg.run.seed)
     else:
         run.batches = Mixture(inputs.data, inputs.weights, global_batch, cfg.run.seed)
+    if holds_images(inputs.data) and prefetch.DEPTH > 0:  # pixels prepared by a data worker
+        run.batches = prefetch.PixelPrefetch(run.batches, inputs.data)
 
 
 def build_optimizer(

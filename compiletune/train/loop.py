@@ -243,9 +243,11 @@ class Trainer:
                     if cfg.run.save and contents.checkpoint_due(cfg, self.step):
                         self.last_saved = self.save(final=False)
                         self.run_tasks(final=False)
+                self.stop_data_worker()  # the final save keeps the batches taken
                 train_peaks = self.gather_peaks()  # before the final save adds its own
                 merged = self.finish()
         finally:
+            self.stop_data_worker()
             bar.close()
             if metrics is not None:
                 metrics.close()
@@ -262,6 +264,12 @@ class Trainer:
                     f"was lost ({self.out / 'summary.json'} is written)"
                 )
         return summary
+
+    def stop_data_worker(self) -> None:
+        """An image run's data worker stops (data/prefetch.py): no thread outlives the run."""
+        close = getattr(self.run.batches, "close", None)
+        if close is not None:
+            close()
 
     def one_step(self, stop: signals.StopSignal) -> dict[str, Any] | None:
         """One optimizer step through the objective's strategy (strategy.py), its counters kept
