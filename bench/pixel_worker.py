@@ -1,0 +1,135 @@
+"""The time a trainer waits for an image batch, with and without the data worker
+(data/prefetch.py).
+
+    python bench/pixel_worker.py [--batches 12] [--size 448] [--step-ms 0]
+
+A set of image conversations (two JPEGs of 640x480 each, made here) through the token cache and
+`ExampleRows` with a Gemma 3 image processor resizing to --size, served 4 rows a batch (8
+images). For each of two steps, a loop takes a batch (`next()`: the wait measured) then "steps":
+    sleep  the host idle for --step-ms, as while an accelerator runs an asynchronous step
+    cpu    a matmul loop on the main thread for --step-ms (the step's work on this CPU)
+once with the pixels prepared when the batch is taken (`prefetch.DEPTH = 0`, as before the
+worker) and once with the worker 2 batches ahead. --step-ms 0: the step lasts as long as one
+batch's preparation measured first. Prints take_ms (mean wait per batch) and batch_ms (wait +
+step) per mode; the first batch (the worker's start) is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from image_cases import save_tiny_gemma3_processor  # noqa: E402
+
+from compiletune.data.image_batch import ImagePrep  # noqa: E402
+from compiletune.data.prefetch import PixelPrefetch  # noqa: E402
+from compiletune.data.rows import Batches  # noqa: E402
+from compiletune.data.token_cache import cached_store  # noqa: E402
+from compiletune.data.token_store import ExampleRows  # noqa: E402
+
+
+def make_data(folder: Path, n: int) -> Path:
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(n):
+        names = [f"img/{i}_{k}.jpg" for k in range(2)]
+        for name in names:
+            y, x = np.mgrid[0:480, 0:640]
+            base = np.stack([(x + 7 * i) % 256, (y + 3 * i) % 256, (x + y) % 256], -1)
+            noise = rng.integers(0, 40, base.shape)
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray((base + noise).clip(0, 255).astype(np.uint8)).save(
+                folder / name, quality=90
+            )
+        user = [{"type": "image", "image": name} for name in names]
+        user.append({"type": "text", "text": "Describe both."})
+        reply = [{"type": "text", "text": f"two gradients, number {i}"}]
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        lines.append(json.dumps({"messages": messages}))
+    path = folder / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def stream(source: Path, processor, cache: Path, worker: bool):
+    store = cached_store(
+        str(source),
+        processor.tokenizer,
+        processor=processor,
+        workers=0,
+        cache_dir=str(cache),
+        say=lambda line: None,
+    )
+    rows = ExampleRows(store, 256, images=ImagePrep(processor))
+    batches = Batches(rows, 4, seed=0)
+    return PixelPrefetch(batches, [rows], depth=2) if worker else batches
+
+
+def cpu_work(seconds: float) -> None:
+    a = torch.randn(256, 256)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a * 1e-3)
+
+
+def run(source, processor, cache, worker: bool, kind: str, step_s: float, n: int):
+    s = stream(source, processor, cache, worker)
+    takes, totals = [], []
+    try:
+        for i in range(n + 1):
+            t0 = time.perf_counter()
+            s.next()
+            t1 = time.perf_counter()
+            if kind == "sleep":
+                time.sleep(step_s)
+            else:
+                cpu_work(step_s)
+            if i:  # the first: the worker's start, nothing ahead yet
+                takes.append(t1 - t0)
+                totals.append(time.perf_counter() - t0)
+    finally:
+        if worker:
+            s.close()
+    return 1e3 * float(np.mean(takes)), 1e3 * float(np.mean(totals))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, default=12)
+    p.add_argument("--size", type=int, default=448)
+    p.add_argument("--step-ms", type=float, default=0.0)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        source = make_data(tmp / "data", 16)
+        save_tiny_gemma3_processor(tmp / "proc")
+        processor = transformers.AutoProcessor.from_pretrained(tmp / "proc")
+        processor.image_processor = Gemma3ImageProcessorPil(
+            size={"height": a.size, "width": a.size}
+        )
+        prep_ms, _ = run(source, processor, tmp / "cache", False, "sleep", 0.0, a.batches)
+        step_s = (a.step_ms or prep_ms) / 1e3
+        print(f"one batch's pixels (8 images 640x480 -> {a.size}): {prep_ms:.1f} ms")
+        print(f"step {1e3 * step_s:.1f} ms; mean over {a.batches} batches\n")
+        print("| step | worker | take_ms | batch_ms |\n|---|---|---|---|")
+        for kind in ("sleep", "cpu"):
+            for worker in (False, True):
+                take, total = run(source, processor, tmp / "cache", worker, kind, step_s, a.batches)
+                print(f"| {kind} | {'yes' if worker else 'no'} | {take:.1f} | {total:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
