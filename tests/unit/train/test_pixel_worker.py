@@ -1,8 +1,8 @@
 """An image run's data worker (data/prefetch.py) from the CLI, on a tiny Gemma 3 vision
 checkpoint: the run's losses and saved data positions equal those of the run that prepares the
 pixels when a batch is taken (`prefetch.DEPTH = 0`); a run cut at step 2 and resumed equals the
-straight run; a bad image fails the run with its line; no worker thread outlives `train`, and a
-text-only run starts none."""
+straight run; a bad image fails the run with its line; --skip-bad-images counts as before; no
+worker thread outlives `train`, and a text-only run starts none."""
 
 from __future__ import annotations
 
@@ -141,3 +141,19 @@ def test_a_text_only_run_starts_no_worker(tmp_path, checkpoint, capsys, monkeypa
     more = ["--max-steps", "2", "--save-every", "2"]
     assert main(argv(checkpoint, data, tmp_path / "run", *more)) == 0, capsys.readouterr().err
     assert not started and not workers()
+
+
+def test_skip_bad_images_counts_the_rows_as_before(tmp_path, checkpoint, capsys, monkeypatch):
+    """--skip-bad-images with a file missing from the start: the row is left out and counted at
+    tokenising, the same line with and without the worker, and the run trains on the rest."""
+    data = conversations(tmp_path / "data", 10)
+    (tmp_path / "data" / "img" / "4_0.png").unlink()
+    said = []
+    for depth in (2, 0):
+        monkeypatch.setattr(prefetch, "DEPTH", depth)
+        more = ["--skip-bad-images", "--max-steps", "2", "--cache-dir", str(tmp_path / f"c{depth}")]
+        assert main(argv(checkpoint, data, tmp_path / f"run{depth}", *more)) == 0
+        out = capsys.readouterr().out
+        said.append([line for line in out.splitlines() if "skipped (--skip-bad-images)" in line])
+        assert len(said[-1]) == 1 and ": 1 row with a missing" in said[-1][0], out
+    assert said[0] == said[1] and not workers()
