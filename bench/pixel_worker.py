@@ -1,7 +1,7 @@
 """The time a trainer waits for an image batch, with and without the data worker
 (data/prefetch.py).
 
-    python bench/pixel_worker.py [--batches 12] [--size 448] [--step-ms 0]
+    python bench/pixel_worker.py [--batches 12] [--size 448] [--step-ms 0] [--trainer]
 
 A set of image conversations (two JPEGs of 640x480 each, made here) through the token cache and
 `ExampleRows` with a Gemma 3 image processor resizing to --size, served 4 rows a batch (8
@@ -12,6 +12,11 @@ once with the pixels prepared when the batch is taken (`prefetch.DEPTH = 0`, as 
 worker) and once with the worker 2 batches ahead. --step-ms 0: the step lasts as long as one
 batch's preparation measured first. Prints take_ms (mean wait per batch) and batch_ms (wait +
 step) per mode; the first batch (the worker's start) is left out.
+
+--trainer: instead, `compiletune train` itself (LoRA, fp32, CPU) on a small Gemma 3-shaped
+vision checkpoint made here (224-pixel tower, text 256 wide x 4 layers), --batches steps of 4
+rows (8 images); prints the mean time the trainer waits in `next_batch` and the mean step
+(first step left out), with and without the worker.
 """
 
 from __future__ import annotations
@@ -105,16 +110,65 @@ def run(source, processor, cache, worker: bool, kind: str, step_s: float, n: int
     return 1e3 * float(np.mean(takes)), 1e3 * float(np.mean(totals))
 
 
+def trainer_wait(tmp: Path, source: Path, steps: int) -> None:
+    from compiletune.cli import main as cli
+    from compiletune.data import prefetch
+    from compiletune.train import strategy
+
+    folder = tmp / "ckpt"
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    vision |= dict(image_size=224, patch_size=14, vision_use_head=False)
+    text = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64)
+    text |= dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=16,
+        image_token_index=261,
+        boi_token_index=259,
+        eoi_token_index=298,
+    )
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(folder)
+    save_tiny_gemma3_processor(folder)
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    processor.image_processor = Gemma3ImageProcessorPil(size={"height": 224, "width": 224})
+    processor.save_pretrained(folder)
+    taken = strategy.next_batch
+    print("| worker | wait_ms | step_ms |\n|---|---|---|")
+    for depth in (0, 2):
+        waits, starts = [], []
+
+        def timed(run, waits=waits, starts=starts):
+            starts.append(time.perf_counter())
+            batch = taken(run)
+            waits.append(time.perf_counter() - starts[-1])
+            return batch
+
+        prefetch.DEPTH, strategy.next_batch = depth, timed
+        argv = ["train", "--model-dir", str(folder), "--data", str(source), "--lora-rank", "8"]
+        argv += ["--max-steps", str(steps + 1), "--batch-size", "4", "--seq-len", "256"]
+        argv += ["--dtype", "fp32", "--no-save", "--output-dir", str(tmp / f"run{depth}")]
+        assert cli(argv) == 0
+        wait = 1e3 * float(np.mean(waits[1:]))
+        step = 1e3 * float(np.mean(np.diff(starts[1:])))
+        print(f"| {'yes' if depth else 'no'} | {wait:.1f} | {step:.1f} |")
+    strategy.next_batch = taken
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, default=12)
     p.add_argument("--size", type=int, default=448)
     p.add_argument("--step-ms", type=float, default=0.0)
+    p.add_argument("--trainer", action="store_true")
     a = p.parse_args()
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         source = make_data(tmp / "data", 16)
+        if a.trainer:
+            return trainer_wait(tmp, source, a.batches)
+        torch.set_num_threads(1)  # the synthetic CPU step on one core, the worker on another
         save_tiny_gemma3_processor(tmp / "proc")
         processor = transformers.AutoProcessor.from_pretrained(tmp / "proc")
         processor.image_processor = Gemma3ImageProcessorPil(
