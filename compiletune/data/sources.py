@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,9 +153,11 @@ def _read_arrow(path: Path) -> Iterator[tuple[dict, str]]:
 
 
 @functools.lru_cache(maxsize=8)
-def _table(path: Path) -> Any:
+def _table(path: Path, thread: int) -> Any:
     """A parquet file (read by row group) or an arrow file's table (memory-mapped, so the
-    table costs no memory of its own): what `read_cell` reads rows back from."""
+    table costs no memory of its own): what `read_cell` reads rows back from. One per `thread`
+    (an image run's data worker reads rows beside the main thread's held-out batches), as a
+    ParquetFile's reader is not documented safe to share between threads."""
     pa = _pyarrow(path)
     try:
         if path.suffix == ".parquet":
@@ -176,7 +179,7 @@ def _table(path: Path) -> Any:
 def read_cell(path: Path, row: int, column: str) -> Any:
     """The value of `column` in row `row` (from 1, as messages name rows) of a parquet or arrow
     file: how an image held in a row is read again when a batch needs its pixels."""
-    table = _table(path)
+    table = _table(path, threading.get_ident())
     if path.suffix != ".parquet":
         return table.column(column)[row - 1].as_py()
     at = row - 1

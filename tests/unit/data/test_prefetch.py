@@ -189,3 +189,30 @@ def test_the_pixel_jobs_run_in_the_worker(gemma3, tmp_path, monkeypatch):
         ahead.close()
     assert threads and set(threads) == {prefetch.THREAD_NAME}
     assert np.all([t == prefetch.THREAD_NAME for t in threads])
+
+
+def test_in_row_images_read_back_in_the_worker(gemma3, tmp_path):
+    """Images held in a parquet column are read back from the file by the worker (its own
+    reader of the file, the main thread keeps its own): the pixels equal the main thread's."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from compiletune.data import sources
+
+    raws = [png(tmp_path / f"{i}.png", 10 + i, 14, seed=i).read_bytes() for i in range(5)]
+    messages = [row()["messages"] for _ in raws]
+    for m in messages:
+        m[0]["content"].insert(0, {"type": "image"})
+    images = [[{"bytes": raw, "path": None}] for raw in raws]
+    pq.write_table(pa.table({"messages": messages, "images": images}), tmp_path / "t.parquet")
+    source = str(tmp_path / "t.parquet")
+    plain = Batches(rows_of(source, gemma3, tmp_path / "cache"), 2, seed=1)
+    inner = Batches(rows_of(source, gemma3, tmp_path / "cache"), 2, seed=1)
+    ahead = PixelPrefetch(inner, [inner.data])
+    sources._table.cache_clear()
+    try:
+        for _ in range(4):
+            same(ahead.next(), plain.next())
+    finally:
+        ahead.close()
+    assert sources._table.cache_info().currsize == 2  # the main thread's and the worker's
