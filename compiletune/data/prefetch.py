@@ -48,15 +48,19 @@ class PixelWorker:
 
     def submit(self, job: Callable[[], Any]) -> Future:
         """`job`'s result (or error) to come, as a Future; the thread starts at the first job."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
+        if self._thread is None:  # its own queue: one left behind by `close` ends on its own
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(
+                target=self._serve, args=(self._jobs,), name=THREAD_NAME, daemon=True
+            )
             self._thread.start()
         done: Future = Future()
         self._jobs.put((job, done))
         return done
 
-    def _serve(self) -> None:
-        while (item := self._jobs.get()) is not None:
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while (item := jobs.get()) is not None:
             job, done = item
             if not done.set_running_or_notify_cancel():  # dropped (a resume, the run's end)
                 continue
