@@ -21,10 +21,11 @@ compiled model would fork a process holding threads (forks.py) or spawn-import t
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -170,3 +171,41 @@ class PixelPrefetch:
         batches taken (a `next` after it draws them again and starts a new worker)."""
         self._drop()
         self._worker.close()
+
+
+@contextlib.contextmanager
+def ahead(data: Any, batches: Iterable[dict[str, Any]], depth: int | None = None) -> Iterator[Any]:
+    """A finite pass over `data`'s `batches` (the held-out evaluation) with each batch's pixels
+    prepared `depth` batches ahead by a worker, stopped when the block ends; `batches` as they
+    are for rows without images (or `depth` 0; None: `DEPTH`). The batches are the same as
+    without it."""
+    depth = DEPTH if depth is None else depth
+    if getattr(data, "prep", None) is None or depth <= 0:
+        yield batches
+        return
+    worker, drawn = PixelWorker(), deque()
+
+    def taken() -> Iterator[dict[str, Any]]:
+        stream = iter(batches)
+        while True:
+            for batch in stream:  # fill up to the batch taken and `depth` after it
+                job = batch.pop(PIXEL_JOB, None)
+                drawn.append((batch, None if job is None else worker.submit(job)))
+                if len(drawn) > depth:
+                    break
+            if not drawn:
+                return
+            batch, pixels = drawn.popleft()
+            if pixels is not None:
+                batch |= pixels.result()
+            yield batch
+
+    before, data.defer_pixels = data.defer_pixels, True
+    try:
+        yield taken()
+    finally:
+        data.defer_pixels = before
+        for _, pixels in drawn:
+            if pixels is not None:
+                pixels.cancel()
+        worker.close()

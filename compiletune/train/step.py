@@ -17,6 +17,7 @@ from torch import Tensor
 
 from compiletune import distributed as dist_
 from compiletune.config import TrainConfig
+from compiletune.data import prefetch
 from compiletune.data.rows import PackedData, check_targets, count_targets, eval_batches
 from compiletune.loss.head import IGNORE_INDEX, LossHead
 from compiletune.metrics import perplexity
@@ -274,8 +275,12 @@ def evaluate(
     n_targets = 0
     model.eval()
     try:
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            for batch in eval_batches(data, b * world):
+        with (
+            torch.no_grad(),
+            torch.compiler.set_stance("force_eager"),
+            prefetch.ahead(data, eval_batches(data, b * world)) as batches,
+        ):
+            for batch in batches:  # an image set's pixels prepared ahead (data/prefetch.py)
                 rows = slice(rank * b, (rank + 1) * b)
                 if batch["inputs"][rows].shape[0] == 0:
                     rows = slice(0, 1)

@@ -216,3 +216,37 @@ def test_in_row_images_read_back_in_the_worker(gemma3, tmp_path):
     finally:
         ahead.close()
     assert sources._table.cache_info().currsize == 2  # the main thread's and the worker's
+
+
+def test_a_held_out_pass_prepares_its_pixels_ahead(gemma3, tmp_path, monkeypatch):
+    """`prefetch.ahead` over `eval_batches`: the same batches in the same order, every one, the
+    pixels prepared in the worker, the thread stopped when the pass ends or is left early; the
+    rows' own setting comes back (a text-only set passes through)."""
+    from compiletune.data.rows import eval_batches
+
+    source = image_rows(tmp_path, "a", 12, 1)
+    plain = rows_of(source, gemma3, tmp_path / "cache", seq_len=96)
+    held = rows_of(source, gemma3, tmp_path / "cache", seq_len=96)
+    want = list(eval_batches(plain, 1))
+    assert len(want) >= 4
+    names = []
+    prep = ImagePrep.__call__
+    monkeypatch.setattr(
+        ImagePrep,
+        "__call__",
+        lambda self, refs: names.append(threading.current_thread().name) or prep(self, refs),
+    )
+    with prefetch.ahead(held, eval_batches(held, 1), depth=2) as batches:
+        got = list(batches)
+    assert len(got) == len(want) and set(names) == {prefetch.THREAD_NAME}
+    for x, y in zip(got, want, strict=True):
+        same(x, y)
+    assert not held.defer_pixels and not [
+        t for t in threading.enumerate() if t.name == prefetch.THREAD_NAME
+    ]
+    with prefetch.ahead(held, eval_batches(held, 1), depth=2) as batches:
+        same(next(iter(batches)), want[0])  # left after one batch
+    assert not [t for t in threading.enumerate() if t.name == prefetch.THREAD_NAME]
+    text = object()
+    with prefetch.ahead(text, [1, 2]) as batches:
+        assert batches == [1, 2]

@@ -1,6 +1,6 @@
 """An image run's data worker (data/prefetch.py) from the CLI, on a tiny Gemma 3 vision
 checkpoint: the run's losses and saved data positions equal those of the run that prepares the
-pixels when a batch is taken (`prefetch.DEPTH = 0`); a run cut at step 2 and resumed equals the
+pixels when a batch is taken (`prefetch.DEPTH = 0`), held-out losses included; a run cut at step 2 and resumed equals the
 straight run; a bad image fails the run with its line; --skip-bad-images counts as before; no
 worker thread outlives `train`, and a text-only run starts none."""
 
@@ -67,8 +67,9 @@ def workers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == prefetch.THREAD_NAME]
 
 
-def losses(out: Path) -> list[tuple[int, float, int]]:
-    return [(r["step"], r["loss"], r["tokens"]) for r in read_metrics(out / "metrics.jsonl")]
+def losses(out: Path) -> list[tuple[int, float, int, float | None]]:
+    records = read_metrics(out / "metrics.jsonl")
+    return [(r["step"], r["loss"], r["tokens"], r.get("eval_loss")) for r in records]
 
 
 def position(out: Path, step: int) -> dict:
@@ -85,15 +86,16 @@ def test_the_worker_changes_no_batch_and_resume_is_exact(tmp_path, checkpoint, c
         return submit(self, job)
 
     monkeypatch.setattr(prefetch.PixelWorker, "submit", spy)
-    out = tmp_path / "worker"
-    assert main(argv(checkpoint, data, out)) == 0, capsys.readouterr().err
+    out, held = tmp_path / "worker", ["--val-split", "0.3", "--eval-every", "2"]
+    assert main(argv(checkpoint, data, out, *held)) == 0, capsys.readouterr().err
     assert jobs and not workers()  # the worker ran the pixels, and stopped with the run
     straight = losses(out)
+    assert [r[3] is not None for r in straight] == [False, True, False, True]
 
     monkeypatch.setattr(prefetch, "DEPTH", 0)  # the pixels prepared when a batch is taken
     jobs.clear()
     plain = tmp_path / "plain"
-    assert main(argv(checkpoint, data, plain)) == 0, capsys.readouterr().err
+    assert main(argv(checkpoint, data, plain, *held)) == 0, capsys.readouterr().err
     assert not jobs and len(straight) == 4
     assert losses(plain) == straight  # bit for bit: the same batches in the same order
     for step in (2, 4):  # the batches taken, not those drawn ahead
@@ -101,7 +103,7 @@ def test_the_worker_changes_no_batch_and_resume_is_exact(tmp_path, checkpoint, c
     monkeypatch.setattr(prefetch, "DEPTH", 2)
 
     shutil.rmtree(out / "step_4")
-    assert main([*argv(checkpoint, data, out), "--resume", "--resume-from", "2"]) == 0
+    assert main([*argv(checkpoint, data, out, *held), "--resume", "--resume-from", "2"]) == 0
     assert "resuming from step_2" in capsys.readouterr().out
     assert losses(out) == straight and position(out, 4) == position(plain, 4)
     assert not workers()
