@@ -149,6 +149,7 @@ def trainer_wait(tmp: Path, source: Path, steps: int) -> None:
         argv = ["train", "--model-dir", str(folder), "--data", str(source), "--lora-rank", "8"]
         argv += ["--max-steps", str(steps + 1), "--batch-size", "4", "--seq-len", "256"]
         argv += ["--dtype", "fp32", "--no-save", "--output-dir", str(tmp / f"run{depth}")]
+        argv += ["--cache-dir", str(tmp / "cache")]  # this folder's images, not a past run's
         assert cli(argv) == 0
         wait = 1e3 * float(np.mean(waits[1:]))
         step = 1e3 * float(np.mean(np.diff(starts[1:])))
