@@ -1,9 +1,10 @@
 """Whether this process may fork. A fork keeps only the thread that forks: a lock another
 thread held at that moment stays held in the child for good, and the child hangs at its first
 use of it (a CI worker's forked estimate hung in a futex so, beside execnet's reader thread).
-So a fork only from a process with no other Python thread (an xdist worker's reader, a progress
-bar's monitor, a logger's sender) and no live torch.distributed group (gloo's native threads);
-the estimator's own fake group (--gpus) has no threads. Elsewhere: a spawned process, or none."""
+So a fork only from a process with no other Python thread (an xdist worker's reader, an image
+run's pixel worker, a progress bar's monitor, a logger's sender) and no live torch.distributed
+group (gloo's native threads); the estimator's own fake group (--gpus) has no threads.
+Elsewhere: a spawned process, or none."""
 
 from __future__ import annotations
 

@@ -132,6 +132,9 @@ def cache_key(
     if processor is not None:  # how many tokens an image takes, and its chat template
         parts["processor"] = processor_fingerprint(processor)
         parts["skip_bad_images"] = skip_bad_images
+        # and where its images are: an entry keeps them as paths resolved from the data file's
+        # folder, so the same rows in another folder (its own img/a.png) are another entry
+        parts["folders"] = sorted({str(f.resolve().parent) for f in source_files(source, split)})
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:40]
 
 

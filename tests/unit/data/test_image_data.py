@@ -388,3 +388,17 @@ def test_image_data_needs_a_vision_checkpoint(tmp_path, data):
     check_vision(resolve({}, {"model_dir": str(tmp_path / "gemma3")}), images)
     with pytest.raises(UserError, match="the random-init preset"):
         check_vision(resolve({}, {"model": "debug"}), images)
+
+
+def test_the_same_rows_in_another_folder_read_that_folders_images(gemma3, data):
+    """An entry keeps image paths resolved from the data file's folder: identical rows beside
+    other images are another entry, not the first folder's images."""
+    stores = []
+    for name, seed in (("a", 1), ("b", 2)):
+        png(data / name / "img" / "x.png", 20, 12, seed=seed)
+        source = write_rows(data / name / "train.jsonl", [row("img/x.png")])
+        stores.append(encode(source, gemma3, cache_dir=str(data / "cache")))
+    first, second = (json.dumps(s.images) for s in stores)
+    assert stores[0].folder != stores[1].folder
+    assert str(data / "a" / "img") in first and str(data / "b" / "img") in second
+    assert str(data / "a") not in second
