@@ -5,9 +5,11 @@ and estimate tests, from any folder under tests/ (pytest puts this folder on the
 from __future__ import annotations
 
 import numpy as np
+import torch
 import transformers
 from PIL import Image
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from vision_cases import gemma3_config, randomize
 
 from compiletune.data.tokenizer import byte_tokenizer
 
@@ -48,3 +50,16 @@ def save_tiny_gemma3_processor(folder) -> None:
         image_seq_length=16,
     )
     processor.save_pretrained(folder)
+
+
+def save_tiny_gemma3_checkpoint(folder) -> None:
+    """A tiny Gemma 3 vision checkpoint (random tower and projector) with its processor, in
+    `folder`: what the image runs from the CLI train."""
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(
+        gemma3_config(image_token_index=261, boi_token_index=259)
+    ).eval()
+    randomize(hf.model.vision_tower, 1)
+    randomize(hf.model.multi_modal_projector, 2)
+    hf.save_pretrained(folder)
+    save_tiny_gemma3_processor(folder)

@@ -12,10 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
-from image_cases import png, save_tiny_gemma3_processor
-from vision_cases import gemma3_config, randomize
+from image_cases import png, save_tiny_gemma3_checkpoint
 
 from compiletune.checkpoint import steps as ckpt
 from compiletune.cli import main
@@ -27,14 +24,7 @@ from compiletune.metrics import read_metrics
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("gemma3")
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForConditionalGeneration(
-        gemma3_config(image_token_index=261, boi_token_index=259)
-    ).eval()
-    randomize(hf.model.vision_tower, 1)
-    randomize(hf.model.multi_modal_projector, 2)
-    hf.save_pretrained(folder)
-    save_tiny_gemma3_processor(folder)
+    save_tiny_gemma3_checkpoint(folder)
     return folder
 
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from image_cases import save_tiny_gemma3_processor
+from image_cases import save_tiny_gemma3_checkpoint
 from PIL import Image
-from vision_cases import gemma3_config, randomize, rel
+from vision_cases import rel
 
 from compiletune.checkpoint.adapter_io import load_adapter, read_adapter_spec
 from compiletune.cli import main
@@ -65,15 +65,24 @@ def rows(folder: Path, name: str, n: int, seed: int) -> Path:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("gemma3")
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForConditionalGeneration(
-        gemma3_config(image_token_index=261, boi_token_index=259)
-    ).eval()
-    randomize(hf.model.vision_tower, 1)
-    randomize(hf.model.multi_modal_projector, 2)
-    hf.save_pretrained(folder)
-    save_tiny_gemma3_processor(folder)
+    save_tiny_gemma3_checkpoint(folder)
     return folder
+
+
+def _peft_on_one_image(step: Path, checkpoint: Path, image: Path) -> tuple[dict, object]:
+    """A one-image question prepared by the step's saved processor, and transformers' model
+    of `checkpoint` with the step's adapter loaded by PEFT."""
+    processor = transformers.AutoProcessor.from_pretrained(step)
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    picture = load_image(ImageRef(image, ""))
+    inputs = processor(text=[text], images=[picture], add_special_tokens=False, return_tensors="pt")
+    base = transformers.AutoModelForImageTextToText.from_pretrained(
+        checkpoint, dtype=torch.float32
+    ).eval()
+    return inputs, peft.PeftModel.from_pretrained(base, step).eval()
 
 
 @pytest.mark.slow
@@ -92,18 +101,7 @@ def test_lora_run_on_images_lowers_held_out_loss_and_loads_in_peft(tmp_path, che
     assert evals[-1] < evals[0] - 0.1, evals
 
     step = out / "step_20"
-    processor = transformers.AutoProcessor.from_pretrained(step)
-    messages = [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
-    ]
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    image = load_image(ImageRef(tmp_path / "data" / "img" / "held_0.png", ""))
-    inputs = processor(text=[text], images=[image], add_special_tokens=False, return_tensors="pt")
-
-    base = transformers.AutoModelForImageTextToText.from_pretrained(
-        checkpoint, dtype=torch.float32
-    ).eval()
-    adapted = peft.PeftModel.from_pretrained(base, step).eval()
+    inputs, adapted = _peft_on_one_image(step, checkpoint, tmp_path / "data/img/held_0.png")
     ours = from_hf(checkpoint, dtype=torch.float32, vision=True)
     apply_lora(ours, read_adapter_spec(step), dtype=torch.float32)
     load_adapter(ours, step)
@@ -225,17 +223,7 @@ def test_train_vision_lora_run_adapts_the_tower_and_loads_in_peft(tmp_path, chec
     tower_b = [m.lora_b for n, m in lora_modules(ours) if n.startswith("vision_tower.")]
     assert len(tower_b) == 12 and all(b.abs().max() > 0 for b in tower_b)
 
-    processor = transformers.AutoProcessor.from_pretrained(step)
-    messages = [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
-    ]
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    image = load_image(ImageRef(tmp_path / "data" / "img" / "train_0.png", ""))
-    inputs = processor(text=[text], images=[image], add_special_tokens=False, return_tensors="pt")
-    base = transformers.AutoModelForImageTextToText.from_pretrained(
-        checkpoint, dtype=torch.float32
-    ).eval()
-    adapted = peft.PeftModel.from_pretrained(base, step).eval()
+    inputs, adapted = _peft_on_one_image(step, checkpoint, tmp_path / "data/img/train_0.png")
     with torch.no_grad():
         want = adapted(**inputs).logits
         got = ours.eval()(inputs["input_ids"], images=ImageInputs.from_processor(inputs))
