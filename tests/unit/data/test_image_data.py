@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from image_cases import png, save_tiny_gemma3_processor
+from image_cases import png, save_tiny_gemma3_checkpoint, save_tiny_gemma3_processor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from compiletune.data.image_batch import ImagePrep
@@ -258,19 +258,10 @@ def test_images_from_a_parquet_image_column(gemma3, data):
 def test_generate_with_an_image_equals_transformers_greedy(tmp_path):
     """A tiny Gemma 3 checkpoint with its processor: `generate --image` greedy equals
     transformers' generate on the same rendered prompt and pixels."""
-    from vision_cases import gemma3_config, randomize
-
     from compiletune.generate import run_generate
     from compiletune.sampling import Sampling
 
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForConditionalGeneration(
-        gemma3_config(image_token_index=261, boi_token_index=259)
-    ).eval()
-    randomize(hf.model.vision_tower, 1)
-    randomize(hf.model.multi_modal_projector, 2)
-    hf.save_pretrained(tmp_path / "ckpt")
-    save_tiny_gemma3_processor(tmp_path / "ckpt")
+    save_tiny_gemma3_checkpoint(tmp_path / "ckpt")
     image = png(tmp_path / "q.png", 20, 12, seed=3)
     out = run_generate(
         str(tmp_path / "ckpt"),
@@ -290,6 +281,9 @@ def test_generate_with_an_image_equals_transformers_greedy(tmp_path):
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     picture = load_image(ImageRef(image, ""))
     inputs = processor(text=[text], images=[picture], add_special_tokens=False, return_tensors="pt")
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path / "ckpt", dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         ids = hf.generate(**inputs, max_new_tokens=6, do_sample=False)
     new = ids[0, inputs["input_ids"].shape[1] :]
