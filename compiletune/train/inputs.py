@@ -112,7 +112,8 @@ def holds_images(datas: list | None) -> bool:
 
 def check_vision(cfg: TrainConfig, datas: list) -> None:
     """Image data needs a model whose vision tower compiletune loads: --model-dir a
-    vision-language checkpoint (Gemma 3 4B and up, Gemma 4, Qwen3.5 with their towers)."""
+    vision-language checkpoint (Gemma 3 4B and up, Gemma 4, Qwen3.5 with their towers), and
+    rows that stay whole on one rank (no --cp)."""
     if not holds_images(datas):
         return
     folder = cfg.model.model_dir
@@ -123,6 +124,13 @@ def check_vision(cfg: TrainConfig, datas: list) -> None:
             f"--data {cfg.data.source} holds images, and {what} has no vision tower "
             "compiletune loads; train a vision-language checkpoint (Gemma 3 4B and up, Gemma 4, "
             "Qwen3.5) or drop the image parts"
+        )
+    if cfg.parallel.cp > 1:  # a piece of a row holds only part of an image's tokens
+        raise UserError(
+            f"--cp {cfg.parallel.cp} does not split image rows yet (an image's tokens would be "
+            "cut between ranks, each merging only part of its features); drop --cp for "
+            f"--data {cfg.data.source} (--fsdp shards the model, --ac and --offload-activations "
+            "make long rows fit)"
         )
 
 

@@ -380,6 +380,10 @@ def test_image_data_needs_a_vision_checkpoint(tmp_path, data):
     with pytest.raises(UserError, match=r"d\.jsonl holds images, and --model-dir .*llama has no"):
         check_vision(cfg, images)
     check_vision(resolve({}, {"model_dir": str(tmp_path / "gemma3")}), images)
+    split = resolve({}, {"model_dir": str(tmp_path / "gemma3"), "cp": 2, "fsdp": True})
+    check_vision(split, text_only)
+    with pytest.raises(UserError, match=r"^--cp 2 does not split image rows yet .*drop --cp"):
+        check_vision(split, images)
     with pytest.raises(UserError, match="the random-init preset"):
         check_vision(resolve({}, {"model": "debug"}), images)
 
