@@ -251,6 +251,14 @@ def host_array(t: torch.Tensor) -> np.ndarray:
         return t.numpy()
 
 
+def host_tensor(a: np.ndarray) -> torch.Tensor:
+    """A real CPU tensor of `a`'s values (sharing its memory), also while a dispatch mode is
+    active: under the memory estimate's FakeTensorMode `torch.from_numpy` would give a fake one,
+    whose values (an image grid the tower's shapes follow from) could not be read back."""
+    with torch._C._DisableTorchDispatch():
+        return torch.from_numpy(a)
+
+
 def is_fake(t: torch.Tensor) -> bool:
     """Whether `t` is a FakeTensor (the memory estimate's), also inside a DTensor."""
     from torch._subclasses.fake_tensor import is_fake as _is_fake

@@ -164,6 +164,9 @@ def estimate_memory(
     t0 = time.perf_counter()
     policy = cfg.techniques.activation_policy
     notes = ep_.notes(cfg, gpus)
+    plan = images_.image_plan(cfg, resolve_model_args(cfg))
+    if plan is not None and plan.note:
+        notes.append(plan.note)
     if cfg.techniques.compile:
         notes.append(
             "--compile: estimated from the eager step with the same policies (compiled blocks "

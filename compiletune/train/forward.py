@@ -10,7 +10,7 @@ from torch import Tensor
 
 from compiletune.models.attention import cu_seqlens
 from compiletune.models.seq_parallel import SeqShards
-from compiletune.torch_internals import host_array, is_fake
+from compiletune.torch_internals import host_array, host_tensor, is_fake
 
 Batch = dict[str, Any]  # tensors, and `documents` (cu_seqlens, max_seqlen)
 # what a --cp rank keeps only its piece of; the rest (documents, pairs, sequence ids) stays
@@ -41,7 +41,7 @@ def local_batch(batch: Batch, rows: slice, seq: SeqShards | None, device: torch.
     if images is not None:  # the images of this part's rows (models/vision/inputs.py)
         # on the host's copy (also under the estimate's fake mode, where nonzero has no shape)
         mine = np.arange(batch["inputs"].shape[0])[rows]
-        picked = torch.from_numpy(np.isin(host_array(batch["image_rows"]), mine).nonzero()[0])
+        picked = host_tensor(np.isin(host_array(batch["image_rows"]), mine).nonzero()[0])
         images = images.select(picked)
         if images is not None:
             out["images"] = images.to(device)

@@ -29,8 +29,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from compiletune.torch_internals import host_array, host_tensor
 
 # transformers' key names, in the order they are carried
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids")
@@ -87,12 +90,16 @@ class ImageInputs:
             if positions is not None:
                 positions = positions[index.to(positions.device)]
             return ImageInputs(pixels, image_position_ids=positions)
-        counts = grid.prod(-1).cpu()
-        starts = torch.cumsum(counts, 0) - counts
-        patches = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in index])
+        # on the host's values (numpy), so that the memory estimate's fake mode, whose step
+        # reads a real batch, keeps the picked grid real: the tower's shapes follow from it
+        picks = host_array(index)
+        grids = host_array(grid.cpu())
+        counts = grids.prod(-1)
+        starts = np.cumsum(counts) - counts
+        patches = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in picks])
         return ImageInputs(
-            self.pixel_values[patches.to(self.pixel_values.device)],
-            image_grid_thw=grid[index.to(grid.device)],
+            self.pixel_values[host_tensor(patches).to(self.pixel_values.device)],
+            image_grid_thw=host_tensor(grids[picks]).to(grid.device),
         )
 
     @staticmethod

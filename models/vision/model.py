@@ -48,6 +48,7 @@ from .mask import ImageBlocks, image_runs
 from .qwen import (
     Qwen35VisionTower,
     QwenVisionArgs,
+    grid_values,
     mrope_angles,
     qwen35_vision_names,
     row_positions,
@@ -326,9 +327,11 @@ class VisionLanguageModel(Transformer):
     ) -> Tensor:
         """[3, b, s] positions: each document's (each row's without `doc_ids`) from 0, its
         images' tokens at (time, row, column) offsets, the text after an image on from them."""
-        grids = [] if images.image_grid_thw is None else images.image_grid_thw.tolist()
-        merge = self.tower_args.spatial_merge_size
         b, s = tokens.shape
+        if is_fake(tokens):  # the memory estimate's: no values, and only the shape counts
+            return torch.arange(s, device=tokens.device).repeat(3, b, 1)
+        grids = [] if images.image_grid_thw is None else grid_values(images.image_grid_thw)
+        merge = self.tower_args.spatial_merge_size
         out = torch.zeros(3, b, s, dtype=torch.long)
         host = tokens.cpu()
         docs = None if doc_ids is None else doc_ids.cpu()

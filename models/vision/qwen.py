@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiletune.errors import UserError
-from compiletune.torch_internals import dynamic_dims
+from compiletune.torch_internals import dynamic_dims, host_array
 
 from .common import NameMap, activation, block_input, config_get, rotate_half
 
@@ -109,7 +109,9 @@ def patch_positions(grid_thw: Sequence[Sequence[int]], merge: int) -> Tensor:
 def frame_ids(grid_thw: Sequence[Sequence[int]]) -> Tensor:
     """Which frame (of which image) each patch belongs to: [N] long. Attention stays within one."""
     sizes = [h * w for t, h, w in grid_thw for _ in range(t)]
-    return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    # from the host's sizes, not repeat_interleave's tensor of them: the memory estimate's fake
+    # tensors have no values to size its output from
+    return torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(sizes)])
 
 
 class QwenVisionBlock(nn.Module):
@@ -183,7 +185,7 @@ class Qwen35VisionTower(nn.Module):
     def forward(self, pixels: Tensor, grid_thw: Tensor | Sequence[Sequence[int]]) -> Tensor:
         """pixels [N, c * t_p * p * p] (the processor's `pixel_values`), grid_thw [n, 3] ->
         image tokens [N / m^2, out_hidden_size], the images one after another."""
-        grid = [tuple(int(v) for v in row) for row in torch.as_tensor(grid_thw).tolist()]
+        grid = [tuple(int(v) for v in row) for row in grid_values(grid_thw)]
         a = self.args
         if pixels.dim() != 2 or pixels.shape[1] != a.patch_dim:
             raise ValueError(f"pixels must be [patches, {a.patch_dim}], got {tuple(pixels.shape)}")
@@ -321,3 +323,11 @@ def mrope_angles(position_ids: Tensor, inv_freq: Tensor, mrope_section: Sequence
     axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
     axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
     return angles.gather(0, axis.expand(1, *angles.shape[1:-1], f)).squeeze(0)
+
+
+def grid_values(grid_thw: Tensor | Sequence[Sequence[int]]) -> list[list[int]]:
+    """An `image_grid_thw`'s values: read on the host (a real tensor's, also under the memory
+    estimate's fake mode, whose step reads a real batch), as the tower's shapes follow from them."""
+    if isinstance(grid_thw, Tensor):
+        return host_array(grid_thw.cpu()).tolist()
+    return [list(row) for row in grid_thw]
