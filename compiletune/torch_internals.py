@@ -251,6 +251,13 @@ def host_array(t: torch.Tensor) -> np.ndarray:
         return t.numpy()
 
 
+def real_ops() -> contextlib.AbstractContextManager:
+    """Ops on real tensors stay real inside, also while a dispatch mode is active (the memory
+    estimate's FakeTensorMode: a step on a real batch computes what its shapes follow from, a
+    Gemma 4 image's kept tokens, from the batch's values)."""
+    return torch._C._DisableTorchDispatch()
+
+
 def host_tensor(a: np.ndarray) -> torch.Tensor:
     """A real CPU tensor of `a`'s values (sharing its memory), also while a dispatch mode is
     active: under the memory estimate's FakeTensorMode `torch.from_numpy` would give a fake one,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiletune.errors import UserError
-from compiletune.torch_internals import dynamic_dims
+from compiletune.torch_internals import dynamic_dims, is_fake, real_ops
 
 from .common import NameMap, activation, block_input, config_get, rotate_half
 
@@ -194,14 +194,17 @@ class Gemma4VisionTower(nn.Module):
         b, n, d = hidden.shape
         k = self.args.pooling_kernel_size
         cells = n // (k * k)
-        xy = positions.clamp(min=0)
-        width = (xy[..., 0].amax(dim=-1, keepdim=True) + 1) // k  # cells per row of each image
-        cell = xy[..., 0] // k + width * (xy[..., 1] // k)  # [b, P]
+        cell = pooling_cells(positions, k)
         total = hidden.new_zeros(b, cells, d, dtype=torch.float)
         total.scatter_add_(1, cell[..., None].expand(b, n, d), hidden.float() * real[..., None])
-        filled = torch.zeros(b, cells, dtype=torch.long, device=hidden.device)
-        filled.scatter_add_(1, cell, real.long())
-        return (total / (k * k) * self.args.hidden_size**0.5)[filled > 0]
+        if is_fake(hidden) and not is_fake(positions):
+            # the memory estimate's fake step on a real batch: the kept cells from the real
+            # positions (a fake mask has no count to size the tokens by)
+            with real_ops():
+                kept = filled_cells(positions, k, cells)
+        else:
+            kept = filled_cells(positions, k, cells)
+        return (total / (k * k) * self.args.hidden_size**0.5).flatten(0, 1)[kept]
 
     def forward(self, pixels: Tensor, positions: Tensor) -> Tensor:
         """pixels [b, P, 3 p^2] in [0, 1] and positions [b, P, 2] ((x, y); (-1, -1) padding), as
@@ -266,3 +269,20 @@ def gemma4_vision_names(args: Gemma4VisionArgs) -> NameMap:
             for bound in _CLIP_BOUNDS if args.use_clipped_linears else ():
                 names[f"{ours}{native}.{bound}"] = f"{theirs}{hf}.{bound}"
     return NameMap(names)
+
+
+def pooling_cells(positions: Tensor, k: int) -> Tensor:
+    """positions [b, P, 2] -> [b, P] long: the k x k pooling cell of each patch in its image
+    (row-major over the image's cells; padding patches fall in cell 0, with no weight)."""
+    xy = positions.clamp(min=0)
+    width = (xy[..., 0].amax(dim=-1, keepdim=True) + 1) // k  # cells per row of each image
+    return xy[..., 0] // k + width * (xy[..., 1] // k)
+
+
+def filled_cells(positions: Tensor, k: int, cells: int) -> Tensor:
+    """[n_tokens] long: the flat indices (image * cells + cell) of the pooling cells some real
+    patch falls in, images one after another: the image tokens `pool` keeps."""
+    real = (positions != -1).any(dim=-1)  # [b, P]
+    filled = torch.zeros(positions.shape[0], cells, dtype=torch.long, device=positions.device)
+    filled.scatter_add_(1, pooling_cells(positions, k), real.long())
+    return (filled.flatten() > 0).nonzero()[:, 0]

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from compiletune.torch_internals import host_array, host_tensor
+from compiletune.torch_internals import host_array, host_tensor, is_fake
 
 # transformers' key names, in the order they are carried
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids")
@@ -87,7 +87,10 @@ class ImageInputs:
         if grid is None:
             pixels = self.pixel_values[index.to(self.pixel_values.device)]
             positions = self.image_position_ids
-            if positions is not None:
+            if positions is not None and not is_fake(positions):  # on the host, as the grids
+                positions = host_tensor(host_array(positions.cpu())[host_array(index)])
+                positions = positions.to(self.image_position_ids.device)
+            elif positions is not None:
                 positions = positions[index.to(positions.device)]
             return ImageInputs(pixels, image_position_ids=positions)
         # on the host's values (numpy), so that the memory estimate's fake mode, whose step
