@@ -131,13 +131,7 @@ def _parts(message: dict) -> list[dict]:
 
 
 def _count_images(messages: list) -> int:
-    return sum(
-        1
-        for m in messages
-        if isinstance(m, dict) and isinstance(m.get("content"), list)
-        for p in m["content"]
-        if isinstance(p, dict) and p.get("type") == "image"
-    )
+    return sum(len(_parts(m)) for m in messages if isinstance(m, dict))
 
 
 def image_plan(cfg: TrainConfig, args: ModelArgs) -> ImagePlan | None:
@@ -165,7 +159,11 @@ def image_plan(cfg: TrainConfig, args: ModelArgs) -> ImagePlan | None:
         folder = cfg.model.tokenizer or folder
         prepared = _prepared(str(folder), size, token_id) if size is not None else None
         if prepared is None:
-            why = "the checkpoint's processor could not be loaded" if size else "no size read"
+            why = (
+                "the checkpoint's processor could not prepare one"
+                if size
+                else "no image file of the first rows could be read"
+            )
             note = f"images: not in the step ({why}); the tower's weights are counted"
         else:
             image, tokens = prepared
@@ -193,18 +191,17 @@ def image_plan(cfg: TrainConfig, args: ModelArgs) -> ImagePlan | None:
 @functools.lru_cache(maxsize=4)
 def _prepared(folder: str, size: tuple[int, int], token_id: int) -> tuple[ImageInputs, int] | None:
     """One image of `size` (width, height) as the processor in `folder` prepares it, and its
-    image tokens (`token_id`) as tokenising counts them; None where it cannot be loaded."""
+    image tokens (`token_id`) as tokenising counts them; None where the processor cannot be
+    loaded (a missing package) or cannot place an image (no chat template that does)."""
     try:
         processor = load_processor(folder)
-    except UserError:
+        if processor is None:
+            return None
+        picture = pil().Image.new("RGB", size, (127, 127, 127))
+        prepared = processor.image_processor(images=[picture], return_tensors="pt")
+        return ImageInputs.from_processor(prepared), _image_tokens(processor, picture, token_id)
+    except (UserError, ValueError):  # the run itself says what is wrong, with the row
         return None
-    if processor is None:
-        return None
-    picture = pil().Image.new("RGB", size, (127, 127, 127))
-    image = ImageInputs.from_processor(
-        processor.image_processor(images=[picture], return_tensors="pt")
-    )
-    return image, _image_tokens(processor, picture, token_id)
 
 
 def _image_tokens(processor: Any, picture: Any, token_id: int) -> int:

@@ -150,3 +150,14 @@ def test_image_run_estimate_matches_the_real_cpu_step(
         images_._prepared.cache_clear()
         weights_only = estimate.estimate_memory(cfg, 1, round_bytes=1).peak_bytes
         assert abs(weights_only - real) > TOLERANCE * real, (weights_only, real)
+
+
+def test_without_readable_images_the_step_holds_no_images(tmp_path: Path, family) -> None:
+    data = conversations(tmp_path, ROWS)
+    for image in (tmp_path / "img").iterdir():
+        image.write_bytes(b"not an image")
+    assert images_.largest_image(str(data)) is None
+    cfg = config(family, data)
+    plan = images_.image_plan(cfg, resolve_model_args(cfg))
+    assert plan is not None and plan.per_row == 2 and plan.image is None
+    assert plan.note.startswith("images: not in the step (no image file")
