@@ -21,17 +21,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from image_cases import (
+    TinyGemma4Processor,
+    gemma4_processor,
+    qwen_processor,
+    save_tiny_gemma4_checkpoint,
+)
 from PIL import Image
 from safetensors import safe_open
-from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from vision_cases import gemma4_pair, qwen35_config, randomize, rel
+from vision_cases import qwen35_config, randomize, rel
 
 import compiletune.train.inputs
 from compiletune.checkpoint.adapter_io import load_adapter, read_adapter_spec
 from compiletune.cli import main
 from compiletune.data.images import ImageRef, load_image
-from compiletune.data.tokenizer import byte_tokenizer
 from compiletune.metrics import read_metrics
 from compiletune.models import from_hf
 from compiletune.models.lora import apply_lora
@@ -40,79 +43,6 @@ from compiletune.models.vision.inputs import ImageInputs
 peft = pytest.importorskip("peft")
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
-GEMMA4_TEMPLATE = (
-    "{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-    "{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}<|image|>{% else %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
-)
-GEMMA4_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>"}
-
-
-class TinyGemma4Processor(transformers.Gemma4Processor):
-    """Gemma 4's processor without its video processor (which needs torchvision) or audio."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kw):
-        self.image_seq_length = 70
-        self.image_token_id, self.image_token = tokenizer.image_token_id, tokenizer.image_token
-        self.boi_token, self.eoi_token = tokenizer.boi_token, tokenizer.eoi_token
-        self.video_token, self.video_token_id = "<|video|>", None
-        self.audio_token = self.audio_token_id = None
-        # transformers' input check asks for these even without audio (never used here)
-        self.boa_token, self.eoa_token = "<|audio>", "<audio|>"
-        transformers.ProcessorMixin.__init__(
-            self, image_processor, tokenizer, chat_template=chat_template
-        )
-
-
-QWEN_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-QWEN_TOKENS = {"image_token": "<|image_pad|>"}
-QWEN_TOKENS |= {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
-
-
-class TinyQwenProcessor(transformers.Qwen3VLProcessor):
-    """Qwen3.5's processor without its video processor (which needs torchvision)."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kw):
-        transformers.ProcessorMixin.__init__(
-            self, image_processor, tokenizer, chat_template=chat_template
-        )
-        self.image_token, self.image_token_id = tokenizer.image_token, tokenizer.image_token_id
-        self.vision_start_token = QWEN_TOKENS["vision_start_token"]
-        self.vision_end_token = QWEN_TOKENS["vision_end_token"]
-        self.video_token = "<|video_pad|>"
-
-
-def tokenizer_with(tokens: dict[str, str]) -> transformers.PreTrainedTokenizerFast:
-    """The byte tokenizer with the family's image tokens (ids 259 on)."""
-    base = byte_tokenizer()
-    base.add_special_tokens({"additional_special_tokens": list(tokens.values())})
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer,
-        bos_token=base.bos_token,
-        eos_token=base.eos_token,
-        pad_token=base.pad_token,
-        extra_special_tokens=tokens,
-    )
-
-
-def qwen_processor() -> TinyQwenProcessor:
-    """Patches of 4 merged 2x2: 16x16 pixels take 4 image tokens, 32x32 take 16."""
-    images = Qwen2VLImageProcessorPil(
-        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32
-    )
-    return TinyQwenProcessor(images, tokenizer_with(QWEN_TOKENS), chat_template=QWEN_TEMPLATE)
-
-
-def gemma4_processor() -> TinyGemma4Processor:
-    tokenizer = tokenizer_with(GEMMA4_TOKENS)
-    images = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
-    return TinyGemma4Processor(images, tokenizer, chat_template=GEMMA4_TEMPLATE)
 
 
 def picture(path: Path, colour: str, shape: str, seed: int, size: int = 32) -> None:
@@ -144,15 +74,6 @@ def rows(folder: Path, n: int, sizes: tuple[int, ...] = (32,)) -> Path:
     return path
 
 
-def gemma4_checkpoint(folder: Path, processor) -> None:
-    hf, _, _ = gemma4_pair()
-    tok = processor.tokenizer
-    hf.config.image_token_id = tok.image_token_id
-    hf.config.boi_token_id = tok.convert_tokens_to_ids(tok.boi_token)
-    hf.config.eoi_token_id = tok.convert_tokens_to_ids(tok.eoi_token)
-    hf.save_pretrained(folder)
-
-
 def qwen35_checkpoint(folder: Path, processor) -> None:
     config = qwen35_config()
     tok = processor.tokenizer
@@ -166,7 +87,7 @@ def qwen35_checkpoint(folder: Path, processor) -> None:
 
 
 FAMILIES = {
-    "gemma4": (gemma4_processor, gemma4_checkpoint),
+    "gemma4": (gemma4_processor, save_tiny_gemma4_checkpoint),
     "qwen35": (qwen_processor, qwen35_checkpoint),
 }
 
