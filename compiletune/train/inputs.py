@@ -28,6 +28,7 @@ from compiletune.models import ModelArgs
 from compiletune.models.hf_config import load_hf_config
 from compiletune.models.lora import LoRASpec
 from compiletune.models.vision.model import is_vision_checkpoint
+from compiletune.train.build_model import tower_lora, wants_vision
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> Any:
@@ -101,7 +102,10 @@ def read_inputs(
         inputs.state = ckpt.load_train_state(inputs.resume_from)
         ranks = world if env is not None else None
         ckpt.check_resumable(inputs.resume_from, inputs.state, ranks, cfg.parallel.sharding)
-        adapter_io.check_resume_kind(inputs.resume_from, spec)
+        # the adapters as this run builds them: a text-only run drops the tower's that
+        # --train-vision implies (its checkpoint holds none)
+        built = tower_lora(cfg, spec, wants_vision(cfg, holds_images(datas)))
+        adapter_io.check_resume_kind(inputs.resume_from, built)
     return inputs
 
 

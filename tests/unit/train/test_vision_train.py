@@ -275,3 +275,20 @@ def test_bad_tower_targets_one_line_exit_2(tmp_path, checkpoint, capsys, targets
     assert len(err) == 1 and err[0].startswith("compiletune: error: "), err
     assert re.search(needle, err[0]), err[0]
     assert not out.exists()  # refused before anything is written
+
+
+def test_a_text_only_train_vision_lora_run_resumes(tmp_path, checkpoint, capsys):
+    """--train-vision on text-only data has no tower to adapt: its checkpoint holds decoder
+    adapters only, and --resume (the saved config says --train-vision) takes them as they are."""
+    data = tmp_path / "chat.jsonl"
+    reply = [{"role": "assistant", "content": "a red square " * 4}]
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, *reply]} for i in range(16)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    argv = ["train", "--model-dir", str(checkpoint), "--data", str(data), "--lora-rank", "4"]
+    argv += ["--train-vision", "--batch-size", "2", "--seq-len", "64", "--dtype", "fp32"]
+    assert main([*argv, "--max-steps", "2", "--output-dir", str(out)]) == 0
+    assert main(["train", "--output-dir", str(out), "--resume", "--max-steps", "3"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert (out / "step_3" / "adapter_model.safetensors").is_file()
