@@ -78,7 +78,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU the saving process saw: a run resumed where fewer are visible (a
+        # smaller node, CUDA_VISIBLE_DEVICES, one process) restores those it has
+        saved = state["cuda"]
+        for i in range(min(len(saved), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(saved[i], i)
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:

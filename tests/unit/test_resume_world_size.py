@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import shutil
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gloo import free_port
 
+from compiletune.checkpoint import steps as ckpt
 from compiletune.distributed import SHARDED_DIR, close_group
 from compiletune.errors import UserError
 
@@ -224,3 +226,16 @@ def test_a_changed_global_batch_is_a_change_and_a_kept_one_is_not():
     lines = judge_resume(halved.replace(accept_changes=True), {**saved, "max_steps": 4}, 2, (2, 1))
     assert any("continue at the row the run had reached" in x for x in lines), lines
     assert judge_world_change(halved, saved, 2, 2, []) == ([], [])  # the same processes
+
+
+def test_cuda_rng_states_of_more_gpus_than_this_process_sees(monkeypatch):
+    """A checkpoint saved where 8 GPUs were visible, resumed where 2 are: the 2 states are
+    restored, not an IndexError (which the resume reported as a damaged trainer_state.pt)."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.append((i, int(s[0]))))
+    cuda = [torch.tensor([10 + i], dtype=torch.uint8) for i in range(8)]
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda}
+    ckpt.set_rng_state(state)
+    assert restored == [(0, 10), (1, 11)]
