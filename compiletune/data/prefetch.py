@@ -72,10 +72,10 @@ class PixelWorker:
 
     def close(self) -> None:
         """Stop the thread: the jobs queued are dropped by their owner, the one under way ends."""
-        if self._thread is not None:
+        thread, self._thread = self._thread, None  # once, even if Ctrl-C lands in the join
+        if thread is not None:
             self._jobs.put(None)
-            self._thread.join(JOIN_SECONDS)
-            self._thread = None
+            thread.join(JOIN_SECONDS)
 
 
 @dataclass

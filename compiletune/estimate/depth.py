@@ -77,8 +77,10 @@ class Forked:
             return None
         deadline = time.monotonic() + _patience(time.monotonic() - self.started)
         chunks = []
+        ready = select.poll()  # (select.select refuses descriptors past 1023)
+        ready.register(self.read.fileno(), select.POLLIN)
         while (left := deadline - time.monotonic()) > 0:
-            if not select.select([self.read], [], [], left)[0]:
+            if not ready.poll(left * 1000):
                 break
             chunk = os.read(self.read.fileno(), 1 << 20)
             if not chunk:  # the child closed its end: all written, or it died
