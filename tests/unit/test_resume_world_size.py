@@ -239,3 +239,20 @@ def test_cuda_rng_states_of_more_gpus_than_this_process_sees(monkeypatch):
     state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda}
     ckpt.set_rng_state(state)
     assert restored == [(0, 10), (1, 11)]
+
+
+def test_a_single_process_checkpoint_gets_no_batch_advice_under_fsdp(tmp_path):
+    """A single-process checkpoint resumed with --fsdp on 2 processes is refused by the
+    checkpoint's own check (it resumes in one process); the run folder's judgement before it
+    says nothing of a changed global batch, whose advice could not help."""
+    from compiletune.cli import main
+    from compiletune.config import resolve
+    from compiletune.train.run_dir.contents import check_output_dir
+
+    out = str(tmp_path / "run")
+    flags = ["--n-layers", "1", "--batch-size", "2", "--seq-len", "64", "--output-dir", out]
+    assert main(["train", "--max-steps", "1", *flags]) == 0
+    values = {"n_layers": 1, "batch_size": 2, "seq_len": 64, "output_dir": out}
+    cfg = resolve({}, {**values, "resume": True, "fsdp": True, "max_steps": 2})
+    _, notes = check_output_dir(cfg, 2)
+    assert not any("global batch" in n or "processes" in n for n in notes), notes

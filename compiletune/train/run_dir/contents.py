@@ -61,8 +61,10 @@ def check_output_dir(cfg: TrainConfig, world: int = 1) -> tuple[Path, list[str]]
         at = ckpt.pick_resume(out, cfg.run.resume_from, lambda line: None)
         saved = read_saved_config(out)
         if saved is not None:
-            # a sharded checkpoint without --fsdp: refused by checkpoint/steps.check_resumable
-            written = ckpt.load_train_state(at).get("world_size", 1) if cfg.parallel.fsdp else world
+            # a sharded checkpoint without --fsdp, or a single-process one with it: refused by
+            # checkpoint/steps.check_resumable (no advice on the batch before that refusal)
+            sharded = cfg.parallel.fsdp and ckpt.is_sharded(at)
+            written = ckpt.load_train_state(at).get("world_size", 1) if sharded else world
             step = int(at.name.removeprefix("step_"))
             notes += judge_resume(cfg, saved, step, (written, world))
     return out, notes
