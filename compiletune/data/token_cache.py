@@ -150,6 +150,21 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _refuse_in_a_starting_worker() -> None:
+    """A spawned worker starts by importing its parent's main script again: a script whose
+    top-level code builds a cache would, in each of the pool's workers, wait for the lock its
+    parent holds while building, for good. Said instead (multiprocessing's own check comes too
+    late: the worker blocks before it starts a process)."""
+    import multiprocessing  # (only here: the check of a starting worker)
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "the token cache was asked for while a worker process was starting: the script that "
+            "builds it runs again in each worker; put its top-level code under "
+            "`if __name__ == '__main__':`"
+        )
+
+
 def cached_store(
     source: str,
     tokenizer: Any,
@@ -168,6 +183,7 @@ def cached_store(
     conversations go through `processor` (the checkpoint's; None: a model without a vision
     tower, which refuses them); with `skip_bad_images` a row with a bad image is left out and
     counted instead of stopping the run."""
+    _refuse_in_a_starting_worker()
     root = cache_root(cache_dir)
     make_folder(root, "--cache-dir")
     _mark(root / ROOT_MARK)

@@ -370,3 +370,30 @@ def test_list_and_verify_show_foreign_folders_as_not_entries(tmp_path, capsys):
         assert entry.name in out
     assert main(["cache", "verify", "photos", "--cache-dir", cache]) == 0
     assert "photos  not a cache entry" in capsys.readouterr().out
+
+
+UNGUARDED = """
+import sys, threading, time
+from compiletune.data.token_cache import cached_store
+from compiletune.data.tokenizer import byte_tokenizer
+threading.Thread(target=time.sleep, args=(300,), daemon=True).start()
+cached_store(sys.argv[1], byte_tokenizer(), cache_dir=sys.argv[2], workers=2, say=print)
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_not_left_waiting(tmp_path):
+    """Beside another thread the cache's workers are spawned, and each runs the script that
+    started them again: one whose top-level code builds the cache is told to guard it, instead
+    of every worker waiting for good on the lock its parent holds."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    src = _chat_file(tmp_path / "chat.jsonl", 600)
+    done = subprocess.run(
+        [sys.executable, str(script), str(src), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode != 0
+    assert "if __name__ == '__main__':" in done.stderr, done.stderr[-2000:]
