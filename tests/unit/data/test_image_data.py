@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from image_cases import png, save_tiny_gemma3_checkpoint, save_tiny_gemma3_processor
+from image_cases import (
+    QWEN_TOKENS,
+    TinyQwenProcessor,
+    png,
+    save_tiny_gemma3_checkpoint,
+    save_tiny_gemma3_processor,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from compiletune.data.image_batch import ImagePrep
@@ -31,24 +37,6 @@ QWEN_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-QWEN_TOKENS = {
-    "image_token": "<|image_pad|>",
-    "vision_start_token": "<|vision_start|>",
-    "vision_end_token": "<|vision_end|>",
-}
-
-
-class TinyQwenProcessor(transformers.Qwen3VLProcessor):
-    """Qwen3.5's processor without its video processor (which needs torchvision)."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kw):
-        transformers.ProcessorMixin.__init__(
-            self, image_processor, tokenizer, chat_template=chat_template
-        )
-        self.image_token, self.image_token_id = tokenizer.image_token, tokenizer.image_token_id
-        self.vision_start_token = QWEN_TOKENS["vision_start_token"]
-        self.vision_end_token = QWEN_TOKENS["vision_end_token"]
-        self.video_token = "<|video_pad|>"
 
 
 def qwen_processor() -> TinyQwenProcessor:
