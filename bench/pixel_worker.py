@@ -1,7 +1,7 @@
 """The time a trainer waits for an image batch, with and without the data worker
 (data/prefetch.py).
 
-    python bench/pixel_worker.py [--batches 12] [--size 448] [--step-ms 0] [--trainer]
+    python bench/pixel_worker.py [--batches 12] [--size 448] [--step-ms 0] [--trainer] [--out PATH]
 
 A set of image conversations (two JPEGs of 640x480 each, made here) through the token cache and
 `ExampleRows` with a Gemma 3 image processor resizing to --size, served 4 rows a batch (8
@@ -17,6 +17,9 @@ step) per mode; the first batch (the worker's start) is left out.
 vision checkpoint made here (224-pixel tower, text 256 wide x 4 layers), --batches steps of 4
 rows (8 images); prints the mean time the trainer waits in `next_batch` and the mean step
 (first step left out), with and without the worker.
+
+Writes bench/results/pixel-worker[-trainer]-<device>.json (rows as printed) unless --out says
+where.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from common import bench_out, result_header, write_result  # noqa: E402
 from image_cases import save_tiny_gemma3_processor  # noqa: E402
 
 from compiletune.data.image_batch import ImagePrep  # noqa: E402
@@ -110,7 +114,7 @@ def run(source, processor, cache, worker: bool, kind: str, step_s: float, n: int
     return 1e3 * float(np.mean(takes)), 1e3 * float(np.mean(totals))
 
 
-def trainer_wait(tmp: Path, source: Path, steps: int) -> None:
+def trainer_wait(tmp: Path, source: Path, steps: int) -> list[dict]:
     from compiletune.cli import main as cli
     from compiletune.data import prefetch
     from compiletune.train import strategy
@@ -136,6 +140,7 @@ def trainer_wait(tmp: Path, source: Path, steps: int) -> None:
     processor.save_pretrained(folder)
     taken = strategy.next_batch
     print("| worker | wait_ms | step_ms |\n|---|---|---|")
+    rows = []
     for depth in (0, 2):
         waits, starts = [], []
 
@@ -154,7 +159,9 @@ def trainer_wait(tmp: Path, source: Path, steps: int) -> None:
         wait = 1e3 * float(np.mean(waits[1:]))
         step = 1e3 * float(np.mean(np.diff(starts[1:])))
         print(f"| {'yes' if depth else 'no'} | {wait:.1f} | {step:.1f} |")
+        rows.append({"worker": bool(depth), "wait_ms": wait, "step_ms": step})
     strategy.next_batch = taken
+    return rows
 
 
 def main() -> None:
@@ -163,12 +170,16 @@ def main() -> None:
     p.add_argument("--size", type=int, default=448)
     p.add_argument("--step-ms", type=float, default=0.0)
     p.add_argument("--trainer", action="store_true")
+    p.add_argument("--out", default=None)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         source = make_data(tmp / "data", 16)
         if a.trainer:
-            return trainer_wait(tmp, source, a.batches)
+            rows = trainer_wait(tmp, source, a.batches)
+            out = bench_out("pixel-worker-trainer", a.out)
+            write_result(out, {**result_header(), "steps": a.batches, "rows": rows})
+            return
         torch.set_num_threads(1)  # the synthetic CPU step on one core, the worker on another
         save_tiny_gemma3_processor(tmp / "proc")
         processor = transformers.AutoProcessor.from_pretrained(tmp / "proc")
@@ -180,10 +191,14 @@ def main() -> None:
         print(f"one batch's pixels (8 images 640x480 -> {a.size}): {prep_ms:.1f} ms")
         print(f"step {1e3 * step_s:.1f} ms; mean over {a.batches} batches\n")
         print("| step | worker | take_ms | batch_ms |\n|---|---|---|---|")
+        rows = []
         for kind in ("sleep", "cpu"):
             for worker in (False, True):
                 take, total = run(source, processor, tmp / "cache", worker, kind, step_s, a.batches)
                 print(f"| {kind} | {'yes' if worker else 'no'} | {take:.1f} | {total:.1f} |")
+                rows.append({"step": kind, "worker": worker, "take_ms": take, "batch_ms": total})
+        head = {"size": a.size, "batches": a.batches, "prep_ms": prep_ms, "step_ms": 1e3 * step_s}
+        write_result(bench_out("pixel-worker", a.out), {**result_header(), **head, "rows": rows})
 
 
 if __name__ == "__main__":
