@@ -26,10 +26,11 @@ from image_cases import (
     gemma4_processor,
     qwen_processor,
     save_tiny_gemma4_checkpoint,
+    save_tiny_qwen35_checkpoint,
 )
 from PIL import Image
 from safetensors import safe_open
-from vision_cases import qwen35_config, randomize, rel
+from vision_cases import rel
 
 import compiletune.train.inputs
 from compiletune.checkpoint.adapter_io import load_adapter, read_adapter_spec
@@ -74,21 +75,9 @@ def rows(folder: Path, n: int, sizes: tuple[int, ...] = (32,)) -> Path:
     return path
 
 
-def qwen35_checkpoint(folder: Path, processor) -> None:
-    config = qwen35_config()
-    tok = processor.tokenizer
-    config.image_token_id = tok.image_token_id
-    config.vision_start_token_id = tok.convert_tokens_to_ids(processor.vision_start_token)
-    config.vision_end_token_id = tok.convert_tokens_to_ids(processor.vision_end_token)
-    torch.manual_seed(0)
-    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
-    randomize(hf.model.visual, 3)
-    hf.save_pretrained(folder)
-
-
 FAMILIES = {
     "gemma4": (gemma4_processor, save_tiny_gemma4_checkpoint),
-    "qwen35": (qwen_processor, qwen35_checkpoint),
+    "qwen35": (qwen_processor, save_tiny_qwen35_checkpoint),
 }
 
 
